@@ -1,0 +1,50 @@
+# `make demo` runs the main job; `make test` runs every check. Both build their own
+# virtual environments, so a fresh clone needs nothing else (Python 3.11, no GPU).
+
+PYTHON ?= python3.11
+VENV ?= .venv
+VENV_OLDEST ?= .venv-oldest
+PIP_FLAGS ?= --disable-pip-version-check --quiet --quiet
+BIN := $(VENV)/bin
+BIN_OLDEST := $(VENV_OLDEST)/bin
+PACKAGES := -e .
+PYTEST_FLAGS ?= -q
+
+.PHONY: all venv venv-oldest demo test lint typecheck unit unit-oldest clean
+
+all: test
+
+$(VENV)/.installed: pyproject.toml constraints.txt requirements-dev.txt _hfpatch_autorun.py
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install $(PIP_FLAGS) -c constraints.txt -r requirements-dev.txt $(PACKAGES)
+	touch $@
+
+$(VENV_OLDEST)/.installed: pyproject.toml constraints-oldest.txt _hfpatch_autorun.py
+	$(PYTHON) -m venv $(VENV_OLDEST)
+	$(BIN_OLDEST)/python -m pip install $(PIP_FLAGS) -c constraints-oldest.txt pytest hypothesis $(PACKAGES)
+	touch $@
+
+venv: $(VENV)/.installed
+venv-oldest: $(VENV_OLDEST)/.installed
+
+demo: venv
+	$(BIN)/hfpatch demo
+
+lint: venv
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+typecheck: venv
+	$(BIN)/mypy
+
+unit: venv
+	$(BIN)/python -m pytest $(PYTEST_FLAGS)
+
+# The same suite against transformers 5.3.0, the oldest release hfpatch supports.
+unit-oldest: venv-oldest
+	$(BIN_OLDEST)/python -m pytest $(PYTEST_FLAGS)
+
+test: lint typecheck unit unit-oldest
+
+clean:
+	rm -rf $(VENV) $(VENV_OLDEST) .pytest_cache .mypy_cache .ruff_cache

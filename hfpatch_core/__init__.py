@@ -1,0 +1,99 @@
+"""hfpatch-core: installable patch packs for 🤗 Transformers.
+
+Packs are distributions that declare an entry point in the ``hfpatch.packs`` group and
+implement the hooks in :mod:`hfpatch_core.hookspecs`.  ``enable()`` makes every model
+load gather the packs ``HF_PATCH_PACKS`` selects, resolve their claims and apply the
+winners for that load only.
+
+Names are imported on first use, so that ``import hfpatch_core`` (and ``hfpatch list``)
+does not import torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+_EXPORTS = {
+    "Claim": "plan",
+    "Converter": "conversion",
+    "DuplicatePackError": "errors",
+    "HfPatchError": "errors",
+    "InvalidPatchError": "errors",
+    "LoadContext": "context",
+    "Lost": "plan",
+    "PackError": "errors",
+    "PackInfo": "discovery",
+    "PackWarning": "errors",
+    "PatchConflictError": "errors",
+    "Patch": "patches",
+    "Plan": "plan",
+    "SelectionError": "errors",
+    "disable": "session",
+    "discover": "discovery",
+    "enable": "session",
+    "hookimpl": "hookspecs",
+    "hookspec": "hookspecs",
+    "is_enabled": "session",
+    "patched": "session",
+    "plan_of": "session",
+}
+
+__all__ = [
+    "Claim",
+    "Converter",
+    "DuplicatePackError",
+    "HfPatchError",
+    "InvalidPatchError",
+    "LoadContext",
+    "Lost",
+    "PackError",
+    "PackInfo",
+    "PackWarning",
+    "Patch",
+    "PatchConflictError",
+    "Plan",
+    "SelectionError",
+    "__version__",
+    "disable",
+    "discover",
+    "enable",
+    "hookimpl",
+    "hookspec",
+    "is_enabled",
+    "patched",
+    "plan_of",
+]
+
+if TYPE_CHECKING:
+    from .context import LoadContext
+    from .conversion import Converter
+    from .discovery import PackInfo, discover
+    from .errors import (
+        DuplicatePackError,
+        HfPatchError,
+        InvalidPatchError,
+        PackError,
+        PackWarning,
+        PatchConflictError,
+        SelectionError,
+    )
+    from .hookspecs import hookimpl, hookspec
+    from .patches import Patch
+    from .plan import Claim, Lost, Plan
+    from .session import disable, enable, is_enabled, patched, plan_of
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'hfpatch_core' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])

@@ -1,0 +1,175 @@
+"""Putting a plan into transformers for one load, and taking it out again.
+
+Two pieces:
+
+* :func:`registered` adds a plan's winners to transformers' patch registry
+  (``transformers.monkey_patching``) and afterwards undoes exactly what it did:
+  its own keys are removed, keys it overwrote get their old value back, and keys
+  that transformers or user code registered meanwhile stay.
+* :func:`apply_registered_patches` is what transformers' model construction runs
+  (it stands in for ``transformers.modeling_utils.apply_patches`` while hfpatch is
+  enabled).  It replaces the same module attributes as transformers' own
+  ``apply_patches``, by the same rule, but restores them in a ``finally`` (the
+  upstream one leaves them patched when construction raises), holds a re-entrant
+  lock (two overlapping upstream calls leak a replacement for good), and does not
+  rescan every name of every loaded transformers module on each load.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import types
+from collections import OrderedDict
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any
+
+from transformers import monkey_patching
+from transformers.utils.import_utils import _LazyModule
+
+from .plan import Plan
+from .resolution import find_replacement
+
+#: Serialises every hfpatch-managed load and every application of the registry.
+#: Re-entrant, so that a sub-model built inside a load (a composite model's text
+#: model) can load on the same thread.
+LOAD_LOCK = threading.RLock()
+
+_MISSING: Any = object()
+
+
+@contextmanager
+def registered(plan: Plan) -> Iterator[dict[str, type]]:
+    """Register ``plan``'s winners in transformers' patch registry for the block.
+
+    Yields the keys this call registered, with their values.  On exit, whatever
+    the block did, each key still holding the value registered here is put back
+    as it was before.
+    """
+    mapping = plan.mapping
+    with LOAD_LOCK:
+        before = monkey_patching.get_patch_mapping()
+        changed = {key: before.get(key, _MISSING) for key in mapping}
+        try:
+            if mapping:
+                monkey_patching.register_patch_mapping(mapping, overwrite=True)
+            yield mapping
+        finally:
+            now = monkey_patching.get_patch_mapping()
+            for key, previous in changed.items():
+                if now.get(key, _MISSING) is not mapping[key]:
+                    continue  # someone re-registered it during the load: theirs now
+                if previous is _MISSING:
+                    monkey_patching.unregister_patch_mapping([key])
+                else:
+                    monkey_patching.register_patch_mapping({key: previous}, overwrite=True)
+
+
+# --- applying the registry ------------------------------------------------------------
+
+_plain_dir = types.ModuleType.__dir__
+_lazy_dir = _LazyModule.__dir__
+
+
+def attribute_names(module: types.ModuleType) -> list[str]:
+    """The names ``dir(module)`` lists, without ``_LazyModule.__dir__``'s quadratic scan."""
+    namespace = module.__dict__
+    kind = type(module).__dir__
+    if "__dir__" not in namespace:
+        if kind is _plain_dir:
+            return list(namespace)
+        if kind is _lazy_dir:
+            return list(dict.fromkeys([*namespace, *getattr(module, "__all__", ())]))
+    return dir(module)
+
+
+class _MatchCache:
+    """Which attribute names of each module match a registry's keys.
+
+    Keyed by the registry's keys (in order); a module's entry is reused while its
+    namespace and ``__all__`` keep their sizes.  Modules only gain names as lazy
+    imports resolve, which changes the size and triggers a rescan of that module.
+    """
+
+    def __init__(self, keys: tuple[str, ...]) -> None:
+        self.keys = keys
+        self.modules: dict[int, tuple[types.ModuleType, int, int, tuple[str, ...]]] = {}
+
+    def matching(self, module: types.ModuleType, mapping: Mapping[str, object]) -> tuple[str, ...]:
+        size = len(module.__dict__)
+        exported = getattr(module, "__all__", ()) if isinstance(module, _LazyModule) else ()
+        entry = self.modules.get(id(module))
+        if entry is not None and entry[0] is module and entry[1] == size and entry[2] == len(exported):
+            return entry[3]
+        names = tuple(name for name in attribute_names(module) if find_replacement(name, mapping) is not None)
+        self.modules[id(module)] = (module, size, len(exported), names)
+        return names
+
+
+_caches: OrderedDict[tuple[str, ...], _MatchCache] = OrderedDict()
+_CACHE_SIZE = 32
+
+
+def _cache_for(keys: tuple[str, ...]) -> _MatchCache:
+    cache = _caches.get(keys)
+    if cache is None:
+        cache = _caches[keys] = _MatchCache(keys)
+        while len(_caches) > _CACHE_SIZE:
+            _caches.popitem(last=False)
+    else:
+        _caches.move_to_end(keys)
+    return cache
+
+
+def _transformers_modules() -> list[types.ModuleType]:
+    # Filtering on the sys.modules key first keeps this cheap next to torch's thousands
+    # of modules; the __name__ test is transformers' own.
+    modules = []
+    for key, module in list(sys.modules.items()):
+        if not key.startswith("transformers") or module is None:
+            continue
+        name = getattr(module, "__name__", None)
+        if isinstance(name, str) and name.startswith("transformers"):
+            modules.append(module)
+    return modules
+
+
+@contextmanager
+def apply_mapping(mapping: Mapping[str, type]) -> Iterator[list[tuple[types.ModuleType, str, object]]]:
+    """Replace, for the block, every class attribute of a loaded ``transformers*`` module
+    whose name ``mapping`` matches (transformers' ``apply_patches`` rule), and restore
+    them afterwards, also when the block raises.
+
+    Yields the ``(module, name, original)`` triples it replaced.
+    """
+    replaced: list[tuple[types.ModuleType, str, object]] = []
+    if not mapping:
+        yield replaced
+        return
+    with LOAD_LOCK:
+        cache = _cache_for(tuple(mapping))
+        try:
+            for module in _transformers_modules():
+                for name in cache.matching(module, mapping):
+                    replacement = find_replacement(name, mapping)
+                    try:
+                        original = getattr(module, name)
+                        if not isinstance(original, type):
+                            continue
+                        replaced.append((module, name, original))
+                        setattr(module, name, replacement)
+                    except (AttributeError, TypeError, ImportError):
+                        continue
+            yield replaced
+        finally:
+            for module, name, original in reversed(replaced):
+                setattr(module, name, original)
+
+
+@contextmanager
+def apply_registered_patches() -> Iterator[None]:
+    """Drop-in for ``transformers.monkey_patching.apply_patches``: apply the whole registry."""
+    mapping = monkey_patching.get_patch_mapping()
+    with apply_mapping(mapping):
+        yield

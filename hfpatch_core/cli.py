@@ -1,0 +1,237 @@
+"""The ``hfpatch`` command: list, explain, check and run patch packs.
+
+Exit codes: 0 success; 1 a check found problems; 2 bad input (arguments,
+``HF_PATCH_PACKS``, an unknown model); ``run`` exits with the program's own code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+EXIT_OK = 0
+EXIT_PROBLEMS = 1
+EXIT_USAGE = 2
+
+
+def _table(rows: Sequence[Sequence[str]], header: Sequence[str]) -> str:
+    widths = [max(len(str(row[i])) for row in [header, *rows]) for i in range(len(header))]
+    lines = [
+        "  ".join(str(cell).ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
+        for row in [header, *rows]
+    ]
+    lines.insert(1, "  ".join("-" * width for width in widths))
+    return "\n".join(lines)
+
+
+def _print_json(data: Any) -> None:
+    print(json.dumps(data, indent=2, sort_keys=False))
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    from .discovery import discover
+    from .selection import installed_transformers_version, parse_selection, select
+    from .settings import packs_from_env
+
+    discovery = discover()
+    version = installed_transformers_version()
+    selection = select(parse_selection(packs_from_env()), discovery, version)
+    infos = [*discovery.packs.values(), *(info for infos in discovery.duplicates.values() for info in infos)]
+    infos.sort(key=lambda info: (info.name, info.distribution))
+    rows: list[dict[str, Any]] = [
+        {
+            "name": info.name,
+            "distribution": info.distribution,
+            "version": info.version,
+            "enabled": selection.status.get(info.name) == "enabled",
+            "status": selection.status.get(info.name, ""),
+            "transformers": info.transformers_range or "any",
+            "description": info.summary,
+        }
+        for info in infos
+    ]
+    if args.json:
+        _print_json({"transformers_version": version, "packs": rows})
+        return EXIT_OK
+    if not rows:
+        print("No pack is installed. Packs are distributions named hfpatch-pack-*; pip install one.")
+        return EXIT_OK
+    print(
+        _table(
+            [
+                [r["name"], r["distribution"], r["version"], r["status"], r["transformers"], r["description"]]
+                for r in rows
+            ],
+            ["pack", "distribution", "version", "status", "transformers", "description"],
+        )
+    )
+    return EXIT_OK
+
+
+def cmd_explain(args: argparse.Namespace) -> int:
+    from .inspection import explain
+    from .session import new_session
+
+    explanation = explain(args.model, new_session())
+    if args.json:
+        _print_json(explanation.to_json())
+        return EXIT_OK
+    plan = explanation.plan
+    packs = ", ".join(f"{name} {version}" for name, version in plan.packs) or "none"
+    print(f"{explanation.model_class} (model_type {explanation.model_type}); packs: {packs}; plan {plan.fingerprint}")
+    rows = []
+    for report in explanation.classes:
+        claim = report.replaced_by
+        rows.append(
+            [
+                report.name,
+                str(report.count),
+                f"{claim.patch.replacement.__qualname__} [{claim.pack} {claim.version}]" if claim else "-",
+            ]
+        )
+    print(_table(rows, ["class", "count", "replaced by"]))
+    lost = [(report.name, text) for report in explanation.classes for text in report.lost]
+    if lost:
+        print("\nClaims that lost or are shadowed:")
+        for name, text in lost:
+            print(f"  {name}: {text}")
+    for lost_claim in plan.lost:
+        if lost_claim.class_name is None and not any(lost_claim.claim.describe() in text for _, text in lost):
+            print(f"  {lost_claim.claim.describe()}: {lost_claim.reason}")
+    if explanation.unused:
+        print("\nClaims that match no class of this model:")
+        for claim in explanation.unused:
+            print(f"  {claim.describe()}")
+    for warning in explanation.warnings:
+        print(f"\nwarning: {warning}")
+    return EXIT_OK
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    import transformers
+
+    from .discovery import discover
+    from .inspection import check_pack
+    from .selection import parse_selection, select
+    from .session import Session
+
+    discovery = discover()
+    selection = select(parse_selection(args.packs or None), discovery, transformers.__version__)
+    session = Session(selection, strict=False)
+    failed = False
+    for error in selection.problems:
+        print(f"FAIL  {error}")
+        failed = True
+    for name in sorted(selection.packs):
+        result = check_pack(session, name)
+        targets = ", ".join(result.model_types) or "no model type"
+        if result.ok:
+            print(f"ok    {name} {result.version}: targets {targets}")
+            continue
+        failed = True
+        print(f"FAIL  {name} {result.version}: targets {targets}")
+        for problem in result.problems:
+            print(f"      - {problem}")
+    if not selection.packs and not selection.problems:
+        print("No pack to check.")
+    return EXIT_PROBLEMS if failed else EXIT_OK
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    import importlib.util
+
+    from .settings import AUTORUN_ENV
+
+    command = list(args.command)
+    if command and command[0] == "--":
+        command = command[1:]
+    if not command:
+        raise _UsageError("hfpatch run needs a command: hfpatch run -- python train.py")
+    if importlib.util.find_spec("_hfpatch_autorun") is None:
+        raise _UsageError("hfpatch's start-up hook is not installed; reinstall hfpatch-core with pip")
+    from .selection import current_selection
+    from .settings import strict_from_env
+
+    current_selection()  # fail here, once, on a bad HF_PATCH_PACKS rather than in every child
+    strict_from_env()
+    executable = shutil.which(command[0])
+    if executable is None:
+        raise _UsageError(f"command not found: {command[0]}")
+    environment = dict(os.environ, **{AUTORUN_ENV: "1"})
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(executable, command, environment)
+    return EXIT_OK  # pragma: no cover - execve does not return
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from .demo import run_demo
+
+    checks = run_demo(args.model, args.packs)
+    return EXIT_OK if all(check.ok for check in checks) else EXIT_PROBLEMS
+
+
+class _UsageError(Exception):
+    pass
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="hfpatch",
+        description="List, explain, check and run 🤗 Transformers patch packs.",
+        epilog="Exit codes: 0 ok, 1 problems found, 2 bad input. HF_PATCH_PACKS chooses the packs.",
+    )
+    parser.add_argument("--debug", action="store_true", help="show tracebacks")
+    commands = parser.add_subparsers(dest="command_name", required=True, metavar="COMMAND")
+
+    listing = commands.add_parser("list", help="installed packs and whether they are enabled")
+    listing.add_argument("--json", action="store_true", help="machine-readable output")
+    listing.set_defaults(handler=cmd_list)
+
+    explaining = commands.add_parser("explain", help="what the enabled packs would replace in a model")
+    explaining.add_argument("model", help="a local checkpoint directory or a model_type")
+    explaining.add_argument("--json", action="store_true", help="machine-readable output")
+    explaining.set_defaults(handler=cmd_explain)
+
+    checking = commands.add_parser("check", help="import packs and validate what their hooks return")
+    checking.add_argument("packs", nargs="*", metavar="PACK", help="packs to check (default: all installed)")
+    checking.set_defaults(handler=cmd_check)
+
+    demo = commands.add_parser("demo", help="load a tiny model with and without packs and compare")
+    demo.add_argument("--model", help="a local checkpoint directory (default: a tiny random llama)")
+    demo.add_argument("--packs", help="packs to enable, HF_PATCH_PACKS syntax (default: the built-in example)")
+    demo.set_defaults(handler=cmd_demo)
+
+    running = commands.add_parser("run", help="run a program (and its children) with hfpatch enabled")
+    running.add_argument("command", nargs=argparse.REMAINDER, help="-- program and arguments")
+    running.set_defaults(handler=cmd_run)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        code: int = args.handler(args)
+        return code
+    except KeyboardInterrupt:
+        return 130
+    except Exception as exc:
+        from .errors import HfPatchError
+
+        if args.debug:
+            raise
+        if isinstance(exc, _UsageError | HfPatchError | OSError | ValueError):
+            print(f"hfpatch: error: {exc}", file=sys.stderr)
+            return EXIT_USAGE
+        print(f"hfpatch: error: {type(exc).__name__}: {exc} (run with --debug for the traceback)", file=sys.stderr)
+        return EXIT_PROBLEMS
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,63 @@
+"""What a pack is told about the model being loaded."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import transformers
+
+
+def _transformers_version() -> str:
+    return str(transformers.__version__)
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadContext:
+    """The model a load is building, as seen by a pack's hooks.
+
+    Attributes:
+        model_type: the config's ``model_type`` (``"llama"``, ``"qwen2_moe"``), or ``None``
+            when the class declares no config class.
+        model_class_name: the class being instantiated, e.g. ``"LlamaForCausalLM"``.
+        config: the model's config, or ``None`` where only the type is known
+            (``hfpatch check`` on a model type whose default config cannot be built).
+        transformers_version: the installed transformers version.
+        parent: for a sub-model built inside another load (the text model of a
+            multimodal model), the outer load's context; ``None`` for a top-level load.
+    """
+
+    model_type: str | None
+    model_class_name: str
+    config: Any = dataclasses.field(default=None, compare=False, repr=False)
+    transformers_version: str = dataclasses.field(default_factory=_transformers_version)
+    parent: LoadContext | None = dataclasses.field(default=None, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model_class_name, str) or not self.model_class_name:
+            raise TypeError(
+                f"LoadContext.model_class_name must be a non-empty class name, got {self.model_class_name!r}"
+            )
+        if self.model_type is not None and not isinstance(self.model_type, str):
+            raise TypeError(f"LoadContext.model_type must be a string or None, got {self.model_type!r}")
+
+    @property
+    def root(self) -> LoadContext:
+        """The outermost load this context belongs to (itself for a top-level load)."""
+        context = self
+        while context.parent is not None:
+            context = context.parent
+        return context
+
+    @classmethod
+    def for_model(cls, model_class: type, config: Any = None, *, parent: LoadContext | None = None) -> LoadContext:
+        """The context of instantiating ``model_class``, with ``config`` when it is known."""
+        model_type = getattr(config, "model_type", None) or getattr(
+            getattr(model_class, "config_class", None), "model_type", None
+        )
+        return cls(
+            model_type=model_type or None,
+            model_class_name=model_class.__name__,
+            config=config,
+            parent=parent,
+        )

@@ -1,0 +1,42 @@
+"""Exceptions and warnings raised by hfpatch.
+
+Every message says what was wrong, which input caused it and how to fix it.
+"""
+
+from __future__ import annotations
+
+
+class HfPatchError(Exception):
+    """Base class of every error hfpatch raises."""
+
+
+class InvalidPatchError(HfPatchError, ValueError):
+    """A :class:`~hfpatch_core.Patch` or :class:`~hfpatch_core.Converter` was built from bad input."""
+
+
+class SelectionError(HfPatchError, ValueError):
+    """``HF_PATCH_PACKS`` (or ``enable(packs=...)``) is malformed or names a pack that is not installed."""
+
+
+class DuplicatePackError(HfPatchError):
+    """Two installed distributions declare a pack of the same name."""
+
+
+class PackError(HfPatchError):
+    """A pack could not be used: its import failed, a hook raised or returned the wrong type.
+
+    In the default mode this is reported as a :class:`PackWarning` and the pack is skipped;
+    in strict mode it is raised before anything is registered.
+    """
+
+    def __init__(self, pack: str, message: str) -> None:
+        super().__init__(message)
+        self.pack = pack
+
+
+class PatchConflictError(HfPatchError):
+    """Two packs claim the same target with the same priority and neither (or both) overwrite."""
+
+
+class PackWarning(UserWarning):
+    """A pack was skipped (failure, incompatibility) or one of its claims was not applied."""

@@ -1,0 +1,1 @@
+"""Example packs shipped with hfpatch-core, used by ``hfpatch demo``."""

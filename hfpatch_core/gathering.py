@@ -1,0 +1,143 @@
+"""Importing the selected packs and calling their hooks for one load.
+
+A pack that fails (its import raises, a hook raises, a hook returns the wrong type)
+becomes a :class:`~hfpatch_core.errors.PackError`; the caller decides whether that is
+a warning (the pack is skipped, the others still apply) or, in strict mode, an error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import pluggy
+
+from . import hookspecs
+from .context import LoadContext
+from .discovery import PackInfo
+from .errors import InvalidPatchError, PackError
+from .patches import Patch
+from .plan import Claim
+
+
+@dataclasses.dataclass(frozen=True)
+class Gathered:
+    """What the enabled packs offered for one load.
+
+    Attributes:
+        claims: one per patch, in pack-name order.
+        converters: ``(pack, converter)`` pairs, in pack-name order.
+        packs: ``(name, version)`` of each pack whose hooks were called successfully.
+        failures: one error per pack that failed; its claims are left out.
+    """
+
+    claims: tuple[Claim, ...] = ()
+    converters: tuple[tuple[PackInfo, Any], ...] = ()
+    packs: tuple[tuple[str, str], ...] = ()
+    failures: tuple[PackError, ...] = ()
+
+
+def _check_result(pack: str, hook: str, result: object, expected: type, example: str) -> list[Any]:
+    if result is None:
+        raise PackError(
+            pack, f"pack {pack!r}: {hook}() returned None; return an empty list when it has nothing for this model."
+        )
+    if isinstance(result, (str, bytes, Mapping)) or not isinstance(result, Iterable):
+        raise PackError(
+            pack,
+            f"pack {pack!r}: {hook}() returned {type(result).__name__} {result!r:.80}; "
+            f"return a list of {expected.__name__} objects, e.g. [{example}].",
+        )
+    items = list(result)
+    for item in items:
+        if not isinstance(item, expected):
+            raise PackError(
+                pack,
+                f"pack {pack!r}: {hook}() returned {type(item).__name__} {item!r:.80} among its results; "
+                f"every item must be a {expected.__name__}, e.g. {example}.",
+            )
+    return items
+
+
+class PackSet:
+    """The selected packs of one session: imported on first use, once each."""
+
+    def __init__(self, packs: Mapping[str, PackInfo]) -> None:
+        self.infos = dict(packs)
+        self._manager = pluggy.PluginManager(hookspecs.PROJECT_NAME)
+        self._manager.add_hookspecs(hookspecs)
+        self._loaded: dict[str, PackError | None] = {}
+        self._lock = threading.Lock()
+
+    def _load(self, info: PackInfo) -> PackError | None:
+        with self._lock:
+            if info.name in self._loaded:
+                return self._loaded[info.name]
+            error: PackError | None = None
+            try:
+                plugin = info.load()
+                self._manager.register(plugin, name=info.name)
+            except Exception as exc:  # a pack's import may raise anything
+                error = PackError(
+                    info.name,
+                    f"pack {info.name!r} ({info.distribution} {info.version}) failed to import "
+                    f"{info.value!r}: {type(exc).__name__}: {exc}",
+                )
+                error.__cause__ = exc
+            self._loaded[info.name] = error
+            return error
+
+    def _call(self, info: PackInfo, hook: str, context: LoadContext) -> list[Any]:
+        caller = getattr(self._manager.hook, hook)
+        results: list[Any] = []
+        expected: type
+        if hook == "provide_patches":
+            expected, example = Patch, "Patch('LlamaMLP', MyMLP)"
+        else:
+            from .conversion import Converter
+
+            expected, example = Converter, "Converter('llama', [WeightConverter(...)])"
+        for impl in caller.get_hookimpls():
+            if impl.plugin_name != info.name:
+                continue
+            arguments = {"context": context}
+            try:
+                result = impl.function(*[arguments[name] for name in impl.argnames])
+                results.extend(_check_result(info.name, hook, result, expected, example))
+            except PackError:
+                raise
+            except InvalidPatchError as exc:
+                raise PackError(info.name, f"pack {info.name!r}: {hook}() built an invalid value: {exc}") from exc
+            except Exception as exc:
+                raise PackError(info.name, f"pack {info.name!r}: {hook}() raised {type(exc).__name__}: {exc}") from exc
+        return results
+
+    def gather(self, context: LoadContext, priority_offsets: Mapping[str, int] | None = None) -> Gathered:
+        """Call every selected pack's hooks for ``context``."""
+        offsets = priority_offsets or {}
+        claims: list[Claim] = []
+        converters: list[tuple[PackInfo, Any]] = []
+        packs: list[tuple[str, str]] = []
+        failures: list[PackError] = []
+        for name in sorted(self.infos):
+            info = self.infos[name]
+            error = self._load(info)
+            if error is not None:
+                failures.append(error)
+                continue
+            try:
+                patches = self._call(info, "provide_patches", context)
+                pack_converters = self._call(info, "provide_converters", context)
+            except PackError as exc:
+                failures.append(exc)
+                continue
+            offset = offsets.get(name, 0)
+            claims.extend(
+                Claim(pack=name, version=info.version, patch=patch, priority=patch.priority + offset, index=index)
+                for index, patch in enumerate(patches)
+            )
+            converters.extend((info, converter) for converter in pack_converters)
+            packs.append((name, info.version))
+        return Gathered(tuple(claims), tuple(converters), tuple(packs), tuple(failures))

@@ -1,0 +1,68 @@
+"""The hooks a patch pack implements.
+
+A pack is a module (or any object) whose functions are marked with :data:`hookimpl`
+and named like the specifications below.  A pack implements only the hooks it needs::
+
+    from hfpatch_core import Patch, hookimpl
+
+    @hookimpl
+    def provide_patches(context):
+        if context.model_type == "llama":
+            return [Patch("LlamaMLP", MyMLP)]
+        return []
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+import pluggy
+
+if TYPE_CHECKING:
+    from .context import LoadContext
+    from .conversion import Converter
+    from .patches import Patch
+
+#: The pluggy project name shared by the markers and the plugin manager.
+PROJECT_NAME = "hfpatch"
+
+#: Marks a specification in this module.
+hookspec = pluggy.HookspecMarker(PROJECT_NAME)
+
+#: Marks a pack's implementation of a hook: ``@hfpatch_core.hookimpl``.
+hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
+
+
+@hookspec
+def provide_patches(context: LoadContext) -> Iterable[Patch]:
+    """Return the module-class replacements this pack wants for one model load.
+
+    Called once per pack for every model that loads while hfpatch is enabled
+    (``from_pretrained``, ``from_config``, the Auto classes, ``hfpatch_core.patched``),
+    after the pack was selected by ``HF_PATCH_PACKS`` and found compatible with the
+    installed transformers, and before anything is registered.  Also called by
+    ``hfpatch explain`` and ``hfpatch check`` with a context built from a config alone.
+
+    :param context: what is being loaded: model type, model class name, the config
+        (``None`` when unknown) and the transformers version.
+    :return: an iterable (list, tuple, generator) of :class:`~hfpatch_core.Patch`;
+        an empty one when the pack has nothing for this model.  ``None`` or any other
+        type is a pack error.
+    """
+    raise NotImplementedError
+
+
+@hookspec
+def provide_converters(context: LoadContext) -> Iterable[Converter]:
+    """Return the checkpoint conversions this pack's patches need for one model load.
+
+    Called with the same context and at the same moment as :func:`provide_patches`.
+    A converter maps checkpoint tensors onto the layout a replacement class expects
+    (and back, when the model is saved).
+
+    :param context: see :func:`provide_patches`.
+    :return: an iterable of :class:`~hfpatch_core.Converter`; an empty one when the
+        pack's patches keep the original weight layout.
+    """
+    raise NotImplementedError

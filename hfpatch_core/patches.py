@@ -1,0 +1,92 @@
+"""The value a pack returns to replace a module class."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import torch.nn as nn
+
+from .errors import InvalidPatchError
+
+_IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def _describe(value: object) -> str:
+    if isinstance(value, type):
+        return f"class {value.__module__}.{value.__qualname__}"
+    return f"an instance of {type(value).__qualname__}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Patch:
+    """Replace every module class whose name matches ``target`` with ``replacement``.
+
+    ``target`` follows transformers' registry rules: a class name equal to ``target``
+    matches first; otherwise ``target`` is a regular expression matched with
+    :func:`re.search` (so ``"Attention$"`` matches ``LlamaAttention``, and a plain name
+    also matches longer names that contain it).
+
+    Args:
+        target: a class name (``"LlamaMLP"``) or a regular expression (``".*RMSNorm$"``).
+        replacement: a class deriving from :class:`torch.nn.Module`, built with the
+            same ``__init__`` arguments as the classes it replaces.
+        priority: higher wins when several packs claim the same target, and is
+            matched first among regular expressions.
+        overwrite: wins a priority tie, and replaces a mapping that user code
+            registered directly with ``register_patch_mapping``.
+
+    Raises:
+        InvalidPatchError: ``target`` is empty or not a valid regular expression, or
+            ``replacement`` is not a ``torch.nn.Module`` subclass.
+    """
+
+    target: str
+    replacement: type[nn.Module]
+    _: dataclasses.KW_ONLY
+    priority: int = 0
+    overwrite: bool = False
+
+    def __post_init__(self) -> None:
+        target, replacement = self.target, self.replacement
+        if not isinstance(target, str) or not target.strip():
+            raise InvalidPatchError(
+                f"Patch target must be a non-empty class name or regular expression, got {target!r}; "
+                "pass the name of the transformers class to replace, e.g. Patch('LlamaMLP', MyMLP)."
+            )
+        try:
+            re.compile(target)
+        except re.error as exc:
+            raise InvalidPatchError(
+                f"Patch target {target!r} is not a valid regular expression ({exc}); "
+                "fix the pattern, or escape a literal name with re.escape()."
+            ) from None
+        if not isinstance(replacement, type):
+            hint = (
+                f"; pass the class itself: Patch({target!r}, {type(replacement).__qualname__})"
+                if isinstance(replacement, nn.Module)
+                else ""
+            )
+            raise InvalidPatchError(
+                f"Patch({target!r}): replacement must be a class deriving from torch.nn.Module, "
+                f"got {_describe(replacement)}{hint}."
+            )
+        if not issubclass(replacement, nn.Module):
+            raise InvalidPatchError(
+                f"Patch({target!r}): replacement {_describe(replacement)} does not derive from "
+                "torch.nn.Module; subclass the transformers class you replace (or nn.Module)."
+            )
+        if isinstance(self.priority, bool) or not isinstance(self.priority, int):
+            raise InvalidPatchError(f"Patch({target!r}): priority must be an int, got {self.priority!r}.")
+        if not isinstance(self.overwrite, bool):
+            raise InvalidPatchError(f"Patch({target!r}): overwrite must be True or False, got {self.overwrite!r}.")
+
+    @property
+    def is_pattern(self) -> bool:
+        """Whether ``target`` is written as a regular expression rather than a plain class name."""
+        return _IDENTIFIER.fullmatch(self.target) is None
+
+    @property
+    def replacement_name(self) -> str:
+        """``module.QualName`` of the replacement class, as shown in plans and fingerprints."""
+        return f"{self.replacement.__module__}.{self.replacement.__qualname__}"

@@ -1,0 +1,117 @@
+"""What resolution decides: which pack's class replaces which target, and what lost."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from collections.abc import Mapping
+
+from .context import LoadContext
+from .patches import Patch
+
+
+@dataclasses.dataclass(frozen=True)
+class Claim:
+    """A patch as one pack offered it for one load.
+
+    Attributes:
+        pack: the pack's name.
+        version: the pack's distribution version.
+        patch: the patch itself.
+        priority: the patch's priority plus the pack's offset from ``HF_PATCH_PACKS``.
+        index: the patch's position in what the pack returned (keeps a pack's own order).
+    """
+
+    pack: str
+    version: str
+    patch: Patch
+    priority: int
+    index: int = 0
+
+    @property
+    def target(self) -> str:
+        return self.patch.target
+
+    @property
+    def label(self) -> str:
+        return f"{self.pack}=={self.version}"
+
+    def describe(self) -> str:
+        return f"pack {self.pack!r} ({self.patch.target!r} -> {self.patch.replacement.__qualname__})"
+
+
+@dataclasses.dataclass(frozen=True)
+class Lost:
+    """A claim that is not used, and what beat it.
+
+    Attributes:
+        claim: the claim that is not applied.
+        reason: why, in words.
+        winner: the claim that won the same target, when another pack's claim did.
+        class_name: for a shadowed claim, the class it matched but does not replace.
+    """
+
+    claim: Claim
+    reason: str
+    winner: Claim | None = None
+    class_name: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """The outcome of resolving every claim gathered for one load.
+
+    Attributes:
+        context: the load the plan is for.
+        packs: ``(name, version)`` of each pack that took part, sorted by name.
+        entries: the winning claims, in the order they are registered (priority first),
+            so that the registry's first regex match honours priority.
+        lost: claims beaten on the same target (priority, overwrite, a direct
+            registration) or shadowed on a class by a better match.
+        replaced: for each class name the plan was resolved against, the claim that
+            replaces it.
+    """
+
+    context: LoadContext | None
+    packs: tuple[tuple[str, str], ...] = ()
+    entries: tuple[Claim, ...] = ()
+    lost: tuple[Lost, ...] = ()
+    replaced: Mapping[str, Claim] = dataclasses.field(default_factory=dict)
+
+    @property
+    def mapping(self) -> dict[str, type]:
+        """The winners as a ``register_patch_mapping`` mapping, in registration order."""
+        return {claim.target: claim.patch.replacement for claim in self.entries}
+
+    @property
+    def shadowed(self) -> tuple[Lost, ...]:
+        """The lost claims that matched a class another claim replaces."""
+        return tuple(lost for lost in self.lost if lost.class_name is not None)
+
+    @property
+    def fingerprint(self) -> str:
+        """A short hash of the active packs and the winning claims.
+
+        Two processes (or ranks) with the same fingerprint selected the same pack
+        versions and register the same replacements for this load.
+        """
+        digest = hashlib.sha256()
+        for name, version in self.packs:
+            digest.update(f"pack {name}=={version}\n".encode())
+        for claim in self.entries:
+            line = f"claim {claim.target!r} {claim.patch.replacement_name} {claim.priority} {claim.patch.overwrite}"
+            digest.update(f"{line}\n".encode())
+        return digest.hexdigest()[:12]
+
+    def summary(self) -> str:
+        """One line for the load log."""
+        where = self.context.model_class_name if self.context is not None else "model"
+        if not self.entries:
+            return f"hfpatch: {where}: no patch applied (plan {self.fingerprint})"
+        parts = ", ".join(
+            f"{name} <- {claim.patch.replacement.__qualname__} [{claim.label}]"
+            for name, claim in sorted(self.replaced.items())
+        ) or ", ".join(
+            f"{claim.target!r} <- {claim.patch.replacement.__qualname__} [{claim.label}]" for claim in self.entries
+        )
+        return f"hfpatch: {where}: {parts} (plan {self.fingerprint})"

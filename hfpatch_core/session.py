@@ -1,0 +1,326 @@
+"""Turning hfpatch on for a process: every model load gathers, resolves and applies packs.
+
+``enable()`` wraps ``PreTrainedModel.from_pretrained`` and ``PreTrainedModel._from_config``
+(which the Auto classes and ``from_config`` end in) and stands hfpatch's
+exception-safe application in for ``transformers.modeling_utils.apply_patches``.
+``disable()`` puts all three back.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import sys
+import threading
+import warnings
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch.nn as nn
+import transformers
+from transformers import PretrainedConfig, PreTrainedModel, modeling_utils, monkey_patching
+
+from . import application
+from .application import LOAD_LOCK, apply_mapping, registered
+from .context import LoadContext
+from .errors import HfPatchError, PackWarning
+from .gathering import PackSet
+from .plan import Plan
+from .resolution import resolve
+from .selection import Selection, current_selection
+from .settings import strict_from_env
+
+logger = logging.getLogger("hfpatch")
+
+#: The attribute of a loaded model that holds its :class:`~hfpatch_core.plan.Plan`.
+PLAN_ATTRIBUTE = "hfpatch_plan"
+
+_CONFIG_DOWNLOAD_KWARGS = (
+    "cache_dir",
+    "force_download",
+    "local_files_only",
+    "token",
+    "revision",
+    "subfolder",
+    "trust_remote_code",
+)
+
+
+_INTERNAL = ("hfpatch_core", "transformers", "contextlib", "importlib")
+
+
+def _caller_stacklevel() -> int:
+    """The stack level of the first frame outside hfpatch, transformers and contextlib,
+    so that a warning points at the user's ``from_pretrained`` line."""
+    frame = sys._getframe(1)
+    level = 1
+    while frame is not None:
+        module = frame.f_globals.get("__name__", "")
+        if not module.startswith(_INTERNAL):
+            return level
+        frame = frame.f_back  # type: ignore[assignment]
+        level += 1
+    return 1
+
+
+class Session:
+    """The packs one ``enable()`` selected, and the loads made with them."""
+
+    def __init__(self, selection: Selection, *, strict: bool) -> None:
+        self.selection = selection
+        self.strict = strict
+        self.packs = PackSet(selection.packs)
+        self._warned: set[str] = set()
+        self._local = threading.local()
+
+    # nesting ------------------------------------------------------------------------
+    def _frames(self) -> list[tuple[LoadContext, frozenset[str]]]:
+        frames = getattr(self._local, "frames", None)
+        if frames is None:
+            frames = self._local.frames = []
+        return frames
+
+    @property
+    def current(self) -> LoadContext | None:
+        """The context of the innermost load running on this thread."""
+        frames = self._frames()
+        return frames[-1][0] if frames else None
+
+    def _owned(self) -> frozenset[str]:
+        return frozenset().union(*(keys for _, keys in self._frames()))
+
+    # reporting ----------------------------------------------------------------------
+    def _report(self, errors: Iterable[HfPatchError]) -> None:
+        errors = list(errors)
+        if self.strict and errors:
+            raise errors[0]
+        for error in errors:
+            message = str(error)
+            if message not in self._warned:
+                self._warned.add(message)
+                warnings.warn(message, PackWarning, stacklevel=_caller_stacklevel())
+
+    # planning -----------------------------------------------------------------------
+    def plan(self, context: LoadContext, class_names: Iterable[str] = ()) -> Plan:
+        """Gather the selected packs' claims for ``context`` and resolve them.
+
+        Raises:
+            PackError: strict mode, and a pack failed or was skipped.
+            PatchConflictError: two packs tie on a target.
+        """
+        gathered = self.packs.gather(context, self.selection.spec.priority_offsets)
+        self._report([*self.selection.problems, *gathered.failures])
+        return resolve(
+            gathered.claims,
+            context=context,
+            registered=monkey_patching.get_patch_mapping(),
+            overridable=self._owned(),
+            class_names=class_names,
+            packs=gathered.packs,
+        )
+
+    @contextmanager
+    def applied(self, context: LoadContext, class_names: Iterable[str] = ()) -> Iterator[Plan]:
+        """Plan ``context`` and keep the plan registered for the block (lock held)."""
+        with LOAD_LOCK:
+            plan = self.plan(context, class_names)
+            frames = self._frames()
+            frames.append((context, frozenset(plan.mapping)))
+            try:
+                with registered(plan):
+                    yield plan
+            finally:
+                frames.pop()
+
+
+_active: Session | None = None
+_state_lock = threading.Lock()
+_originals: dict[str, Any] = {}
+
+
+def active_session() -> Session | None:
+    """The session ``enable()`` started, or ``None`` while hfpatch is disabled."""
+    return _active
+
+
+def new_session(packs: str | Iterable[str] | None = None, strict: bool | None = None) -> Session:
+    """Discover and select packs as ``enable()`` would, without enabling anything."""
+    return Session(current_selection(packs), strict=strict_from_env() if strict is None else strict)
+
+
+def _module_class_names(model_class: type) -> list[str]:
+    module = sys.modules.get(model_class.__module__)
+    if module is None:
+        return [model_class.__name__]
+    return [name for name, value in vars(module).items() if isinstance(value, type) and issubclass(value, nn.Module)]
+
+
+def _attach(model: object, plan: Plan) -> None:
+    if isinstance(model, nn.Module):
+        object.__setattr__(model, PLAN_ATTRIBUTE, plan)
+    logger.info(plan.summary())
+
+
+def _config_for(cls: type, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    config = kwargs.get("config")
+    if isinstance(config, PretrainedConfig):
+        return config
+    source = config if isinstance(config, str) else (args[0] if args else kwargs.get("pretrained_model_name_or_path"))
+    config_class = getattr(cls, "config_class", None)
+    if source is None or config_class is None:
+        return None
+    try:
+        download = {key: kwargs[key] for key in _CONFIG_DOWNLOAD_KWARGS if key in kwargs}
+        return config_class.from_pretrained(source, **download)
+    except Exception:  # transformers' own load reports a missing or broken config
+        return None
+
+
+def _managed(cls: type, config: Any, load: Callable[[], Any]) -> Any:
+    session = _active
+    if session is None or not session.selection.packs:
+        return load()
+    context = LoadContext.for_model(cls, config, parent=session.current)
+    with session.applied(context, _module_class_names(cls)) as plan:
+        model = load()
+    _attach(model, plan)
+    return model
+
+
+def _wrap_from_pretrained(original: classmethod) -> classmethod:
+    function = original.__func__
+
+    @functools.wraps(function)
+    def from_pretrained(cls: type, *args: Any, **kwargs: Any) -> Any:
+        session = _active
+        if session is None or not session.selection.packs:
+            return function(cls, *args, **kwargs)
+        config = _config_for(cls, args, kwargs)
+        return _managed(cls, config, lambda: function(cls, *args, **kwargs))
+
+    return classmethod(from_pretrained)
+
+
+def _wrap_from_config(original: classmethod) -> classmethod:
+    function = original.__func__
+
+    @functools.wraps(function)
+    def _from_config(cls: type, config: Any, **kwargs: Any) -> Any:
+        return _managed(cls, config, lambda: function(cls, config, **kwargs))
+
+    return classmethod(_from_config)
+
+
+def enable(packs: str | Iterable[str] | None = None, strict: bool | None = None) -> Selection:
+    """Turn hfpatch on for this process.
+
+    From now on every ``from_pretrained`` / ``from_config`` (Auto classes included)
+    gathers the enabled packs for the model it builds, resolves their claims and
+    applies the winners for that load only.  Calling it again replaces the choice.
+
+    Args:
+        packs: which packs run, in ``HF_PATCH_PACKS`` syntax (a string or a list of
+            items, e.g. ``["all", "-experimental", "fast@+10"]``); ``None`` reads
+            ``HF_PATCH_PACKS``.
+        strict: make every pack failure an error; ``None`` reads ``HF_PATCH_STRICT``.
+
+    Returns:
+        The selection: which packs run, and why each other installed pack does not.
+
+    Raises:
+        SelectionError: the choice is malformed or names a pack that is not installed.
+        PackError: strict mode, and a selected pack is incompatible or ambiguous.
+    """
+    global _active
+    session = new_session(packs, strict)
+    session._report(session.selection.problems)
+    with _state_lock:
+        if not _originals:
+            for owner, name, wrap in _hooked():
+                original = owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)
+                _originals[name] = (owner, original)
+                setattr(owner, name, wrap(original))
+        _active = session
+    return session.selection
+
+
+def _hooked() -> list[tuple[Any, str, Callable[[Any], Any]]]:
+    """Where hfpatch hooks into transformers: (owner, attribute, wrapper of the original)."""
+    return [
+        (PreTrainedModel, "from_pretrained", _wrap_from_pretrained),
+        (PreTrainedModel, "_from_config", _wrap_from_config),
+        (modeling_utils, "apply_patches", lambda _original: application.apply_registered_patches),
+    ]
+
+
+def disable() -> None:
+    """Turn hfpatch off: loads behave as in plain transformers again."""
+    global _active
+    with _state_lock:
+        _active = None
+        for name, (owner, original) in list(_originals.items()):
+            setattr(owner, name, original)
+            del _originals[name]
+
+
+def is_enabled() -> bool:
+    """Whether ``enable()`` is in force."""
+    return _active is not None
+
+
+def _context_for_manual(config_or_model_type: Any, model_class: type | None) -> tuple[LoadContext, list[str]]:
+    if isinstance(config_or_model_type, str):
+        config = None
+        model_type: str | None = config_or_model_type
+    else:
+        config = config_or_model_type
+        model_type = getattr(config, "model_type", None)
+    if model_class is not None:
+        return LoadContext.for_model(model_class, config), _module_class_names(model_class)
+    names = list(getattr(config, "architectures", None) or ())
+    if not names and model_type:
+        from transformers.models.auto.modeling_auto import MODEL_MAPPING_NAMES
+
+        mapped = MODEL_MAPPING_NAMES.get(model_type)
+        names = [mapped] if isinstance(mapped, str) else list(mapped or ())
+    class_name = names[0] if names else "PreTrainedModel"
+    module = f"transformers.models.{model_type}.modeling_{model_type}" if model_type else ""
+    class_names = (
+        [
+            name
+            for name, value in vars(sys.modules.get(module) or transformers).items()
+            if isinstance(value, type) and issubclass(value, nn.Module)
+        ]
+        if module in sys.modules
+        else []
+    )
+    return LoadContext(model_type=model_type, model_class_name=class_name, config=config), class_names
+
+
+@contextmanager
+def patched(config_or_model_type: Any, *, model_class: type | None = None) -> Iterator[Plan]:
+    """Apply the enabled packs to models built by hand inside the block.
+
+    ``with patched(config) as plan: model = LlamaForCausalLM(config)``.  The packs see
+    the same context a load of that config would give them; the same lock is held and
+    the same restore runs on exit.  Uses the session ``enable()`` started, or, when
+    hfpatch is not enabled, the packs ``HF_PATCH_PACKS`` selects.
+
+    Args:
+        config_or_model_type: a config, or a ``model_type`` string.
+        model_class: the class about to be built, when the config does not name it.
+
+    Yields:
+        The plan in force inside the block.
+    """
+    session = _active or new_session()
+    context, class_names = _context_for_manual(config_or_model_type, model_class)
+    with session.applied(context, class_names) as plan, apply_mapping(monkey_patching.get_patch_mapping()):
+        yield plan
+
+
+def plan_of(model: object) -> Plan | None:
+    """The plan a model was loaded with, or ``None`` if hfpatch did not load it."""
+    plan = getattr(model, PLAN_ATTRIBUTE, None)
+    return plan if isinstance(plan, Plan) else None

@@ -1,0 +1,49 @@
+"""Every name a user sets or a pack author declares, in one place.
+
+The entry-point group says where packs are found; the environment variables say which
+of them run and how failures are treated.  Nothing else in hfpatch reads the environment.
+"""
+
+from __future__ import annotations
+
+import os
+
+#: Entry-point group under which a distribution declares its packs.
+ENTRY_POINT_GROUP = "hfpatch.packs"
+
+#: Which packs run: unset (all), ``none``, ``a,b``, ``-a``, ``all,-a``, ``a@+10`` ...
+#: See :func:`hfpatch_core.selection.parse_selection` for the grammar.
+PACKS_ENV = "HF_PATCH_PACKS"
+
+#: ``1``/``true``/``yes``/``on`` turns every pack failure into an error raised before
+#: anything is registered.
+STRICT_ENV = "HF_PATCH_STRICT"
+
+#: Set by ``hfpatch run``; makes every Python process that inherits it enable hfpatch
+#: when transformers' modeling code is first imported.
+AUTORUN_ENV = "HFPATCH_AUTORUN"
+
+_TRUE = frozenset({"1", "true", "yes", "on"})
+_FALSE = frozenset({"", "0", "false", "no", "off"})
+
+
+def packs_from_env() -> str | None:
+    """The raw ``HF_PATCH_PACKS`` value, or ``None`` when it is unset."""
+    return os.environ.get(PACKS_ENV)
+
+
+def strict_from_env() -> bool:
+    """Whether ``HF_PATCH_STRICT`` asks for strict mode.
+
+    Raises:
+        ValueError: the variable holds something that is neither true nor false.
+    """
+    raw = os.environ.get(STRICT_ENV, "").strip().lower()
+    if raw in _TRUE:
+        return True
+    if raw in _FALSE:
+        return False
+    raise ValueError(
+        f"{STRICT_ENV}={os.environ[STRICT_ENV]!r} is not a boolean; "
+        f"use one of {sorted(_TRUE)} to turn strict mode on, or unset it."
+    )

@@ -1,0 +1,109 @@
+from __future__ import annotations
+
+import importlib
+import sys
+import types
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from packs import PackSpec, install_packs
+from transformers import LlamaConfig, LlamaForCausalLM, monkey_patching
+
+import hfpatch_core
+
+transformers.utils.logging.disable_progress_bar()
+
+
+def tiny_llama_config(**overrides: object) -> LlamaConfig:
+    values: dict[str, object] = dict(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=128,
+        max_position_embeddings=64,
+    )
+    values.update(overrides)
+    return LlamaConfig(**values)
+
+
+@pytest.fixture(scope="session")
+def llama_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A real tiny llama checkpoint: random weights, save_pretrained, safetensors."""
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("tiny-llama")
+    LlamaForCausalLM(tiny_llama_config()).save_pretrained(path)
+    assert (path / "model.safetensors").exists()
+    return path
+
+
+def transformers_classes() -> dict[tuple[str, str], object]:
+    """Every class-valued attribute of every loaded transformers module."""
+    found: dict[tuple[str, str], object] = {}
+    for name, module in list(sys.modules.items()):
+        if not name.startswith("transformers") or not isinstance(module, types.ModuleType):
+            continue
+        for attribute, value in list(vars(module).items()):
+            if isinstance(value, type):
+                found[(name, attribute)] = value
+    return found
+
+
+class Snapshot:
+    """transformers' patch registry and module attributes at one moment."""
+
+    def __init__(self) -> None:
+        self.registry = monkey_patching.get_patch_mapping()
+        self.registry_order = list(self.registry)
+        self.classes = transformers_classes()
+
+    def assert_unchanged(self) -> None:
+        now = monkey_patching.get_patch_mapping()
+        assert now == self.registry and list(now) == self.registry_order
+        current = transformers_classes()
+        changed = {
+            key: (value, current.get(key)) for key, value in self.classes.items() if current.get(key) is not value
+        }
+        assert not changed, f"module attributes left patched: {changed}"
+
+
+@pytest.fixture
+def snapshot() -> Snapshot:
+    return Snapshot()
+
+
+@pytest.fixture(autouse=True)
+def _isolation(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    monkeypatch.delenv("HF_PATCH_PACKS", raising=False)
+    monkeypatch.delenv("HF_PATCH_STRICT", raising=False)
+    registry = monkey_patching.get_patch_mapping()
+    modules = set(sys.modules)
+    path = list(sys.path)
+    yield
+    hfpatch_core.disable()
+    monkey_patching.clear_patch_mapping()
+    if registry:
+        monkey_patching.register_patch_mapping(registry)
+    sys.path[:] = path
+    for name in set(sys.modules) - modules:
+        if name.startswith("hfpatch_test_pack"):
+            del sys.modules[name]
+    importlib.invalidate_caches()
+
+
+Installer = Callable[..., Path]
+
+
+@pytest.fixture
+def install(tmp_path: Path) -> Installer:
+    """``install(PackSpec(...), ...)``: write real distributions on a fresh path entry."""
+    counter = iter(range(1000))
+
+    def _install(*specs: PackSpec) -> Path:
+        return install_packs(tmp_path / f"site{next(counter)}", specs)
+
+    return _install

@@ -1,0 +1,176 @@
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from packs import MLP_PACK, NORM_PATTERN_PACK, PackSpec, mlp_pack
+
+HFPATCH = str(Path(sys.executable).with_name("hfpatch"))
+
+
+def run(*args: str, site: Path | None = None, env: dict[str, str] | None = None, timeout: int = 120):
+    environment = {k: v for k, v in os.environ.items() if not k.startswith(("HF_PATCH", "HFPATCH"))}
+    environment["PYTHONPATH"] = str(site) if site else ""
+    environment.update(env or {})
+    return subprocess.run(args, capture_output=True, text=True, env=environment, timeout=timeout, check=False)
+
+
+def test_list_shows_every_pack_and_why(install) -> None:
+    site = install(
+        PackSpec("mlp", MLP_PACK, version="1.2.0", summary="Faster MLP"),
+        PackSpec("future", MLP_PACK, requires=("transformers>=6",)),
+        PackSpec("exploding", "raise RuntimeError('imported!')\n"),
+    )
+    result = run(HFPATCH, "list", "--json", site=site, env={"HF_PATCH_PACKS": "all,-exploding"})
+    assert result.returncode == 0, result.stderr
+    rows = {row["name"]: row for row in json.loads(result.stdout)["packs"]}
+    assert rows["mlp"] == {
+        "name": "mlp",
+        "distribution": "hfpatch-pack-mlp",
+        "version": "1.2.0",
+        "enabled": True,
+        "status": "enabled",
+        "transformers": "<6,>=5.3",
+        "description": "Faster MLP",
+    }
+    assert rows["future"]["status"].startswith("skipped: needs transformers>=6") and not rows["future"]["enabled"]
+    assert rows["exploding"]["status"] == "disabled: excluded by HF_PATCH_PACKS='all,-exploding'"
+    text = run(HFPATCH, "list", site=site).stdout
+    assert "mlp" in text and "Faster MLP" in text and "skipped: needs transformers>=6" in text
+
+
+def test_bad_selection_is_one_line_and_exit_2(install) -> None:
+    site = install(PackSpec("mlp", MLP_PACK))
+    result = run(HFPATCH, "list", site=site, env={"HF_PATCH_PACKS": "mpl"})
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.strip().splitlines() == [
+        "hfpatch: error: HF_PATCH_PACKS='mpl' names pack 'mpl', which is not installed "
+        "(installed packs: mlp); did you mean 'mlp'?"
+    ]
+    debug = run(HFPATCH, "--debug", "list", site=site, env={"HF_PATCH_PACKS": "mpl"})
+    assert "Traceback" in debug.stderr
+
+
+def test_explain_a_checkpoint_shows_replacements_losers_and_nesting(install, llama_checkpoint) -> None:
+    site = install(
+        PackSpec("mlp", MLP_PACK),
+        PackSpec("norm", NORM_PATTERN_PACK),
+        PackSpec("broad", mlp_pack("BroadMLP", target="MLP$")),
+    )
+    result = run(HFPATCH, "explain", str(llama_checkpoint), "--json", site=site)
+    assert result.returncode == 0, result.stderr
+    data = json.loads(result.stdout)
+    classes = {row["class"]: row for row in data["classes"]}
+    assert classes["LlamaMLP"]["replaced_by"]["pack"] == "mlp"
+    assert classes["LlamaRMSNorm"]["replaced_by"]["replacement"] == "hfpatch_test_pack_norm.PackNorm"
+    assert classes["LlamaRMSNorm"]["count"] == 2 * 2 + 1
+    assert classes["LlamaAttention"]["replaced_by"] is None
+    assert any("broad" in text and "an exact name" in text for text in classes["LlamaMLP"]["lost"])
+    assert data["model_class"] == "LlamaForCausalLM" and len(data["fingerprint"]) == 12
+    text = run(HFPATCH, "explain", "llama", site=site).stdout
+    assert "LlamaMLP" in text and "PackMLP [mlp 1.0.0]" in text and "Claims that lost or are shadowed" in text
+
+
+NESTING_PACK = """
+from hfpatch_core import Patch, hookimpl
+from transformers.models.bert.modeling_bert import BertAttention, BertSelfAttention
+
+class AnyAttention(BertAttention):
+    pass
+
+class SelfAttention(BertSelfAttention):
+    pass
+
+@hookimpl
+def provide_patches(context):
+    return [Patch(".*Attention$", AnyAttention), Patch("BertSelfAttention", SelfAttention)]
+"""
+
+
+def test_explain_warns_when_a_pattern_replaces_a_class_containing_another(install) -> None:
+    site = install(PackSpec("attn", NESTING_PACK))
+    data = json.loads(run(HFPATCH, "explain", "bert", "--json", site=site).stdout)
+    assert any(
+        "'.*Attention$'" in w and "replaces BertAttention, which contains BertSelfAttention" in w
+        for w in data["warnings"]
+    )
+
+
+def test_explain_unknown_model_suggests_close_names(install) -> None:
+    result = run(HFPATCH, "explain", "lama", site=install(PackSpec("mlp", MLP_PACK)))
+    assert result.returncode == 2
+    assert "'lama' is neither a checkpoint directory nor a model type" in result.stderr and "'llama'" in result.stderr
+
+
+def test_check_passes_a_good_pack_and_fails_a_bad_target(install) -> None:
+    site = install(
+        PackSpec("mlp", MLP_PACK),
+        PackSpec("renamed", mlp_pack("RenamedMLP", target="LlamaFeedForward")),
+        PackSpec("broken", "raise ImportError('missing kernel')\n"),
+    )
+    good = run(HFPATCH, "check", "mlp", site=site)
+    assert good.returncode == 0 and "ok    mlp 1.0.0: targets llama" in good.stdout
+    bad = run(HFPATCH, "check", site=site)
+    assert bad.returncode == 1
+    assert "patch target 'LlamaFeedForward' matches no module class of transformers.models.llama" in bad.stdout
+    assert "failed to import 'hfpatch_test_pack_broken': ImportError: missing kernel" in bad.stdout
+
+
+PROGRAM = """
+import subprocess, sys, tempfile
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+path = sys.argv[1]
+model = AutoModelForCausalLM.from_pretrained(path)
+print("parent", type(model.model.layers[0].mlp).__name__)
+if sys.argv[2:] == ["spawn"]:
+    child = subprocess.run([sys.executable, __file__, path], capture_output=True, text=True)
+    print(child.stdout.strip().replace("parent", "child"))
+"""
+
+
+def test_run_enables_packs_in_the_program_and_its_children(install, llama_checkpoint, tmp_path) -> None:
+    site = install(PackSpec("mlp", MLP_PACK))
+    program = tmp_path / "train.py"
+    program.write_text(textwrap.dedent(PROGRAM))
+    plain = run(sys.executable, str(program), str(llama_checkpoint), site=site)
+    assert plain.stdout.split() == ["parent", "LlamaMLP"], plain.stderr
+    wrapped = run(HFPATCH, "run", "--", sys.executable, str(program), str(llama_checkpoint), "spawn", site=site)
+    assert wrapped.returncode == 0, wrapped.stderr
+    assert wrapped.stdout.split() == ["parent", "PackMLP", "child", "PackMLP"]
+    off = run(
+        HFPATCH,
+        "run",
+        "--",
+        sys.executable,
+        str(program),
+        str(llama_checkpoint),
+        site=site,
+        env={"HF_PATCH_PACKS": "none"},
+    )
+    assert off.stdout.split() == ["parent", "LlamaMLP"]
+
+
+def test_run_checks_the_selection_and_the_command_first(install) -> None:
+    site = install(PackSpec("mlp", MLP_PACK))
+    bad = run(HFPATCH, "run", "--", sys.executable, "-c", "print(1)", site=site, env={"HF_PATCH_PACKS": "nope"})
+    assert bad.returncode == 2 and "names pack 'nope'" in bad.stderr and bad.stdout == ""
+    missing = run(HFPATCH, "run", "--", "no-such-program-xyz", site=site)
+    assert missing.returncode == 2 and "command not found: no-such-program-xyz" in missing.stderr
+    empty = run(HFPATCH, "run", site=site)
+    assert empty.returncode == 2 and "needs a command" in empty.stderr
+    passthrough = run(HFPATCH, "run", "--", sys.executable, "-c", "import sys; sys.exit(7)", site=site)
+    assert passthrough.returncode == 7
+
+
+@pytest.mark.parametrize("command", [["list"], ["check"]])
+def test_commands_work_with_no_pack_installed(command: list[str], tmp_path: Path) -> None:
+    result = run(HFPATCH, *command, site=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "No pack" in result.stdout
+    assert "torch" not in result.stderr

@@ -19,6 +19,10 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "Claim": "plan",
     "Converter": "conversion",
+    "ConverterConflictError": "errors",
+    "SizedConcatenate": "conversion",
+    "SizedSplit": "conversion",
+    "WeightLayoutError": "errors",
     "DuplicatePackError": "errors",
     "HfPatchError": "errors",
     "InvalidPatchError": "errors",
@@ -44,6 +48,7 @@ _EXPORTS = {
 __all__ = [
     "Claim",
     "Converter",
+    "ConverterConflictError",
     "DuplicatePackError",
     "HfPatchError",
     "InvalidPatchError",
@@ -56,6 +61,9 @@ __all__ = [
     "PatchConflictError",
     "Plan",
     "SelectionError",
+    "SizedConcatenate",
+    "SizedSplit",
+    "WeightLayoutError",
     "__version__",
     "disable",
     "discover",
@@ -69,9 +77,10 @@ __all__ = [
 
 if TYPE_CHECKING:
     from .context import LoadContext
-    from .conversion import Converter
+    from .conversion import Converter, SizedConcatenate, SizedSplit
     from .discovery import PackInfo, discover
     from .errors import (
+        ConverterConflictError,
         DuplicatePackError,
         HfPatchError,
         InvalidPatchError,
@@ -79,6 +88,7 @@ if TYPE_CHECKING:
         PackWarning,
         PatchConflictError,
         SelectionError,
+        WeightLayoutError,
     )
     from .hookspecs import hookimpl, hookspec
     from .patches import Patch

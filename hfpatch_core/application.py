@@ -173,3 +173,54 @@ def apply_registered_patches() -> Iterator[None]:
     mapping = monkey_patching.get_patch_mapping()
     with apply_mapping(mapping):
         yield
+
+
+# --- conversion lists -----------------------------------------------------------------
+
+
+def _conversion_cache() -> dict[str, Any]:
+    from transformers import conversion_mapping
+
+    if conversion_mapping._checkpoint_conversion_mapping_cache is None:
+        conversion_mapping.get_checkpoint_conversion_mapping("llama")  # builds the cache
+    cache: dict[str, Any] | None = conversion_mapping._checkpoint_conversion_mapping_cache
+    assert cache is not None
+    return cache
+
+
+def class_keys_supported() -> bool:
+    """Whether the installed transformers looks conversion lists up by class name (5.24 does, 5.3 does not)."""
+    from transformers import conversion_mapping
+
+    return hasattr(conversion_mapping, "extract_weight_conversions_for_model")
+
+
+@contextmanager
+def registered_conversions(conversions: Any) -> Iterator[None]:
+    """Register composed conversion lists for the block, then put transformers' registry
+    (its lists and its record of user-registered keys) back as it was."""
+    if not conversions:
+        yield
+        return
+    from transformers import conversion_mapping
+
+    with LOAD_LOCK:
+        cache = _conversion_cache()
+        user_keys: set[str] | None = getattr(conversion_mapping, "USER_REGISTERED_MAPPINGS", None)
+        ours: dict[str, list[Any]] = {key: conversions.transforms(key) for key in conversions.lists}
+        before = {key: cache.get(key, _MISSING) for key in ours}
+        user_before = {key: key in user_keys for key in ours} if user_keys is not None else {}
+        try:
+            for key, transforms in ours.items():
+                conversion_mapping.register_checkpoint_conversion_mapping(key, transforms, overwrite=True)
+            yield
+        finally:
+            for key, transforms in ours.items():
+                if cache.get(key, _MISSING) is not transforms:
+                    continue  # re-registered during the load: keep theirs
+                if before[key] is _MISSING:
+                    del cache[key]
+                else:
+                    cache[key] = before[key]
+                if user_keys is not None and not user_before[key]:
+                    user_keys.discard(key)

@@ -6,7 +6,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
-from transformers.core_model_loading import WeightTransform
+from transformers.core_model_loading import ConversionOps, WeightTransform
 
 from .errors import InvalidPatchError
 
@@ -69,3 +69,114 @@ class Converter:
             raise InvalidPatchError(
                 f"Converter({self.key!r}): overwrite must be True or False, got {self.overwrite!r}."
             )
+
+
+def source_patterns_of(transform: Any) -> tuple[str, ...]:
+    """A transform's source patterns as written (before transformers compiles them)."""
+    patterns = getattr(transform, "_original_source_patterns", None) or transform.source_patterns
+    return (patterns,) if isinstance(patterns, str) else tuple(patterns)
+
+
+def target_patterns_of(transform: Any) -> tuple[str, ...]:
+    """A transform's target patterns as written."""
+    patterns = getattr(transform, "_original_target_patterns", None) or transform.target_patterns
+    return (patterns,) if isinstance(patterns, str) else tuple(patterns)
+
+
+def describe_transform(transform: Any) -> str:
+    """``WeightConverter(['a', 'b'] -> ['c'], [Concatenate(dim=0)])`` in one line."""
+    operations = getattr(transform, "operations", None)
+    ops = f", {list(operations)!r}" if operations else ""
+    return (
+        f"{type(transform).__name__}({list(source_patterns_of(transform))!r} -> "
+        f"{list(target_patterns_of(transform))!r}{ops})"
+    )
+
+
+# --- exactly reversible operations -----------------------------------------------------
+
+
+def _sizes(sizes: Sequence[int], what: str) -> tuple[int, ...]:
+    values = tuple(sizes)
+    if not values or not all(isinstance(size, int) and not isinstance(size, bool) and size > 0 for size in values):
+        raise InvalidPatchError(f"{what}: sizes must be positive ints, one per part, got {sizes!r}.")
+    return values
+
+
+class SizedConcatenate(ConversionOps):
+    """Concatenate the source tensors along ``dim``; reverses to :class:`SizedSplit`.
+
+    transformers' ``Concatenate`` reverses to ``Chunk``, which splits into equal parts:
+    a grouped-query ``qkv_proj`` (query wider than key and value) would be saved with
+    wrong shapes.  This operation knows the size of each part, checks them when loading
+    and splits by them when saving.
+
+    Args:
+        dim: the dimension to concatenate along.
+        sizes: the size of each source along ``dim``, in source-pattern order (e.g.
+            ``(num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim)``).
+    """
+
+    def __init__(self, dim: int = 0, sizes: Sequence[int] = ()) -> None:
+        self.dim = dim
+        self.sizes = _sizes(sizes, "SizedConcatenate")
+
+    def __repr__(self) -> str:
+        return f"SizedConcatenate(dim={self.dim}, sizes={list(self.sizes)})"
+
+    def convert(
+        self, input_dict: dict[str, Any], source_patterns: list[str], target_patterns: list[str], **kwargs: Any
+    ) -> dict[str, Any]:
+        import torch
+
+        if len(target_patterns) != 1:
+            raise ValueError(f"{self!r} makes one tensor, got targets {target_patterns}")
+        tensors = []
+        for pattern in source_patterns:
+            if pattern not in input_dict:
+                continue
+            value = input_dict.pop(pattern)
+            tensors.extend(value if isinstance(value, list) else [value])
+        found = tuple(int(tensor.shape[self.dim]) for tensor in tensors)
+        if found != self.sizes:
+            raise ValueError(
+                f"{self!r}: the checkpoint tensors for {source_patterns} have sizes {list(found)} along dim "
+                f"{self.dim}; the converter expects {list(self.sizes)}"
+            )
+        return {target_patterns[0]: torch.cat(tensors, dim=self.dim)}
+
+    @property
+    def reverse_op(self) -> ConversionOps:
+        return SizedSplit(self.dim, self.sizes)
+
+
+class SizedSplit(ConversionOps):
+    """Split one tensor along ``dim`` into parts of the given sizes; reverses to :class:`SizedConcatenate`."""
+
+    def __init__(self, dim: int = 0, sizes: Sequence[int] = ()) -> None:
+        self.dim = dim
+        self.sizes = _sizes(sizes, "SizedSplit")
+
+    def __repr__(self) -> str:
+        return f"SizedSplit(dim={self.dim}, sizes={list(self.sizes)})"
+
+    def convert(
+        self, input_dict: dict[str, Any], source_patterns: list[str], target_patterns: list[str], **kwargs: Any
+    ) -> dict[str, Any]:
+        import torch
+
+        if len(input_dict) != 1 or len(target_patterns) != len(self.sizes):
+            raise ValueError(f"{self!r} splits one tensor into {len(self.sizes)}, got targets {target_patterns}")
+        value = next(iter(input_dict.values()))
+        tensor = value[0] if isinstance(value, list) else value
+        if int(tensor.shape[self.dim]) != sum(self.sizes):
+            raise ValueError(
+                f"{self!r}: tensor of shape {tuple(tensor.shape)} has {tensor.shape[self.dim]} along dim {self.dim}, "
+                f"expected {sum(self.sizes)}"
+            )
+        parts = torch.split(tensor, list(self.sizes), dim=self.dim)
+        return {target: part.contiguous() for target, part in zip(target_patterns, parts, strict=True)}
+
+    @property
+    def reverse_op(self) -> ConversionOps:
+        return SizedConcatenate(self.dim, self.sizes)

@@ -38,5 +38,14 @@ class PatchConflictError(HfPatchError):
     """Two packs claim the same target with the same priority and neither (or both) overwrite."""
 
 
+class ConverterConflictError(HfPatchError):
+    """Two packs' converters claim the same checkpoint tensors with the same priority."""
+
+
+class WeightLayoutError(HfPatchError):
+    """A patched model does not match its checkpoint: a weight would be missing, unexpected,
+    of the wrong shape, or saved in a layout vanilla transformers cannot read."""
+
+
 class PackWarning(UserWarning):
     """A pack was skipped (failure, incompatibility) or one of its claims was not applied."""

@@ -5,8 +5,10 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 from collections.abc import Mapping
+from typing import Any
 
 from .context import LoadContext
+from .conversion import describe_transform
 from .patches import Patch
 
 
@@ -77,6 +79,17 @@ class Plan:
     entries: tuple[Claim, ...] = ()
     lost: tuple[Lost, ...] = ()
     replaced: Mapping[str, Claim] = dataclasses.field(default_factory=dict)
+    conversions: Any = None
+    nested: tuple[Plan, ...] = ()
+
+    def all_plans(self) -> tuple[Plan, ...]:
+        """This plan and the plans of the sub-models loaded inside it."""
+        return (self, *(inner for plan in self.nested for inner in plan.all_plans()))
+
+    @property
+    def touches_weights(self) -> bool:
+        """Whether any plan in this load replaced a class or converts weights."""
+        return any(plan.entries or plan.conversions for plan in self.all_plans())
 
     @property
     def mapping(self) -> dict[str, type]:
@@ -101,17 +114,37 @@ class Plan:
         for claim in self.entries:
             line = f"claim {claim.target!r} {claim.patch.replacement_name} {claim.priority} {claim.patch.overwrite}"
             digest.update(f"{line}\n".encode())
+        if self.conversions:
+            for key, entries in sorted(self.conversions.lists.items()):
+                for entry in entries:
+                    digest.update(f"convert {key} {entry.origin} {describe_transform(entry.transform)}\n".encode())
+        for inner in self.nested:
+            where = inner.context.model_class_name if inner.context else "?"
+            digest.update(f"nested {where} {inner.fingerprint}\n".encode())
         return digest.hexdigest()[:12]
+
+    @property
+    def packs_touching(self) -> dict[str, str]:
+        """For each replacement class name, the pack whose claim put it there."""
+        return {claim.patch.replacement.__name__: claim.pack for claim in self.entries}
 
     def summary(self) -> str:
         """One line for the load log."""
         where = self.context.model_class_name if self.context is not None else "model"
+        converted = ""
+        if self.conversions:
+            converted = "; converters for " + ", ".join(sorted(self.conversions.lists))
+        inner = "".join(
+            f"; inside, {plan.summary().removeprefix('hfpatch: ').rsplit(' (plan', 1)[0]}"
+            for plan in self.nested
+            if plan.entries or plan.conversions
+        )
         if not self.entries:
-            return f"hfpatch: {where}: no patch applied (plan {self.fingerprint})"
+            return f"hfpatch: {where}: no patch applied{converted}{inner} (plan {self.fingerprint})"
         parts = ", ".join(
             f"{name} <- {claim.patch.replacement.__qualname__} [{claim.label}]"
             for name, claim in sorted(self.replaced.items())
         ) or ", ".join(
             f"{claim.target!r} <- {claim.patch.replacement.__qualname__} [{claim.label}]" for claim in self.entries
         )
-        return f"hfpatch: {where}: {parts} (plan {self.fingerprint})"
+        return f"hfpatch: {where}: {parts}{converted}{inner} (plan {self.fingerprint})"

@@ -8,6 +8,8 @@ exception-safe application in for ``transformers.modeling_utils.apply_patches``.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import functools
 import logging
 import sys
@@ -22,11 +24,13 @@ import transformers
 from transformers import PretrainedConfig, PreTrainedModel, modeling_utils, monkey_patching
 
 from . import application
-from .application import LOAD_LOCK, apply_mapping, registered
+from .application import LOAD_LOCK, apply_mapping, registered, registered_conversions
+from .composition import compose_for
 from .context import LoadContext
-from .errors import HfPatchError, PackWarning
+from .errors import HfPatchError, PackError, PackWarning
 from .gathering import PackSet
-from .plan import Plan
+from .layout import check_loading_info, guard_saving, reversible_conversions
+from .plan import Claim, Plan
 from .resolution import resolve
 from .selection import Selection, current_selection
 from .settings import strict_from_env
@@ -75,7 +79,7 @@ class Session:
         self._local = threading.local()
 
     # nesting ------------------------------------------------------------------------
-    def _frames(self) -> list[tuple[LoadContext, frozenset[str]]]:
+    def _frames(self) -> list[_Frame]:
         frames = getattr(self._local, "frames", None)
         if frames is None:
             frames = self._local.frames = []
@@ -85,10 +89,10 @@ class Session:
     def current(self) -> LoadContext | None:
         """The context of the innermost load running on this thread."""
         frames = self._frames()
-        return frames[-1][0] if frames else None
+        return frames[-1].plan.context if frames else None
 
     def _owned(self) -> frozenset[str]:
-        return frozenset().union(*(keys for _, keys in self._frames()))
+        return frozenset().union(*(frozenset(frame.plan.mapping) for frame in self._frames()))
 
     # reporting ----------------------------------------------------------------------
     def _report(self, errors: Iterable[HfPatchError]) -> None:
@@ -111,7 +115,7 @@ class Session:
         """
         gathered = self.packs.gather(context, self.selection.spec.priority_offsets)
         self._report([*self.selection.problems, *gathered.failures])
-        return resolve(
+        plan = resolve(
             gathered.claims,
             context=context,
             registered=monkey_patching.get_patch_mapping(),
@@ -119,23 +123,98 @@ class Session:
             class_names=class_names,
             packs=gathered.packs,
         )
+        conversions = compose_for(context, gathered.converters, self.selection.spec.priority_offsets)
+        self._report(
+            PackError(
+                claim.pack,
+                f"pack {claim.pack!r}: converter for {claim.key!r} replaces {pattern!r}, "
+                "which matches no transform registered for that key; check the source pattern.",
+            )
+            for claim, pattern in conversions.unmatched
+        )
+        return dataclasses.replace(plan, conversions=conversions)
 
     @contextmanager
-    def applied(self, context: LoadContext, class_names: Iterable[str] = ()) -> Iterator[Plan]:
-        """Plan ``context`` and keep the plan registered for the block (lock held)."""
+    def applied(self, context: LoadContext, class_names: Iterable[str] = ()) -> Iterator[_Frame]:
+        """Plan ``context`` and keep the plan registered for the block (lock held).
+
+        A load nested in another on the same thread (a composite model's text model)
+        registers its patches for its own block, but its converters until the outermost
+        load ends: transformers collects the conversions of every sub-model only after
+        the whole model is built.
+        """
         with LOAD_LOCK:
             plan = self.plan(context, class_names)
             frames = self._frames()
-            frames.append((context, frozenset(plan.mapping)))
+            root = frames[0] if frames else None
+            frame = _Frame(plan)
+            frames.append(frame)
             try:
-                with registered(plan):
-                    yield plan
+                with frame.cleanup:
+                    (root or frame).cleanup.enter_context(registered_conversions(plan.conversions))
+                    if root is not None:
+                        root.nested.append(plan)
+                    with registered(plan):
+                        yield frame
             finally:
                 frames.pop()
 
 
+@dataclasses.dataclass
+class _Frame:
+    """One load in progress on this thread."""
+
+    plan: Plan
+    nested: list[Plan] = dataclasses.field(default_factory=list)
+    cleanup: contextlib.ExitStack = dataclasses.field(default_factory=contextlib.ExitStack)
+
+    def final_plan(self) -> Plan:
+        return dataclasses.replace(self.plan, nested=tuple(self.nested)) if self.nested else self.plan
+
+
+def _blame(exc: BaseException, plan: Plan) -> PackError | None:
+    """A PackError naming the replacement class whose code raised ``exc``, if one did."""
+    claims: dict[type, Claim] = {claim.patch.replacement: claim for each in plan.all_plans() for claim in each.entries}
+    culprit = None
+    traceback = exc.__traceback__
+    while traceback is not None:
+        owner = traceback.tb_frame.f_locals.get("self")
+        if type(owner) in claims:
+            culprit = claims[type(owner)]
+        traceback = traceback.tb_next
+    if culprit is None:
+        return None
+    where = plan.context.model_class_name if plan.context else "the model"
+    return PackError(
+        culprit.pack,
+        f"pack {culprit.pack!r}: {culprit.patch.replacement_name} (replacing {culprit.target!r}) raised "
+        f"{type(exc).__name__}: {exc} while building {where}; the load was undone, nothing is left patched.",
+    )
+
+
 _active: Session | None = None
 _state_lock = threading.Lock()
+_suspension = threading.local()
+
+
+@contextmanager
+def suspended() -> Iterator[None]:
+    """Build vanilla models inside the block: loads on this thread skip hfpatch."""
+    previous = getattr(_suspension, "active", False)
+    _suspension.active = True
+    try:
+        yield
+    finally:
+        _suspension.active = previous
+
+
+def _live_session() -> Session | None:
+    session = _active
+    if session is None or not session.selection.packs or getattr(_suspension, "active", False):
+        return None
+    return session
+
+
 _originals: dict[str, Any] = {}
 
 
@@ -177,15 +256,38 @@ def _config_for(cls: type, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any
         return None
 
 
-def _managed(cls: type, config: Any, load: Callable[[], Any]) -> Any:
-    session = _active
-    if session is None or not session.selection.packs:
+def _managed(cls: type, config: Any, load: Callable[[], Any], *, loading_info: bool = False) -> Any:
+    """Run ``load`` with the session's plan for ``cls`` registered.
+
+    ``loading_info``: ``load`` returns ``(model, info)`` (``from_pretrained`` asked for
+    ``output_loading_info``), used to check that every weight a pack touches was loaded.
+    """
+    session = _live_session()
+    if session is None:
         return load()
     context = LoadContext.for_model(cls, config, parent=session.current)
-    with session.applied(context, _module_class_names(cls)) as plan:
-        model = load()
+    with session.applied(context, _module_class_names(cls)) as frame:
+        try:
+            result = load()
+        except HfPatchError:
+            raise
+        except Exception as exc:
+            blamed = _blame(exc, frame.final_plan())
+            if blamed is None:
+                raise
+            raise blamed from exc
+        plan = frame.final_plan()
+        model, info = result if loading_info else (result, None)
+        is_root = len(session._frames()) == 1  # sub-models are checked with the model holding them
+        if isinstance(model, nn.Module) and is_root:
+            if info is not None and plan.touches_weights:
+                check_loading_info(model, plan, info)
+            if info is None and plan.conversions and getattr(model, "_weight_conversions", None) is None:
+                # built from a config: keep the conversions that saving must reverse
+                object.__setattr__(model, "_weight_conversions", reversible_conversions(model))
+            guard_saving(model, plan)
     _attach(model, plan)
-    return model
+    return result
 
 
 def _wrap_from_pretrained(original: classmethod) -> classmethod:
@@ -193,11 +295,14 @@ def _wrap_from_pretrained(original: classmethod) -> classmethod:
 
     @functools.wraps(function)
     def from_pretrained(cls: type, *args: Any, **kwargs: Any) -> Any:
-        session = _active
-        if session is None or not session.selection.packs:
+        if _live_session() is None:
             return function(cls, *args, **kwargs)
         config = _config_for(cls, args, kwargs)
-        return _managed(cls, config, lambda: function(cls, *args, **kwargs))
+        wanted = bool(kwargs.pop("output_loading_info", False))
+        result = _managed(
+            cls, config, lambda: function(cls, *args, output_loading_info=True, **kwargs), loading_info=True
+        )
+        return result if wanted else result[0]
 
     return classmethod(from_pretrained)
 
@@ -316,8 +421,8 @@ def patched(config_or_model_type: Any, *, model_class: type | None = None) -> It
     """
     session = _active or new_session()
     context, class_names = _context_for_manual(config_or_model_type, model_class)
-    with session.applied(context, class_names) as plan, apply_mapping(monkey_patching.get_patch_mapping()):
-        yield plan
+    with session.applied(context, class_names) as frame, apply_mapping(monkey_patching.get_patch_mapping()):
+        yield frame.plan
 
 
 def plan_of(model: object) -> Plan | None:

@@ -118,3 +118,112 @@ def provide_patches(context):
         return [Patch({target!r}, {class_name}, priority={priority}, overwrite={overwrite})]
     return []
 """
+
+
+def fused_qkv_pack(
+    *, converter: str = "sized", priority: int = 0, class_name: str = "FusedQKVAttention", key: str = "llama"
+) -> str:
+    """A pack fusing LlamaAttention's q/k/v projections into one ``qkv_proj``.
+
+    ``converter``: ``"sized"`` (exact), ``"chunk"`` (transformers' Concatenate, whose
+    reverse splits equally: wrong for grouped-query attention) or ``"none"``.
+    """
+    return f"""
+import torch
+from torch import nn
+from hfpatch_core import Converter, Patch, hookimpl
+from hfpatch_core.conversion import SizedConcatenate
+from transformers.core_model_loading import Concatenate, WeightConverter
+from transformers.models.llama.modeling_llama import LlamaAttention
+
+
+class _Slice(nn.Module):
+    def __init__(self, owner, index):
+        super().__init__()
+        self.index = index
+        object.__setattr__(self, "owner", owner)
+
+    def forward(self, hidden_states):
+        return self.owner._parts[self.index]
+
+
+class {class_name}(LlamaAttention):
+    def __init__(self, config, layer_idx):
+        super().__init__(config, layer_idx)
+        q = config.num_attention_heads * self.head_dim
+        kv = config.num_key_value_heads * self.head_dim
+        self.sizes = (q, kv, kv)
+        del self.q_proj, self.k_proj, self.v_proj
+        self.qkv_proj = nn.Linear(config.hidden_size, q + 2 * kv, bias=config.attention_bias)
+        self.q_proj, self.k_proj, self.v_proj = (_Slice(self, i) for i in range(3))
+
+    def forward(self, hidden_states, *args, **kwargs):
+        self._parts = self.qkv_proj(hidden_states).split(self.sizes, dim=-1)
+        try:
+            return super().forward(hidden_states, *args, **kwargs)
+        finally:
+            del self._parts
+
+
+@hookimpl
+def provide_patches(context):
+    if context.model_type != "llama":
+        return []
+    return [Patch("LlamaAttention", {class_name}, priority={priority})]
+
+
+@hookimpl
+def provide_converters(context):
+    if context.model_type != "llama" or {converter!r} == "none":
+        return []
+    config = context.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    sizes = (config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim,
+             config.num_key_value_heads * head_dim)
+    op = SizedConcatenate(dim=0, sizes=sizes) if {converter!r} == "sized" else Concatenate(dim=0)
+    fuse = WeightConverter(
+        source_patterns=["self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"],
+        target_patterns="self_attn.qkv_proj.weight",
+        operations=[op],
+    )
+    return [Converter({key!r}, [fuse], priority={priority})]
+"""
+
+
+FUSED_MLP_PACK = """
+import torch
+from torch import nn
+from hfpatch_core import Converter, Patch, hookimpl
+from hfpatch_core.conversion import SizedConcatenate
+from transformers.core_model_loading import WeightConverter
+from transformers.models.llama.modeling_llama import LlamaMLP
+
+
+class FusedGateUpMLP(LlamaMLP):
+    def __init__(self, config):
+        super().__init__(config)
+        del self.gate_proj, self.up_proj
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
+
+    def forward(self, x):
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(self.act_fn(gate) * up)
+
+
+@hookimpl
+def provide_patches(context):
+    return [Patch("LlamaMLP", FusedGateUpMLP)] if context.model_type == "llama" else []
+
+
+@hookimpl
+def provide_converters(context):
+    if context.model_type != "llama":
+        return []
+    size = context.config.intermediate_size
+    fuse = WeightConverter(
+        source_patterns=["mlp.gate_proj.weight", "mlp.up_proj.weight"],
+        target_patterns="mlp.gate_up_proj.weight",
+        operations=[SizedConcatenate(dim=0, sizes=(size, size))],
+    )
+    return [Converter("llama", [fuse])]
+"""

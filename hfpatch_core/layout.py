@@ -1,0 +1,197 @@
+"""Making sure a patched model loads every weight and saves the original layout.
+
+After a patched load, any missing, unexpected or mismatched key under a module a pack
+touched is a :class:`~hfpatch_core.errors.WeightLayoutError` (transformers would only
+warn, leaving randomly initialised weights).  Before a patched model is saved, the
+reversed conversions are run on meta tensors and the result compared with the layout
+vanilla transformers gives the same config: a difference is an error instead of a
+checkpoint vanilla transformers cannot read.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+import sys
+import types
+import warnings
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from .composition import BUILTIN
+from .conversion import source_patterns_of, target_patterns_of
+from .errors import PackWarning, WeightLayoutError
+from .plan import Plan
+
+#: The attribute of a patched model holding the unbound ``save_pretrained`` it shadows.
+_SAVE_GUARD = "_hfpatch_save_guard"
+
+
+def _module_owners(model: nn.Module, plan: Plan) -> dict[str, str]:
+    """Module path -> pack, for every module whose class a pack put there."""
+    by_class = {claim.patch.replacement: claim.pack for each in plan.all_plans() for claim in each.entries}
+    owners = {}
+    for name, module in model.named_modules():
+        pack = by_class.get(type(module))
+        if pack is not None:
+            owners[name] = pack
+    return owners
+
+
+def _converter_owner(key: str, plan: Plan) -> str | None:
+    lists = [entries for each in plan.all_plans() if each.conversions for entries in each.conversions.lists.values()]
+    for entries in lists:
+        for entry in entries:
+            if entry.origin == BUILTIN:
+                continue
+            for pattern in (*source_patterns_of(entry.transform), *target_patterns_of(entry.transform)):
+                try:
+                    if re.search(pattern.replace("*", r"\d+"), key):
+                        return str(entry.origin)
+                except re.error:
+                    continue
+    return None
+
+
+def owner_of(key: str, owners: Mapping[str, str], plan: Plan, prefix: str = "") -> str | None:
+    """The pack whose patch (a replaced ancestor module) or converter touches checkpoint key ``key``."""
+    candidates = [key, key.removeprefix(prefix + ".")] if prefix else [key]
+    for candidate in candidates:
+        parts = candidate.split(".")
+        for end in range(len(parts) - 1, -1, -1):
+            path = ".".join(parts[:end])
+            if path in owners:
+                return owners[path]
+    return _converter_owner(key, plan)
+
+
+def check_loading_info(model: nn.Module, plan: Plan, info: Mapping[str, Any]) -> None:
+    """Raise :class:`WeightLayoutError` for every reported key a pack is responsible for."""
+    owners = _module_owners(model, plan)
+    prefix = getattr(model, "base_model_prefix", "") or ""
+    problems = []
+    for kind, label in (
+        ("missing_keys", "missing from the checkpoint (left randomly initialised)"),
+        ("unexpected_keys", "in the checkpoint but not used by the model"),
+        ("mismatched_keys", "of a different shape in the checkpoint"),
+    ):
+        for entry in sorted(info.get(kind) or (), key=str):
+            key = entry[0] if isinstance(entry, tuple) else str(entry)
+            pack = owner_of(key, owners, plan, prefix)
+            if pack is not None:
+                problems.append(f"{key}: {label}; touched by pack {pack!r}")
+    if problems:
+        shown = "\n  ".join(problems[:20])
+        more = f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else ""
+        raise WeightLayoutError(
+            f"{type(model).__name__}: the patched model does not match the checkpoint ({len(problems)} keys):\n"
+            f"  {shown}{more}\nThe pack needs a converter (provide_converters) that maps these checkpoint "
+            "tensors onto its modules, or a patch that keeps the original parameter names and shapes."
+        )
+
+
+def _meta_state_dict(model: Any) -> dict[str, torch.Tensor]:
+    from transformers.modeling_utils import remove_tied_weights_from_state_dict
+
+    state = {
+        key: torch.empty(value.shape, dtype=value.dtype, device="meta") for key, value in model.state_dict().items()
+    }
+    return dict(remove_tied_weights_from_state_dict(state, model))
+
+
+def _original_class(model: nn.Module, plan: Plan) -> type:
+    cls = type(model)
+    for name, claim in plan.replaced.items():
+        if claim.patch.replacement is cls:
+            original = getattr(sys.modules.get(cls.__module__), name, None) or getattr(
+                sys.modules.get(cls.__mro__[1].__module__), name, None
+            )
+            if isinstance(original, type):
+                return original
+    return cls
+
+
+def vanilla_layout(model: nn.Module, plan: Plan) -> dict[str, tuple[int, ...]]:
+    """Names and shapes vanilla transformers saves for a model of this class and config (on meta tensors)."""
+    from .session import suspended
+
+    with suspended(), torch.device("meta"):
+        vanilla = _original_class(model, plan)(copy.deepcopy(model.config))
+    return planned_save_layout(vanilla)
+
+
+def planned_save_layout(model: Any) -> dict[str, tuple[int, ...]]:
+    """Names and shapes ``save_pretrained`` would write, computed on meta tensors."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    reverted = revert_weight_conversion(model, _meta_state_dict(model))
+    return {key: tuple(value.shape) for key, value in reverted.items()}
+
+
+def layout_differences(written: Mapping[str, tuple[int, ...]], expected: Mapping[str, tuple[int, ...]]) -> list[str]:
+    problems = []
+    for key in sorted(set(written) | set(expected)):
+        if key not in expected:
+            problems.append(f"{key}: would be written, vanilla transformers has no such weight")
+        elif key not in written:
+            problems.append(f"{key}: vanilla transformers expects it, it would not be written")
+        elif written[key] != expected[key]:
+            problems.append(f"{key}: would be written as {written[key]}, the original layout is {expected[key]}")
+    return problems
+
+
+def verify_save_layout(model: nn.Module, plan: Plan) -> None:
+    """Raise :class:`WeightLayoutError` if saving ``model`` would not write the original layout."""
+    try:
+        written = planned_save_layout(model)
+        expected = vanilla_layout(model, plan)
+    except Exception as exc:  # an operation that cannot run on meta tensors
+        warnings.warn(
+            f"hfpatch could not check the layout {type(model).__name__} will be saved in "
+            f"({type(exc).__name__}: {exc}); saving without the check.",
+            PackWarning,
+            stacklevel=3,
+        )
+        return
+    problems = layout_differences(written, expected)
+    if problems:
+        owners = _module_owners(model, plan)
+        prefix = getattr(model, "base_model_prefix", "") or ""
+        described = []
+        for problem in problems[:20]:
+            pack = owner_of(problem.split(":")[0], owners, plan, prefix)
+            described.append(problem + (f" (pack {pack!r})" if pack else ""))
+        more = f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else ""
+        raise WeightLayoutError(
+            f"refusing to save {type(model).__name__}: the packs' conversions do not reverse to the original "
+            f"layout ({len(problems)} weights):\n  " + "\n  ".join(described) + more + "\nUse an exactly "
+            "reversible operation (hfpatch_core.conversion.SizedConcatenate / SizedSplit) in the pack's "
+            "converter, or save with save_original_format=False to write the patched layout."
+        )
+
+
+def _guarded_save_pretrained(self: Any, *args: Any, **kwargs: Any) -> Any:
+    plan = getattr(self, "hfpatch_plan", None)
+    if plan is not None and kwargs.get("save_original_format", True):
+        verify_save_layout(self, plan)
+    return type(self).save_pretrained(self, *args, **kwargs)
+
+
+def guard_saving(model: nn.Module, plan: Plan) -> None:
+    """Make ``model.save_pretrained`` check the layout first (this instance only)."""
+    if not plan.touches_weights:
+        return
+    object.__setattr__(model, "save_pretrained", types.MethodType(_guarded_save_pretrained, model))
+    object.__setattr__(model, _SAVE_GUARD, True)
+
+
+def reversible_conversions(model: Any) -> list[Any]:
+    """The conversions a model built from a config should save with (``get_model_conversion_mapping``)."""
+    from transformers import core_model_loading
+    from transformers.conversion_mapping import get_model_conversion_mapping
+
+    prefix_change = getattr(core_model_loading, "PrefixChange", ())
+    return [t for t in get_model_conversion_mapping(model, add_legacy=False) if not isinstance(t, prefix_change)]

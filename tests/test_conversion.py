@@ -1,0 +1,212 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import tiny_llama_config
+from packs import FUSED_MLP_PACK, PackSpec, fused_qkv_pack
+from safetensors import safe_open
+from transformers import AutoModelForCausalLM, LlamaForCausalLM, conversion_mapping
+from transformers.core_model_loading import WeightRenaming
+
+import hfpatch_core
+from hfpatch_core import ConverterConflictError, PackWarning, WeightLayoutError, plan_of
+from hfpatch_core.composition import BUILTIN, ConverterClaim, compose
+from hfpatch_core.conversion import Converter, SizedConcatenate, SizedSplit
+
+
+def tensors(path: Path) -> dict[str, torch.Tensor]:
+    with safe_open(str(path / "model.safetensors"), framework="pt") as handle:
+        return {key: handle.get_tensor(key) for key in handle.keys()}  # noqa: SIM118
+
+
+def logits(model) -> torch.Tensor:
+    ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        return model(ids).logits
+
+
+def registry_state() -> tuple[dict, set]:
+    conversion_mapping.get_checkpoint_conversion_mapping("llama")
+    cache = dict(conversion_mapping._checkpoint_conversion_mapping_cache)
+    user = set(getattr(conversion_mapping, "USER_REGISTERED_MAPPINGS", set()))
+    return cache, user
+
+
+def test_sized_ops_reverse_exactly() -> None:
+    q, k, v = torch.randn(32, 8), torch.randn(16, 8), torch.randn(16, 8)
+    fuse = SizedConcatenate(dim=0, sizes=(32, 16, 16))
+    fused = fuse.convert({"q": [q], "k": [k], "v": [v]}, ["q", "k", "v"], ["qkv"])["qkv"]
+    parts = fuse.reverse_op.convert({"qkv": fused}, ["qkv"], ["q", "k", "v"])
+    assert [tuple(parts[name].shape) for name in "qkv"] == [(32, 8), (16, 8), (16, 8)]
+    assert torch.equal(parts["k"], k) and isinstance(fuse.reverse_op, SizedSplit)
+    assert isinstance(fuse.reverse_op.reverse_op, SizedConcatenate)
+    with pytest.raises(ValueError, match=r"have sizes \[32, 16\] along dim 0; the converter expects \[32, 16, 16\]"):
+        fuse.convert({"q": [q], "k": [k]}, ["q", "k", "v"], ["qkv"])
+    with pytest.raises(hfpatch_core.InvalidPatchError, match="sizes must be positive ints"):
+        SizedSplit(0, (3, 0))
+
+
+def test_grouped_query_fused_qkv_loads_and_saves_the_original_layout(install, tmp_path, snapshot) -> None:
+    """4 query heads, 2 key/value heads, head_dim 8: q is (32, 32), k and v are (16, 32)."""
+    torch.manual_seed(0)
+    source = tmp_path / "source"
+    LlamaForCausalLM(tiny_llama_config(num_hidden_layers=2)).save_pretrained(source)
+    vanilla = AutoModelForCausalLM.from_pretrained(source)
+    conversions_before = registry_state()
+    install(PackSpec("qkv", fused_qkv_pack()))
+    hfpatch_core.enable()
+    model = AutoModelForCausalLM.from_pretrained(source)
+    attention = model.model.layers[0].self_attn
+    assert type(attention).__name__ == "FusedQKVAttention" and tuple(attention.qkv_proj.weight.shape) == (64, 32)
+    torch.testing.assert_close(logits(model), logits(vanilla), rtol=0, atol=1e-5)
+    assert registry_state() == conversions_before  # the converter was registered for the load only
+    snapshot.assert_unchanged()
+    plan = plan_of(model)
+    assert [entry.origin for entry in plan.conversions.lists["llama"]] == ["qkv"]
+
+    saved = tmp_path / "saved"
+    model.save_pretrained(saved)
+    original, written = tensors(source), tensors(saved)
+    assert {k: tuple(v.shape) for k, v in written.items()} == {k: tuple(v.shape) for k, v in original.items()}
+    assert all(torch.equal(written[key], original[key]) for key in original)
+    hfpatch_core.disable()
+    torch.testing.assert_close(logits(AutoModelForCausalLM.from_pretrained(saved)), logits(vanilla), rtol=0, atol=1e-5)
+
+
+def test_equal_chunk_reversal_is_caught_before_writing(install, llama_checkpoint, tmp_path) -> None:
+    install(PackSpec("qkv", fused_qkv_pack(converter="chunk")))
+    hfpatch_core.enable()
+    model = AutoModelForCausalLM.from_pretrained(llama_checkpoint)
+    with pytest.raises(WeightLayoutError) as caught:
+        model.save_pretrained(tmp_path / "out")
+    message = str(caught.value)
+    # torch.chunk splits the fused 64 rows into 22, 22 and 20 instead of 32, 16 and 16
+    assert "model.layers.0.self_attn.q_proj.weight: would be written as (22, 32), the original layout is (32, 32)" in (
+        message
+    )
+    assert "model.layers.1.self_attn.k_proj.weight: would be written as (22, 32), the original layout is (16, 32)" in (
+        message
+    )
+    assert "SizedConcatenate" in message
+    assert not (tmp_path / "out" / "model.safetensors").exists()
+    model.save_pretrained(tmp_path / "fused", save_original_format=False)  # an explicit opt-out still works
+    assert "model.layers.0.self_attn.qkv_proj.weight" in tensors(tmp_path / "fused")
+
+
+def test_a_missing_converter_is_a_weight_layout_error_naming_key_and_pack(install, llama_checkpoint, snapshot) -> None:
+    install(PackSpec("qkv", fused_qkv_pack(converter="none")))
+    hfpatch_core.enable()
+    with pytest.raises(WeightLayoutError) as caught:
+        AutoModelForCausalLM.from_pretrained(llama_checkpoint)
+    message = str(caught.value)
+    assert "model.layers.0.self_attn.qkv_proj.weight: missing from the checkpoint" in message
+    assert "model.layers.1.self_attn.q_proj.weight: in the checkpoint but not used by the model" in message
+    assert "touched by pack 'qkv'" in message and "provide_converters" in message
+    snapshot.assert_unchanged()
+
+
+def test_two_packs_converting_one_model_type_compose(install, llama_checkpoint, tmp_path) -> None:
+    install(PackSpec("qkv", fused_qkv_pack()), PackSpec("gateup", FUSED_MLP_PACK))
+    vanilla = AutoModelForCausalLM.from_pretrained(llama_checkpoint)
+    hfpatch_core.enable()
+    model = AutoModelForCausalLM.from_pretrained(llama_checkpoint)
+    assert type(model.model.layers[0].mlp).__name__ == "FusedGateUpMLP"
+    assert sorted(entry.origin for entry in plan_of(model).conversions.lists["llama"]) == ["gateup", "qkv"]
+    torch.testing.assert_close(logits(model), logits(vanilla), rtol=0, atol=1e-5)
+    model.save_pretrained(tmp_path / "saved")
+    assert set(tensors(tmp_path / "saved")) == set(tensors(llama_checkpoint))
+
+
+def test_two_packs_converting_the_same_tensors_conflict_or_follow_priority(install, llama_checkpoint) -> None:
+    install(
+        PackSpec("one", fused_qkv_pack(class_name="OneAttention", priority=0)),
+        PackSpec("two", fused_qkv_pack(class_name="TwoAttention", priority=0)),
+    )
+    hfpatch_core.enable()
+    with pytest.raises(hfpatch_core.PatchConflictError):  # their patches tie first
+        AutoModelForCausalLM.from_pretrained(llama_checkpoint)
+    claims = [
+        ConverterClaim(pack, "1", Converter("llama", [WeightRenaming("mlp.fc", "mlp.proj")]), 0) for pack in ("a", "b")
+    ]
+    with pytest.raises(ConverterConflictError) as caught:
+        compose(claims, builtin=lambda key: None)
+    assert "packs 'a' and 'b' both convert checkpoint tensors ['mlp.fc'] for 'llama'" in str(caught.value)
+    assert "HF_PATCH_PACKS=all,a@+1" in str(caught.value)
+    raised = [claims[0], ConverterClaim("b", "1", claims[1].converter, 5)]
+    result = compose(raised, builtin=lambda key: None)
+    assert [claim.pack for claim in result.claims] == ["b"] and "priority 0 < 5" in result.lost[0][1]
+    hfpatch_core.enable("all,two@+1")
+    model = AutoModelForCausalLM.from_pretrained(llama_checkpoint)
+    assert type(model.model.layers[0].self_attn).__name__ == "TwoAttention"
+    assert [entry.origin for entry in plan_of(model).conversions.lists["llama"]] == ["two"]
+
+
+def test_replaces_removes_a_builtin_transform_and_the_rest_stays() -> None:
+    builtin = conversion_mapping.get_checkpoint_conversion_mapping("qwen2_moe")
+    assert builtin is not None and len(builtin) == 2
+    converter = Converter("qwen2_moe", [], replaces=("mlp.experts.*.gate_proj.weight",))
+    result = compose(
+        [ConverterClaim("experts", "1", converter, 0)], builtin=conversion_mapping.get_checkpoint_conversion_mapping
+    )
+    remaining = result.lists["qwen2_moe"]
+    assert [entry.origin for entry in remaining] == [BUILTIN]
+    assert remaining[0].transform.target_patterns == builtin[1].target_patterns
+    assert [removal.pattern for removal in result.removed] == ["mlp.experts.*.gate_proj.weight"]
+    unmatched = compose(
+        [ConverterClaim("typo", "1", Converter("qwen2_moe", [], replaces=("mlp.expert.*.gate",)), 0)],
+        builtin=conversion_mapping.get_checkpoint_conversion_mapping,
+    )
+    assert unmatched.unmatched[0][1] == "mlp.expert.*.gate" and len(unmatched.lists["qwen2_moe"]) == 2
+
+
+def test_class_name_keys_take_precedence_and_keep_the_model_type_list() -> None:
+    claims = [
+        ConverterClaim("typed", "1", Converter("qwen2_moe", [WeightRenaming("a", "b")]), 0),
+        ConverterClaim("classy", "1", Converter("Qwen2MoeForCausalLM", [WeightRenaming("c", "d")]), 1),
+    ]
+    result = compose(
+        claims,
+        builtin=conversion_mapping.get_checkpoint_conversion_mapping,
+        model_types=["qwen2_moe"],
+        class_model_types={"Qwen2MoeForCausalLM": "qwen2_moe"},
+    )
+    assert [entry.origin for entry in result.lists["Qwen2MoeForCausalLM"]] == ["classy", "typed", BUILTIN, BUILTIN]
+    assert [entry.origin for entry in result.lists["qwen2_moe"]] == ["typed", BUILTIN, BUILTIN]
+    folded = compose(
+        claims,
+        builtin=conversion_mapping.get_checkpoint_conversion_mapping,
+        model_types=["qwen2_moe"],
+        class_model_types={"Qwen2MoeForCausalLM": "qwen2_moe"},
+        class_keys_supported=False,
+    )
+    assert list(folded.lists) == ["qwen2_moe"]
+    assert [entry.origin for entry in folded.lists["qwen2_moe"]] == ["classy", "typed", BUILTIN, BUILTIN]
+
+
+def test_a_replaces_entry_that_matches_nothing_warns(install, llama_checkpoint) -> None:
+    source = """
+from hfpatch_core import Converter, hookimpl
+@hookimpl
+def provide_converters(context):
+    return [Converter(context.model_type, [], replaces=("no.such.pattern",))]
+"""
+    install(PackSpec("typo", source))
+    hfpatch_core.enable()
+    with pytest.warns(PackWarning, match=r"replaces 'no.such.pattern', which matches no transform"):
+        AutoModelForCausalLM.from_pretrained(llama_checkpoint)
+
+
+def test_from_config_models_save_through_the_packs_conversions(install, tmp_path) -> None:
+    install(PackSpec("qkv", fused_qkv_pack()))
+    hfpatch_core.enable()
+    config = tiny_llama_config()
+    model = AutoModelForCausalLM.from_config(config)
+    assert type(model.model.layers[0].self_attn).__name__ == "FusedQKVAttention"
+    model.save_pretrained(tmp_path / "saved")
+    hfpatch_core.disable()
+    written = tensors(tmp_path / "saved")
+    assert tuple(written["model.layers.0.self_attn.k_proj.weight"].shape) == (16, 32)
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "saved")
+    torch.testing.assert_close(logits(reloaded), logits(model), rtol=0, atol=1e-5)

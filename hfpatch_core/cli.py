@@ -74,6 +74,7 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 
 def cmd_explain(args: argparse.Namespace) -> int:
+    from .conversion import describe_transform
     from .inspection import explain
     from .session import new_session
 
@@ -107,6 +108,16 @@ def cmd_explain(args: argparse.Namespace) -> int:
         print("\nClaims that match no class of this model:")
         for claim in explanation.unused:
             print(f"  {claim.describe()}")
+    conversions = plan.conversions
+    if conversions:
+        for key, entries in conversions.lists.items():
+            print(f"\nConversions for {key!r} (first matching converter wins):")
+            for entry in entries:
+                print(f"  {entry.describe()}")
+        for removal in conversions.removed:
+            print(f"  removed by {removal.pack!r}: {describe_transform(removal.transform)} [transformers]")
+        for claim, reason in conversions.lost:
+            print(f"  not applied: {claim.describe()}: {reason}")
     for warning in explanation.warnings:
         print(f"\nwarning: {warning}")
     return EXIT_OK

@@ -17,6 +17,7 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_MAPPING_NAMES
 
 from .context import LoadContext
+from .conversion import describe_transform
 from .errors import HfPatchError, PatchConflictError
 from .plan import Claim, Plan
 from .resolution import find_replacement, matches, resolve
@@ -117,6 +118,14 @@ class Explanation:
                 {"claim": _claim_json(lost.claim), "class": lost.class_name, "reason": lost.reason}
                 for lost in self.plan.lost
             ],
+            "conversions": {
+                key: [{"transform": describe_transform(entry.transform), "from": entry.origin} for entry in entries]
+                for key, entries in (self.plan.conversions.lists.items() if self.plan.conversions else ())
+            },
+            "conversions_removed": [
+                {"key": removal.key, "transform": describe_transform(removal.transform), "by": removal.pack}
+                for removal in (self.plan.conversions.removed if self.plan.conversions else ())
+            ],
             "warnings": list(self.warnings),
         }
 
@@ -158,7 +167,6 @@ def _nesting_warnings(model: nn.Module, plan: Plan) -> list[str]:
 def explain(model: str, session: Session, *, registered: Mapping[str, type] | None = None) -> Explanation:
     """Build ``model`` (a checkpoint directory or a model type) on the meta device and
     report, for every module class in it, what the session's packs would do."""
-    from transformers import monkey_patching
 
     config = load_config(model)
     model_class = model_class_for(config)
@@ -168,15 +176,13 @@ def explain(model: str, session: Session, *, registered: Mapping[str, type] | No
     for module in instance.modules():
         counts[type(module).__name__] = counts.get(type(module).__name__, 0) + 1
     context = LoadContext.for_model(model_class, config)
-    gathered = session.packs.gather(context, session.selection.spec.priority_offsets)
-    session._report([*session.selection.problems, *gathered.failures])
-    plan = resolve(
-        gathered.claims,
-        context=context,
-        registered=monkey_patching.get_patch_mapping() if registered is None else registered,
-        class_names=counts,
-        packs=gathered.packs,
-    )
+    if registered is not None:
+        gathered = session.packs.gather(context, session.selection.spec.priority_offsets)
+        plan = resolve(
+            gathered.claims, context=context, registered=registered, class_names=counts, packs=gathered.packs
+        )
+    else:
+        plan = session.plan(context, counts)
     lost_by_class: dict[str, list[str]] = {}
     for lost in plan.lost:
         for name in [lost.class_name] if lost.class_name else _matching(lost.claim, counts):

@@ -23,7 +23,7 @@ import torch.nn as nn
 import transformers
 from transformers import PretrainedConfig, PreTrainedModel, modeling_utils, monkey_patching
 
-from . import application
+from . import application, recorders
 from .application import LOAD_LOCK, apply_mapping, registered, registered_conversions
 from .composition import compose_for
 from .context import LoadContext
@@ -266,7 +266,7 @@ def _managed(cls: type, config: Any, load: Callable[[], Any], *, loading_info: b
     if session is None:
         return load()
     context = LoadContext.for_model(cls, config, parent=session.current)
-    with session.applied(context, _module_class_names(cls)) as frame:
+    with session.applied(context, _module_class_names(cls)) as frame, recorders.RecorderLog() as log:
         try:
             result = load()
         except HfPatchError:
@@ -286,6 +286,7 @@ def _managed(cls: type, config: Any, load: Callable[[], Any], *, loading_info: b
                 # built from a config: keep the conversions that saving must reverse
                 object.__setattr__(model, "_weight_conversions", reversible_conversions(model))
             guard_saving(model, plan)
+        log.restore(model if isinstance(model, nn.Module) else None)
     _attach(model, plan)
     return result
 
@@ -356,6 +357,7 @@ def _hooked() -> list[tuple[Any, str, Callable[[Any], Any]]]:
         (PreTrainedModel, "from_pretrained", _wrap_from_pretrained),
         (PreTrainedModel, "_from_config", _wrap_from_config),
         (modeling_utils, "apply_patches", lambda _original: application.apply_registered_patches),
+        (modeling_utils, "patch_output_recorders", recorders.guarded),
     ]
 
 

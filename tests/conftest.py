@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from packs import PackSpec, install_packs
-from transformers import LlamaConfig, LlamaForCausalLM, monkey_patching
+from transformers import LlamaConfig, LlamaForCausalLM, conversion_mapping, monkey_patching
 
 import hfpatch_core
+from packs import PackSpec, install_packs
 
 transformers.utils.logging.disable_progress_bar()
 
@@ -81,6 +81,9 @@ def _isolation(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     monkeypatch.delenv("HF_PATCH_PACKS", raising=False)
     monkeypatch.delenv("HF_PATCH_STRICT", raising=False)
     registry = monkey_patching.get_patch_mapping()
+    conversion_mapping.get_checkpoint_conversion_mapping("llama")  # builds transformers' cache
+    conversions = dict(conversion_mapping._checkpoint_conversion_mapping_cache)
+    user_keys = set(getattr(conversion_mapping, "USER_REGISTERED_MAPPINGS", ()))
     modules = set(sys.modules)
     path = list(sys.path)
     yield
@@ -88,6 +91,11 @@ def _isolation(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     monkey_patching.clear_patch_mapping()
     if registry:
         monkey_patching.register_patch_mapping(registry)
+    conversion_mapping._checkpoint_conversion_mapping_cache.clear()
+    conversion_mapping._checkpoint_conversion_mapping_cache.update(conversions)
+    if hasattr(conversion_mapping, "USER_REGISTERED_MAPPINGS"):
+        conversion_mapping.USER_REGISTERED_MAPPINGS.clear()
+        conversion_mapping.USER_REGISTERED_MAPPINGS.update(user_keys)
     sys.path[:] = path
     for name in set(sys.modules) - modules:
         if name.startswith("hfpatch_test_pack"):

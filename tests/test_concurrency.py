@@ -6,14 +6,14 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
-from conftest import Snapshot, tiny_llama_config
-from packs import MLP_PACK, NORM_PATTERN_PACK, PackSpec
 from transformers import AutoModelForCausalLM, MistralConfig, MistralForCausalLM, monkey_patching
 from transformers.models.llama import modeling_llama
 
 import hfpatch_core
+from conftest import Snapshot, tiny_llama_config
 from hfpatch_core import plan_of
 from hfpatch_core.application import apply_mapping
+from packs import MLP_PACK, NORM_PATTERN_PACK, PackSpec
 
 
 class Replacement(modeling_llama.LlamaMLP):

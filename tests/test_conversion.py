@@ -4,16 +4,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny_llama_config
-from packs import FUSED_MLP_PACK, PackSpec, fused_qkv_pack
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, LlamaForCausalLM, conversion_mapping
 from transformers.core_model_loading import WeightRenaming
 
 import hfpatch_core
+from conftest import tiny_llama_config
 from hfpatch_core import ConverterConflictError, PackWarning, WeightLayoutError, plan_of
 from hfpatch_core.composition import BUILTIN, ConverterClaim, compose
 from hfpatch_core.conversion import Converter, SizedConcatenate, SizedSplit
+from packs import FUSED_MLP_PACK, PackSpec, fused_qkv_pack
 
 
 def tensors(path: Path) -> dict[str, torch.Tensor]:
@@ -210,3 +210,22 @@ def test_from_config_models_save_through_the_packs_conversions(install, tmp_path
     assert tuple(written["model.layers.0.self_attn.k_proj.weight"].shape) == (16, 32)
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "saved")
     torch.testing.assert_close(logits(reloaded), logits(model), rtol=0, atol=1e-5)
+
+
+def test_explain_shows_composed_lists_with_their_origins(install) -> None:
+    from hfpatch_core.inspection import explain
+    from hfpatch_core.session import new_session
+
+    source = """
+from hfpatch_core import Converter, hookimpl
+@hookimpl
+def provide_converters(context):
+    if context.model_type != "qwen2_moe":
+        return []
+    return [Converter("qwen2_moe", [], replaces=("mlp.experts.*.down_proj.weight",))]
+"""
+    install(PackSpec("trim", source))
+    data = explain("qwen2_moe", new_session("trim")).to_json()
+    assert [entry["from"] for entry in data["conversions"]["qwen2_moe"]] == ["transformers"]
+    assert "gate_up_proj" in data["conversions"]["qwen2_moe"][0]["transform"]
+    assert data["conversions_removed"][0]["by"] == "trim" and "down_proj" in data["conversions_removed"][0]["transform"]

@@ -4,10 +4,10 @@ import sys
 import warnings
 
 import pytest
-from packs import MLP_PACK, PackSpec
 
 import hfpatch_core
 from hfpatch_core import DuplicatePackError, PackError, PackWarning, SelectionError, discover
+from packs import MLP_PACK, PackSpec
 
 
 def test_metadata_is_read_without_importing(install) -> None:

@@ -4,13 +4,13 @@ import logging
 
 import pytest
 import torch
-from conftest import tiny_llama_config
-from packs import MLP_PACK, NORM_PATTERN_PACK, PackSpec, mlp_pack
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaForCausalLM, monkey_patching
 from transformers.models.llama import modeling_llama
 
 import hfpatch_core
+from conftest import tiny_llama_config
 from hfpatch_core import PackError, PackWarning, PatchConflictError, plan_of
+from packs import MLP_PACK, NORM_PATTERN_PACK, PackSpec, mlp_pack
 
 
 def mlp_class(model) -> str:

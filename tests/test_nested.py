@@ -2,13 +2,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import tiny_llama_config
-from packs import MLP_PACK, PackSpec, fused_qkv_pack
 from transformers import AutoModelForImageTextToText, CLIPVisionConfig, LlavaConfig, LlavaForConditionalGeneration
 
 import hfpatch_core
+from conftest import tiny_llama_config
 from hfpatch_core import WeightLayoutError, plan_of
 from hfpatch_core.application import class_keys_supported
+from packs import MLP_PACK, PackSpec, fused_qkv_pack
 
 SPY = """
 from hfpatch_core import hookimpl

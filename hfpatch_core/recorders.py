@@ -1,0 +1,85 @@
+"""Keeping transformers' output recorders as they were after a patched load.
+
+transformers' ``patch_output_recorders`` points the class-level ``_can_record_outputs``
+of a loaded model's classes at the replacement classes, for good: a vanilla model
+loaded afterwards then records no hidden states or attentions.  While hfpatch is
+enabled, the call is logged; at the end of the load, the patched model gets its
+capture hooks installed from the patched recorders, and the recorders are put back.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from transformers.utils.output_capturing import OutputRecorder
+
+_log = threading.local()
+
+
+def _entries() -> list[tuple[Any, Any]] | None:
+    return getattr(_log, "entries", None)
+
+
+class RecorderLog:
+    """Collects, for one outermost load on this thread, what ``patch_output_recorders`` changed."""
+
+    def __enter__(self) -> RecorderLog:
+        self.previous = _entries()
+        self.entries: list[tuple[Any, Any]] = [] if self.previous is None else self.previous
+        _log.entries = self.entries
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            self.restore(None)  # the load raised before restore(model): undo all the same
+        finally:
+            _log.entries = self.previous
+
+    def restore(self, model: Any) -> None:
+        """Install ``model``'s capture hooks from the patched recorders, then undo the changes."""
+        if self.previous is not None or not self.entries:
+            return  # an enclosing load restores
+        from transformers.utils.output_capturing import install_all_output_capturing_hooks
+
+        try:
+            if model is not None and not getattr(model, "_output_capturing_hooks_installed", False):
+                install_all_output_capturing_hooks(model)
+        finally:
+            for target, saved in reversed(self.entries):
+                if isinstance(target, OutputRecorder):
+                    target.target_class = saved
+                else:
+                    target.clear()
+                    target.update(saved)
+            self.entries.clear()
+
+
+def _remember(model: Any) -> None:
+    entries = _entries()
+    if entries is None:
+        return
+    seen = {id(target) for target, _ in entries}
+    for submodule in model.modules():
+        recorders = getattr(submodule, "_can_record_outputs", None)
+        if not isinstance(recorders, dict) or id(recorders) in seen:
+            continue
+        seen.add(id(recorders))
+        entries.append((recorders, dict(recorders)))
+        for value in recorders.values():
+            for recorder in value if isinstance(value, list) else [value]:
+                if isinstance(recorder, OutputRecorder) and id(recorder) not in seen:
+                    seen.add(id(recorder))
+                    entries.append((recorder, recorder.target_class))
+
+
+def guarded(original: Callable[[Any], None]) -> Callable[[Any], None]:
+    """``patch_output_recorders`` that logs what it is about to change."""
+
+    def patch_output_recorders(model: Any) -> None:
+        _remember(model)
+        original(model)
+
+    patch_output_recorders.__doc__ = original.__doc__
+    return patch_output_recorders

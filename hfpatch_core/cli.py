@@ -153,6 +153,61 @@ def cmd_check(args: argparse.Namespace) -> int:
     return EXIT_PROBLEMS if failed else EXIT_OK
 
 
+def cmd_verify(args: argparse.Namespace) -> int:
+    from .inspection import check_pack
+    from .selection import current_selection
+    from .session import Session
+    from .testing import TinyCheckpointError, check_pack_equivalence, tiny_checkpoint
+
+    selection = current_selection(args.packs or None)
+    session = Session(selection, strict=False)
+    jobs: list[tuple[str, str]] = []
+    for name in sorted(selection.packs):
+        if args.model:
+            jobs.append((name, args.model))
+            continue
+        types = args.model_type or list(check_pack(session, name).model_types)
+        if not types:
+            print(f"hfpatch: {name} targets no model type; pass --model-type or --model", file=sys.stderr)
+        jobs.extend((name, model_type) for model_type in types)
+    if not jobs:
+        print("No pack to verify.")
+        return EXIT_PROBLEMS if selection.problems else EXIT_OK
+    checkpoints: dict[str, str] = {}
+    reports = []
+    for index, (name, target) in enumerate(jobs, 1):
+        print(f"[{index}/{len(jobs)}] verifying {name} on {target} ...", file=sys.stderr, flush=True)
+        try:
+            if not args.model and target not in checkpoints:
+                checkpoints[target] = str(tiny_checkpoint(target))
+            report = check_pack_equivalence(name, checkpoints.get(target, target))
+        except TinyCheckpointError as exc:
+            from .testing import Report
+
+            report = Report(pack=name, model_type=target, failures=[str(exc)])
+        reports.append(report)
+    if args.json:
+        _print_json({"reports": [report.to_json() for report in reports]})
+    else:
+        rows = [
+            [
+                r.pack,
+                r.model_type,
+                ", ".join(f"{a}->{b}" for a, b in sorted(r.replaced.items())) or "-",
+                "-" if r.max_abs_diff is None else f"{r.max_abs_diff:.2e}",
+                {True: "match", False: "DIFFERS", None: "-"}[r.generation_match],
+                {True: "ok", False: "FAILED", None: "-"}[r.round_trip],
+                "PASS" if r.ok else "FAIL",
+            ]
+            for r in reports
+        ]
+        print(_table(rows, ["pack", "model type", "replaced", "max abs diff", "generation", "round trip", "verdict"]))
+        for report in reports:
+            for failure in report.failures:
+                print(f"\n{report.pack} on {report.model_type}: {failure}")
+    return EXIT_OK if all(report.ok for report in reports) and not selection.problems else EXIT_PROBLEMS
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     import importlib.util
 
@@ -212,6 +267,13 @@ def build_parser() -> argparse.ArgumentParser:
     checking = commands.add_parser("check", help="import packs and validate what their hooks return")
     checking.add_argument("packs", nargs="*", metavar="PACK", help="packs to check (default: all installed)")
     checking.set_defaults(handler=cmd_check)
+
+    verifying = commands.add_parser("verify", help="prove packs keep models correct on tiny checkpoints")
+    verifying.add_argument("packs", nargs="*", metavar="PACK", help="packs to verify (default: all installed)")
+    verifying.add_argument("--model-type", action="append", help="model types to verify on (repeatable)")
+    verifying.add_argument("--model", help="a local checkpoint directory to verify on")
+    verifying.add_argument("--json", action="store_true", help="machine-readable output")
+    verifying.set_defaults(handler=cmd_verify)
 
     demo = commands.add_parser("demo", help="load a tiny model with and without packs and compare")
     demo.add_argument("--model", help="a local checkpoint directory (default: a tiny random llama)")

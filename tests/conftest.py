@@ -16,6 +16,8 @@ from packs import PackSpec, install_packs
 
 transformers.utils.logging.disable_progress_bar()
 
+pytest_plugins = ["pytester"]
+
 
 def tiny_llama_config(**overrides: object) -> LlamaConfig:
     values: dict[str, object] = dict(

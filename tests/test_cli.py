@@ -180,3 +180,28 @@ def test_check_with_nothing_selected_says_so(install) -> None:
     site = install(PackSpec("mlp", MLP_PACK))
     result = run(HFPATCH, "check", site=site, env={"HF_PATCH_PACKS": "none"})
     assert result.returncode == 0 and "ok    mlp" in result.stdout  # check ignores the selection
+
+
+def test_verify_prints_a_table_and_fails_a_bad_pack(install) -> None:
+    doubling = """
+from hfpatch_core import Patch, hookimpl
+from transformers.models.llama.modeling_llama import LlamaMLP
+
+class DoubledMLP(LlamaMLP):
+    def forward(self, x):
+        return 2 * super().forward(x)
+
+@hookimpl
+def provide_patches(context):
+    return [Patch("LlamaMLP", DoubledMLP)] if context.model_type == "llama" else []
+"""
+    site = install(PackSpec("mlp", MLP_PACK), PackSpec("doubling", doubling))
+    good = run(HFPATCH, "verify", "mlp", "--json", site=site)
+    assert good.returncode == 0, good.stderr
+    (report,) = json.loads(good.stdout)["reports"]
+    assert report["model_type"] == "llama" and report["replaced"] == {"LlamaMLP": "PackMLP"} and report["ok"]
+    assert "[1/1] verifying mlp on llama" in good.stderr
+    bad = run(HFPATCH, "verify", "doubling", "mlp", "--model-type", "llama", site=site)
+    assert bad.returncode == 1
+    assert "verdict" in bad.stdout and "FAIL" in bad.stdout and "PASS" in bad.stdout
+    assert "doubling on llama: logits differ" in bad.stdout

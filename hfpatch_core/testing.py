@@ -1,0 +1,377 @@
+"""Proving that a pack keeps a model correct: tiny checkpoints and one assertion.
+
+``tiny_checkpoint(model_type)`` builds a small random checkpoint with
+``save_pretrained`` (safetensors), deterministic from a seed.
+``assert_pack_equivalent(pack, checkpoint_or_model_type)`` loads it with and without the
+pack and checks, reporting every failure at once, that
+
+* the expected classes were replaced, and nothing else;
+* no weight is missing or unexpected;
+* logits match (fp32 ``atol=1e-5``; bf16 ``atol=BF16_ATOL``) on a padded batch;
+* greedy generation of ``generate_tokens`` tokens matches;
+* ``save_pretrained`` restores the source layout, and a vanilla reload matches.
+
+A pack that changes outputs on purpose passes ``expect="different"`` (or a larger
+``atol``) and keeps the structural and round-trip checks.  When outputs differ, the
+message names the first decoder layer and module whose output diverges.
+
+The same checks back ``hfpatch verify``; the pytest fixtures live in
+:mod:`hfpatch_core.pytest_plugin`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import tempfile
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+import torch.nn as nn
+
+from .errors import HfPatchError
+
+#: The logits tolerance used for bfloat16 comparisons (max abs difference of logits of
+#: tiny random models; bf16 keeps 8 bits of mantissa, and a reordered sum of a few
+#: hundred terms moves the last bit).
+BF16_ATOL = 5e-2
+
+#: Values ``tiny_checkpoint`` gives the size fields of a default config, where present.
+SHRINK: Mapping[str, int] = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "vocab_size": 256,
+    "max_position_embeddings": 256,
+    "moe_intermediate_size": 32,
+    "shared_expert_intermediate_size": 64,
+    "num_experts": 4,
+    "num_local_experts": 4,
+    "num_experts_per_tok": 2,
+    "max_window_layers": 2,
+    "sliding_window": 64,
+    "n_embd": 64,
+    "n_layer": 2,
+    "n_head": 4,
+    "n_positions": 256,
+}
+
+
+class TinyCheckpointError(HfPatchError, ValueError):
+    """A model type whose default config cannot be shrunk: pass an explicit config."""
+
+
+class EquivalenceError(AssertionError):
+    """``assert_pack_equivalent`` found one or more problems (all listed in the message)."""
+
+    def __init__(self, failures: Sequence[str]) -> None:
+        self.failures = list(failures)
+        super().__init__("pack is not equivalent:\n- " + "\n- ".join(self.failures))
+
+
+def tiny_config(model_type: str, **overrides: Any) -> Any:
+    """The default config of ``model_type`` with its size fields shrunk (``SHRINK``), then ``overrides``."""
+    from transformers import AutoConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    if model_type not in CONFIG_MAPPING_NAMES:
+        raise TinyCheckpointError(f"{model_type!r} is not a model type transformers knows")
+    defaults = AutoConfig.for_model(model_type)
+    values: dict[str, Any] = {}
+    for name, value in SHRINK.items():
+        current = getattr(defaults, name, None)
+        if isinstance(current, int) and not isinstance(current, bool) and current > value:
+            values[name] = value
+    if getattr(defaults, "head_dim", None) is not None:
+        hidden = values.get("hidden_size", defaults.hidden_size)
+        values["head_dim"] = hidden // values.get("num_attention_heads", defaults.num_attention_heads)
+    vocab = values.get("vocab_size", getattr(defaults, "vocab_size", 0))
+    for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        token = getattr(defaults, name, None)
+        if isinstance(token, int) and token >= vocab:
+            values[name] = vocab - 1
+    values.update(overrides)
+    # built anew (not edited) so that derived fields such as layer_types follow the sizes
+    try:
+        return type(defaults)(**values)
+    except Exception as exc:
+        raise TinyCheckpointError(
+            f"the shrunk default {model_type!r} config is invalid ({type(exc).__name__}: {exc}); "
+            "pass an explicit config: tiny_checkpoint(MyConfig(...))"
+        ) from exc
+
+
+def _causal_lm_class(config: Any) -> type[nn.Module]:
+    from .inspection import model_class_for
+
+    return model_class_for(config)
+
+
+def tiny_checkpoint(
+    model_type_or_config: Any, directory: str | Path | None = None, *, seed: int = 0, **config_overrides: Any
+) -> Path:
+    """Save a small random checkpoint of a model type (or of an explicit config).
+
+    Args:
+        model_type_or_config: ``"llama"``, ``"qwen2_moe"``, ... or a config object.
+        directory: where to save (default: a new temporary directory).
+        seed: the random seed of the weights.
+        config_overrides: config fields to set after shrinking.
+
+    Raises:
+        TinyCheckpointError: the shrunk default config does not build a model; pass a config.
+    """
+    if isinstance(model_type_or_config, str):
+        config = tiny_config(model_type_or_config, **config_overrides)
+    else:
+        config = model_type_or_config
+        for name, value in config_overrides.items():
+            setattr(config, name, value)
+    target = Path(directory) if directory is not None else Path(tempfile.mkdtemp(prefix="hfpatch-tiny-"))
+    from .session import suspended
+
+    try:
+        with suspended():
+            torch.manual_seed(seed)
+            model: Any = _causal_lm_class(config)(config)
+            model.save_pretrained(target)
+    except Exception as exc:
+        raise TinyCheckpointError(
+            f"could not build a tiny {getattr(config, 'model_type', config)!r} checkpoint from its shrunk default "
+            f"config ({type(exc).__name__}: {exc}); pass an explicit config: tiny_checkpoint(MyConfig(...))"
+        ) from exc
+    return target
+
+
+@dataclasses.dataclass
+class Report:
+    """What ``check_pack_equivalence`` measured, and every failure it found."""
+
+    pack: str
+    model_type: str
+    replaced: dict[str, str] = dataclasses.field(default_factory=dict)
+    max_abs_diff: float | None = None
+    generation_match: bool | None = None
+    round_trip: bool | None = None
+    failures: list[str] = dataclasses.field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.failures
+
+    def to_json(self) -> dict[str, Any]:
+        return {**dataclasses.asdict(self), "ok": self.ok}
+
+
+@contextlib.contextmanager
+def _enabled(pack: str) -> Iterator[None]:
+    from .session import active_session, disable, enable
+
+    previous = active_session()
+    enable(pack, strict=True)
+    try:
+        yield
+    finally:
+        disable()
+        if previous is not None:
+            enable(previous.selection.spec.source if previous.selection.spec.source != "<unset>" else None)
+
+
+def _inputs(vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1234)
+    ids = torch.randint(1, vocab, (2, 10), generator=generator)
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0  # a left-padded second row
+    return ids, mask
+
+
+def _first_divergence(
+    vanilla: nn.Module, patched: nn.Module, ids: torch.Tensor, mask: torch.Tensor, atol: float
+) -> str:
+    """The first module (in execution order) whose output differs, as 'layer N / module'."""
+    records: dict[str, list[tuple[str, torch.Tensor]]] = {"vanilla": [], "patched": []}
+    handles = []
+    for label, model in (("vanilla", vanilla), ("patched", patched)):
+        for name, module in model.named_modules():
+            if not name:
+                continue
+
+            def hook(_module: nn.Module, _args: Any, output: Any, name: str = name, label: str = label) -> None:
+                tensor = output[0] if isinstance(output, (tuple, list)) and output else output
+                if isinstance(tensor, torch.Tensor):
+                    records[label].append((name, tensor.detach()))
+
+            handles.append(module.register_forward_hook(hook))
+    try:
+        with torch.no_grad():
+            vanilla(input_ids=ids, attention_mask=mask)
+            patched(input_ids=ids, attention_mask=mask)
+    finally:
+        for handle in handles:
+            handle.remove()
+    reference = dict(records["vanilla"])
+    for name, tensor in records["patched"]:
+        expected = reference.get(name)
+        if expected is None or expected.shape != tensor.shape:
+            continue
+        difference = (expected.float() - tensor.float()).abs().max().item()
+        if difference > atol:
+            parts = name.split(".")
+            layer = next((f"layer {parts[i + 1]}" for i, p in enumerate(parts[:-1]) if p == "layers"), "outside layers")
+            return f"{layer}, module {name} ({type(tensor).__name__} max abs diff {difference:.3g})"
+    return "no single module diverges beyond atol (the difference builds up across modules)"
+
+
+def _tensors(directory: Path) -> dict[str, torch.Tensor]:
+    from safetensors import safe_open
+
+    found: dict[str, torch.Tensor] = {}
+    for file in sorted(directory.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as handle:
+            for key in handle.keys():  # noqa: SIM118 - safe_open is not a mapping
+                found[key] = handle.get_tensor(key)
+    return found
+
+
+def check_pack_equivalence(
+    pack: str,
+    checkpoint_or_model_type: str | Path,
+    *,
+    atol: float | None = None,
+    expect: Literal["same", "different"] = "same",
+    dtype: torch.dtype = torch.float32,
+    generate_tokens: int = 20,
+    expected_replacements: Sequence[str] | None = None,
+) -> Report:
+    """Run every check of :func:`assert_pack_equivalent` and return the report."""
+    from transformers import AutoModelForCausalLM
+
+    from .session import plan_of
+
+    source = Path(checkpoint_or_model_type)
+    if not source.is_dir():
+        source = tiny_checkpoint(str(checkpoint_or_model_type))
+    tolerance = atol if atol is not None else (BF16_ATOL if dtype == torch.bfloat16 else 1e-5)
+    vanilla: Any = AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
+    model_type = str(vanilla.config.model_type)
+    report = Report(pack=pack, model_type=model_type)
+    fail = report.failures.append
+    try:
+        with _enabled(pack):
+            loaded: Any = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, output_loading_info=True)
+            patched: Any = loaded[0]
+            info: dict[str, Any] = loaded[1]
+    except Exception as exc:
+        fail(f"loading with pack {pack!r} failed: {type(exc).__name__}: {exc}")
+        return report
+    for kind in ("missing_keys", "unexpected_keys", "mismatched_keys"):
+        keys = sorted(str(key) for key in info.get(kind) or ())
+        if keys:
+            fail(f"weights {kind.replace('_', ' ')}: {', '.join(keys[:10])}")
+
+    plan = plan_of(patched)
+    vanilla_types = dict(vanilla.named_modules())
+    replaced_paths: list[str] = []
+    for name, module in patched.named_modules():
+        original = vanilla_types.get(name)
+        if original is None or type(original) is type(module):
+            continue
+        if any(name.startswith(path + ".") for path in replaced_paths):
+            continue
+        replaced_paths.append(name)
+        report.replaced.setdefault(type(original).__name__, type(module).__name__)
+        claim = plan.replaced.get(type(original).__name__) if plan is not None else None
+        if claim is None or claim.patch.replacement is not type(module):
+            fail(f"{name}: {type(original).__name__} became {type(module).__name__}, which the plan does not say")
+    if expected_replacements is not None and sorted(report.replaced) != sorted(expected_replacements):
+        fail(f"replaced classes {sorted(report.replaced)}, expected {sorted(expected_replacements)}")
+    if not report.replaced:
+        fail(f"pack {pack!r} replaced no class of this {model_type} model")
+
+    ids, mask = _inputs(int(vanilla.config.vocab_size))
+    with torch.no_grad():
+        reference = vanilla(input_ids=ids, attention_mask=mask).logits.float()
+        logits = patched(input_ids=ids, attention_mask=mask).logits.float()
+    report.max_abs_diff = (reference - logits).abs().max().item()
+    if expect == "same" and report.max_abs_diff > tolerance:
+        where = _first_divergence(vanilla, patched, ids, mask, tolerance)
+        fail(f"logits differ: max abs diff {report.max_abs_diff:.3g} > atol {tolerance:g}; first divergence: {where}")
+
+    if generate_tokens and expect == "same":
+        settings = {"max_new_tokens": generate_tokens, "do_sample": False, "pad_token_id": 0}
+        with torch.no_grad():
+            a = vanilla.generate(ids[:1], attention_mask=mask[:1], **settings)
+            b = patched.generate(ids[:1], attention_mask=mask[:1], **settings)
+        report.generation_match = bool(torch.equal(a, b))
+        if not report.generation_match:
+            fail(f"greedy generation of {generate_tokens} tokens differs: {a.tolist()} vs {b.tolist()}")
+
+    with tempfile.TemporaryDirectory(prefix="hfpatch-roundtrip-") as saved:
+        try:
+            patched.save_pretrained(saved)
+        except Exception as exc:
+            report.round_trip = False
+            fail(f"save_pretrained failed: {type(exc).__name__}: {exc}")
+        else:
+            original, written = _tensors(source), _tensors(Path(saved))
+            layout = [
+                key
+                for key in sorted(set(original) | set(written))
+                if key not in original
+                or key not in written
+                or original[key].shape != written[key].shape
+                or not torch.equal(original[key].to(written[key].dtype), written[key])
+            ]
+            report.round_trip = not layout
+            if layout:
+                fail(f"save_pretrained does not restore the source layout: {', '.join(layout[:10])}")
+            reloaded = AutoModelForCausalLM.from_pretrained(saved, dtype=dtype)
+            with torch.no_grad():
+                again = reloaded(input_ids=ids, attention_mask=mask).logits.float()
+            if expect == "same" and (again - reference).abs().max().item() > tolerance:
+                report.round_trip = False
+                fail("a vanilla reload of the saved checkpoint gives different logits")
+    return report
+
+
+def assert_pack_equivalent(
+    pack: str,
+    checkpoint_or_model_type: str | Path,
+    *,
+    atol: float | None = None,
+    expect: Literal["same", "different"] = "same",
+    dtype: torch.dtype = torch.float32,
+    generate_tokens: int = 20,
+    expected_replacements: Sequence[str] | None = None,
+) -> Report:
+    """Assert that pack ``pack`` keeps a model correct (see the module docstring).
+
+    Args:
+        pack: the pack's name (its entry point name), installed in this environment.
+        checkpoint_or_model_type: a checkpoint directory, or a model type for a tiny one.
+        atol: the logits tolerance (default 1e-5 in fp32, ``BF16_ATOL`` in bf16).
+        expect: ``"different"`` for a pack that changes outputs on purpose.
+        dtype: the dtype to load both models in.
+        generate_tokens: how many greedy tokens to compare (0 to skip).
+        expected_replacements: the original class names the pack must replace.
+
+    Raises:
+        EquivalenceError: listing every failed check.
+    """
+    report = check_pack_equivalence(
+        pack,
+        checkpoint_or_model_type,
+        atol=atol,
+        expect=expect,
+        dtype=dtype,
+        generate_tokens=generate_tokens,
+        expected_replacements=expected_replacements,
+    )
+    if report.failures:
+        raise EquivalenceError(report.failures)
+    return report

@@ -7,19 +7,20 @@ VENV_OLDEST ?= .venv-oldest
 PIP_FLAGS ?= --disable-pip-version-check --quiet --quiet
 BIN := $(VENV)/bin
 BIN_OLDEST := $(VENV_OLDEST)/bin
-PACKAGES := -e .
+PLUGINS := $(patsubst %/pyproject.toml,%,$(wildcard plugins/*/pyproject.toml))
+PACKAGES := -e . $(addprefix -e ,$(PLUGINS))
 PYTEST_FLAGS ?= -q
 
 .PHONY: all venv venv-oldest demo test lint typecheck unit unit-oldest clean
 
 all: test
 
-$(VENV)/.installed: pyproject.toml constraints.txt requirements-dev.txt _hfpatch_autorun.py
+$(VENV)/.installed: pyproject.toml constraints.txt requirements-dev.txt _hfpatch_autorun.py $(wildcard plugins/*/pyproject.toml)
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install $(PIP_FLAGS) -c constraints.txt -r requirements-dev.txt $(PACKAGES)
 	touch $@
 
-$(VENV_OLDEST)/.installed: pyproject.toml constraints-oldest.txt _hfpatch_autorun.py
+$(VENV_OLDEST)/.installed: pyproject.toml constraints-oldest.txt _hfpatch_autorun.py $(wildcard plugins/*/pyproject.toml)
 	$(PYTHON) -m venv $(VENV_OLDEST)
 	$(BIN_OLDEST)/python -m pip install $(PIP_FLAGS) -c constraints-oldest.txt pytest hypothesis $(PACKAGES)
 	touch $@
@@ -37,12 +38,15 @@ lint: venv
 typecheck: venv
 	$(BIN)/mypy
 
+# The core suite, then each first-party pack's own suite from its directory.
 unit: venv
 	$(BIN)/python -m pytest $(PYTEST_FLAGS)
+	@for plugin in $(PLUGINS); do echo "== $$plugin"; (cd $$plugin && $(CURDIR)/$(BIN)/python -m pytest $(PYTEST_FLAGS)) || exit 1; done
 
-# The same suite against transformers 5.3.0, the oldest release hfpatch supports.
+# The same suites against transformers 5.3.0, the oldest release hfpatch supports.
 unit-oldest: venv-oldest
 	$(BIN_OLDEST)/python -m pytest $(PYTEST_FLAGS)
+	@for plugin in $(PLUGINS); do echo "== $$plugin"; (cd $$plugin && $(CURDIR)/$(BIN_OLDEST)/python -m pytest $(PYTEST_FLAGS)) || exit 1; done
 
 test: lint typecheck unit unit-oldest
 

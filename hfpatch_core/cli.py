@@ -238,8 +238,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
 
-    checks = run_demo(args.model, args.packs)
-    return EXIT_OK if all(check.ok for check in checks) else EXIT_PROBLEMS
+    report = run_demo(args.model, args.packs)
+    return EXIT_OK if report.ok else EXIT_PROBLEMS
 
 
 class _UsageError(Exception):
@@ -276,8 +276,8 @@ def build_parser() -> argparse.ArgumentParser:
     verifying.set_defaults(handler=cmd_verify)
 
     demo = commands.add_parser("demo", help="load a tiny model with and without packs and compare")
-    demo.add_argument("--model", help="a local checkpoint directory (default: a tiny random llama)")
-    demo.add_argument("--packs", help="packs to enable, HF_PATCH_PACKS syntax (default: the built-in example)")
+    demo.add_argument("--model", help="a local checkpoint directory (default: a tiny random Qwen2-MoE)")
+    demo.add_argument("--packs", help="the pack to demonstrate (default: qwen-moe, else the built-in example)")
     demo.set_defaults(handler=cmd_demo)
 
     running = commands.add_parser("run", help="run a program (and its children) with hfpatch enabled")

@@ -1,24 +1,22 @@
-"""``hfpatch demo``: load a tiny model with and without packs and check they agree."""
+"""``hfpatch demo``: load a tiny model without and with a pack, and show that they agree.
+
+By default: a tiny random Qwen2-MoE checkpoint and the ``qwen-moe`` pack when it is
+installed (``make demo`` installs it), else a tiny llama and the example pack shipped
+with hfpatch-core.
+"""
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import importlib
 import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 EXAMPLE_PACK = "example-counting"
-
-
-@dataclasses.dataclass(frozen=True)
-class Check:
-    name: str
-    ok: bool
-    detail: str
+FIRST_PARTY_PACK = "qwen-moe"
 
 
 def _install_example_pack(site: Path) -> None:
@@ -38,23 +36,6 @@ def _install_example_pack(site: Path) -> None:
     importlib.invalidate_caches()
 
 
-def _tiny_llama(path: Path) -> None:
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=256,
-        max_position_embeddings=128,
-    )
-    LlamaForCausalLM(config).save_pretrained(path)
-
-
 @contextlib.contextmanager
 def _quiet_transformers() -> Iterator[None]:
     from transformers.utils import logging as hf_logging
@@ -69,62 +50,66 @@ def _quiet_transformers() -> Iterator[None]:
         hf_logging.enable_progress_bar()
 
 
-def run_demo(model_dir: str | None = None, packs: str | None = None, *, out: Any = None) -> list[Check]:
-    """Load ``model_dir`` (default: a tiny random llama) without and with packs; print and return the checks."""
-    import torch
-    from transformers import AutoModelForCausalLM, monkey_patching
+def _default_pack() -> str | None:
+    from .selection import current_selection
 
-    from .session import disable, enable, plan_of
+    return FIRST_PARTY_PACK if FIRST_PARTY_PACK in current_selection("all").packs else None
 
-    write = (out or sys.stdout).write
-    checks: list[Check] = []
+
+def run_demo(model_dir: str | None = None, packs: str | None = None, *, out: TextIO | None = None) -> Any:
+    """Run the demo and print it; returns the :class:`~hfpatch_core.testing.Report`."""
+    from transformers import monkey_patching
+
+    from .conversion import describe_transform
+    from .testing import check_pack_equivalence, tiny_checkpoint
+
+    stream = out or sys.stdout
+
+    def write(line: str = "") -> None:
+        stream.write(line + "\n")
+
     with tempfile.TemporaryDirectory(prefix="hfpatch-demo-") as tmp, _quiet_transformers():
-        if model_dir is None:
-            model_dir = str(Path(tmp) / "tiny-llama")
-            _tiny_llama(Path(model_dir))
-            write(f"Built a tiny random llama checkpoint in {model_dir}\n")
-        if packs is None:
+        pack = packs or _default_pack() or EXAMPLE_PACK
+        if pack == EXAMPLE_PACK:
             _install_example_pack(Path(tmp) / "site")
-            packs = EXAMPLE_PACK
+        if model_dir is None:
+            model_type = "qwen2_moe" if pack == FIRST_PARTY_PACK else "llama"
+            model_dir = str(tiny_checkpoint(model_type, Path(tmp) / f"tiny-{model_type}"))
+            write(f"Built a tiny random {model_type} checkpoint in {model_dir}")
         registry_before = monkey_patching.get_patch_mapping()
-
-        disable()
-        vanilla = AutoModelForCausalLM.from_pretrained(model_dir)
-        selection = enable(packs)
-        write(f"Enabled packs: {', '.join(selection.packs) or 'none'}\n")
-        try:
-            patched = AutoModelForCausalLM.from_pretrained(model_dir)
-        finally:
-            disable()
-        plan = plan_of(patched)
+        write(f"Loading it without packs, then with HF_PATCH_PACKS={pack} ...")
+        report = check_pack_equivalence(pack, model_dir)
+        plan = report.plan
+        write("")
         if plan is not None:
-            write(f"Plan {plan.fingerprint}:\n")
+            write(f"Plan {plan.fingerprint} (packs: {', '.join(f'{n} {v}' for n, v in plan.packs)})")
+            write("Classes replaced:")
             for name, claim in sorted(plan.replaced.items()):
-                write(f"  {name:<28} -> {claim.patch.replacement_name}  [{claim.pack} {claim.version}]\n")
-            for lost in plan.lost:
-                write(f"  (not applied) {lost.claim.describe()}: {lost.reason}\n")
-        replaced = sorted(
-            {type(module).__name__ for module in patched.modules()}
-            - {type(module).__name__ for module in vanilla.modules()}
-        )
-        checks.append(Check("classes replaced", bool(replaced), ", ".join(replaced) or "nothing was replaced"))
-
-        vocab = int(vanilla.config.vocab_size)
-        ids = torch.randint(0, vocab, (2, 12), generator=torch.Generator().manual_seed(0))
-        with torch.no_grad():
-            difference = (vanilla(ids).logits - patched(ids).logits).abs().max().item()
-        checks.append(Check("logits match (fp32, atol 1e-5)", difference <= 1e-5, f"max abs diff {difference:.2e}"))
-
-        prompt = ids[:1, :4]
-        settings = {"max_new_tokens": 10, "do_sample": False, "pad_token_id": 0}
-        with torch.no_grad():
-            same = torch.equal(vanilla.generate(prompt, **settings), patched.generate(prompt, **settings))
-        checks.append(Check("greedy generation matches", same, "10 new tokens"))
-
-        after = monkey_patching.get_patch_mapping()
-        clean = after == registry_before and type(AutoModelForCausalLM.from_pretrained(model_dir)) is type(vanilla)
-        checks.append(Check("nothing left behind", clean, "patch registry and module classes restored"))
-
-    for check in checks:
-        write(f"{'PASS' if check.ok else 'FAIL'}  {check.name}: {check.detail}\n")
-    return checks
+                if name in report.replaced:
+                    write(f"  {name:<26} -> {claim.patch.replacement_name}  [{claim.pack} {claim.version}]")
+            if plan.conversions:
+                write("Converters applied:")
+                for key, entries in plan.conversions.lists.items():
+                    for entry in entries:
+                        write(f"  {key}: {describe_transform(entry.transform)}  [{entry.origin}]")
+                for removal in plan.conversions.removed:
+                    write(f"  {removal.key}: removed {describe_transform(removal.transform)}  [by {removal.pack}]")
+        write("")
+        checks = [
+            ("classes replaced", bool(report.replaced), ", ".join(sorted(report.replaced)) or "none"),
+            (
+                "logits match (fp32, atol 1e-5)",
+                report.max_abs_diff is not None and report.max_abs_diff <= 1e-5,
+                f"max abs diff {report.max_abs_diff:.2e}" if report.max_abs_diff is not None else "not measured",
+            ),
+            ("greedy generation matches", bool(report.generation_match), "20 new tokens"),
+            ("save round trip", bool(report.round_trip), "original layout written, vanilla reload matches"),
+            ("nothing left behind", monkey_patching.get_patch_mapping() == registry_before, "registries restored"),
+        ]
+        for name, ok, detail in checks:
+            write(f"{'PASS' if ok else 'FAIL'}  {name}: {detail}")
+        for failure in report.failures:
+            write(f"  - {failure}")
+        if not all(ok for _, ok, _ in checks):
+            report.failures.append("demo check failed")
+    return report

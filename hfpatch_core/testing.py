@@ -159,13 +159,16 @@ class Report:
     generation_match: bool | None = None
     round_trip: bool | None = None
     failures: list[str] = dataclasses.field(default_factory=list)
+    plan: Any = dataclasses.field(default=None, repr=False)
 
     @property
     def ok(self) -> bool:
         return not self.failures
 
     def to_json(self) -> dict[str, Any]:
-        return {**dataclasses.asdict(self), "ok": self.ok}
+        fields = {field.name: getattr(self, field.name) for field in dataclasses.fields(self) if field.name != "plan"}
+        fingerprint = self.plan.fingerprint if self.plan is not None else None
+        return {**fields, "fingerprint": fingerprint, "ok": self.ok}
 
 
 @contextlib.contextmanager
@@ -274,7 +277,7 @@ def check_pack_equivalence(
         if keys:
             fail(f"weights {kind.replace('_', ' ')}: {', '.join(keys[:10])}")
 
-    plan = plan_of(patched)
+    plan = report.plan = plan_of(patched)
     vanilla_types = dict(vanilla.named_modules())
     replaced_paths: list[str] = []
     for name, module in patched.named_modules():

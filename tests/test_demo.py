@@ -5,27 +5,33 @@ import io
 from transformers import monkey_patching
 
 import hfpatch_core
-from hfpatch_core.demo import run_demo
+from hfpatch_core.demo import EXAMPLE_PACK, run_demo
+from packs import PackSpec
+
+CHECKS = ["classes replaced", "logits match", "greedy generation matches", "save round trip", "nothing left behind"]
 
 
-def test_demo_passes_every_check_and_cleans_up(snapshot) -> None:
+def test_demo_with_the_first_party_pack_passes_every_check(snapshot) -> None:
     out = io.StringIO()
-    checks = run_demo(out=out)
-    assert [check.name for check in checks] == [
-        "classes replaced",
-        "logits match (fp32, atol 1e-5)",
-        "greedy generation matches",
-        "nothing left behind",
-    ]
-    assert all(check.ok for check in checks), out.getvalue()
-    assert "LlamaMLP" in out.getvalue() and "CountingMLP" in out.getvalue()
+    report = run_demo(packs="qwen-moe", out=out)
+    text = out.getvalue()
+    assert report.ok, text
+    assert report.model_type == "qwen2_moe" and set(report.replaced) == {"Qwen2MoeExperts", "Qwen2MoeAttention"}
+    for check in CHECKS:
+        assert f"PASS  {check}" in text
+    assert "Converters applied:" in text and "SizedConcatenate" in text and "removed WeightConverter" in text
     assert not hfpatch_core.is_enabled() and monkey_patching.get_patch_mapping() == {}
     snapshot.assert_unchanged()
 
 
-def test_demo_fails_when_a_pack_changes_the_math(install, llama_checkpoint) -> None:
-    from packs import PackSpec
+def test_demo_with_the_example_pack_on_llama(snapshot) -> None:
+    out = io.StringIO()
+    report = run_demo(packs=EXAMPLE_PACK, out=out)
+    assert report.ok and report.replaced == {"LlamaMLP": "CountingMLP", "LlamaRMSNorm": "CountingRMSNorm"}
+    snapshot.assert_unchanged()
 
+
+def test_demo_fails_when_a_pack_changes_the_math(install, llama_checkpoint) -> None:
     source = """
 from hfpatch_core import Patch, hookimpl
 from transformers.models.llama.modeling_llama import LlamaMLP
@@ -40,6 +46,5 @@ def provide_patches(context):
 """
     install(PackSpec("doubled", source))
     out = io.StringIO()
-    checks = {check.name: check for check in run_demo(str(llama_checkpoint), "doubled", out=out)}
-    assert checks["classes replaced"].ok and not checks["logits match (fp32, atol 1e-5)"].ok
-    assert "FAIL  logits match" in out.getvalue()
+    report = run_demo(str(llama_checkpoint), "doubled", out=out)
+    assert not report.ok and "FAIL  logits match" in out.getvalue() and "PASS  classes replaced" in out.getvalue()

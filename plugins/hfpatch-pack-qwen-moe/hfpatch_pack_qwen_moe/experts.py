@@ -1,0 +1,104 @@
+"""Experts as one ``nn.Linear`` triple per expert, instead of two 3-D parameters.
+
+transformers 5 stores the routed experts of ``Qwen2MoeExperts`` / ``Qwen3MoeExperts`` as
+two fused parameters (``gate_up_proj``: ``[E, 2 * I, H]``, ``down_proj``: ``[E, H, I]``)
+and fuses the per-expert checkpoint tensors into them while loading.  Tools that work
+module by module (quantizers and LoRA/PEFT adapters that replace ``nn.Linear``, hooks
+that observe ``nn.Linear`` inputs for calibration) never see those experts.
+:class:`PerExpertExperts` keeps the checkpoint's own per-expert layout
+(``mlp.experts.<e>.{gate,up,down}_proj.weight``) as real ``nn.Linear`` modules, so the
+checkpoint loads into it without renaming and every expert is reachable.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn as nn
+from transformers.activations import ACT2FN
+
+
+class ExpertMLP(nn.Module):
+    """One routed expert: the gated MLP ``down(act(gate(x)) * up(x))``, without bias.
+
+    The pack's own class rather than the family's ``Qwen2MoeMLP``: another pack may
+    replace that class (a fused MLP, say), and the experts must keep the checkpoint's
+    ``gate_proj`` / ``up_proj`` / ``down_proj`` names whatever else is patched.
+    """
+
+    def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.act_fn = ACT2FN[hidden_act]
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        output: torch.Tensor = self.down_proj(self.act_fn(self.gate_proj(hidden_states)) * self.up_proj(hidden_states))
+        return output
+
+
+class PerExpertExperts(nn.ModuleList):
+    """Drop-in for ``Qwen2MoeExperts`` / ``Qwen3MoeExperts``, one :class:`ExpertMLP` per expert.
+
+    It *is* the ``nn.ModuleList`` (rather than holding one under another name) so that
+    its children are called ``0 .. num_experts - 1``, exactly the checkpoint's
+    ``mlp.experts.<e>.*`` keys: loading needs no renaming, only the removal of
+    transformers' built-in fusion of those keys, and saving writes them back unchanged.
+
+    Same constructor (``config``) and forward contract as the class it replaces.
+    """
+
+    def __init__(self, config: Any) -> None:
+        super().__init__(
+            ExpertMLP(config.hidden_size, config.moe_intermediate_size, config.hidden_act)
+            for _ in range(config.num_experts)
+        )
+        self.num_experts = int(config.num_experts)
+        self.hidden_dim = int(config.hidden_size)
+        self.intermediate_dim = int(config.moe_intermediate_size)
+        # While a load is patched, the family module's name ``Qwen2MoeExperts`` is this
+        # class, so ``Qwen2MoePreTrainedModel._init_weights``'s
+        # ``isinstance(module, Qwen2MoeExperts)`` branch would initialise
+        # ``module.gate_up_proj`` (``from_config`` initialises while patched).  This
+        # container has no tensors of its own (its experts' ``nn.Linear`` children are
+        # initialised one by one like every other Linear), so it tells transformers'
+        # initialisation to skip it.
+        self._is_hf_initialized = True
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        top_k_index: torch.Tensor,
+        top_k_weights: torch.Tensor,
+    ) -> torch.Tensor:
+        """Route each token to its top-k experts and sum their weighted outputs.
+
+        Args:
+            hidden_states: ``[tokens, hidden]``.
+            top_k_index: ``[tokens, top_k]`` expert ids.  An id equal to ``num_experts``
+                means "not on this rank" (transformers' expert-parallel sentinel) and is
+                skipped, as the original does.
+            top_k_weights: ``[tokens, top_k]`` routing weights.
+
+        Mirrors the original eager loop operation for operation (same accumulation
+        order and dtype handling), so that the patched model matches the unpatched one.
+        """
+        final_hidden_states = torch.zeros_like(hidden_states)
+        with torch.no_grad():
+            expert_mask = torch.nn.functional.one_hot(top_k_index, num_classes=self.num_experts + 1)
+            expert_mask = expert_mask.permute(2, 1, 0)
+            expert_hit = torch.greater(expert_mask.sum(dim=(-1, -2)), 0).nonzero()
+
+        for hit in expert_hit:
+            expert_idx = int(hit[0])
+            if expert_idx == self.num_experts:
+                continue
+            top_k_pos, token_idx = torch.where(expert_mask[expert_idx])
+            expert: nn.Module = self[expert_idx]
+            current_hidden_states = expert(hidden_states[token_idx])
+            current_hidden_states = current_hidden_states * top_k_weights[token_idx, top_k_pos, None]
+            final_hidden_states.index_add_(0, token_idx, current_hidden_states.to(final_hidden_states.dtype))
+
+        return final_hidden_states

@@ -1,0 +1,481 @@
+"""The qwen-moe pack on tiny random qwen2_moe / qwen3_moe checkpoints, loaded as a user would.
+
+Every test compares the patched model with vanilla transformers on the same checkpoint:
+the pack must change the module structure and nothing else.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import hfpatch_pack_qwen_moe
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from hfpatch_pack_qwen_moe import BUILTIN_EXPERT_FUSION, FAMILIES, PerExpertExperts, qkv_sizes
+from hfpatch_pack_qwen_moe.attention import FusedQKVAttention
+from safetensors import safe_open
+from transformers import AutoConfig, AutoModelForCausalLM
+from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+from transformers.models.qwen2_moe import modeling_qwen2_moe
+from transformers.models.qwen3_moe import modeling_qwen3_moe
+
+import hfpatch_core
+from conftest import CASES, PACK, PAD, VOCAB
+from hfpatch_core import LoadContext
+from hfpatch_core.conversion import SizedConcatenate, source_patterns_of
+
+PACK_DIR = Path(__file__).resolve().parents[1]
+
+#: Largest |patched - vanilla| allowed on bfloat16 logits (|logits| <= ~6 here), vanilla
+#: running its experts with the eager loop the pack's experts reproduce.  Measured on CPU
+#: over 20 random checkpoints per case, transformers 5.24.0 and 5.3.0: 0.0 (bit-identical;
+#: see README).  0.0625 is two bf16 steps at |x| in [4, 8): room for a rounding flip on
+#: other CPU kernels, far below what a wrong head or expert does (about 1).
+BF16_ATOL = 0.0625
+
+ORIGINAL_CLASSES = {
+    "Qwen2MoeExperts": modeling_qwen2_moe.Qwen2MoeExperts,
+    "Qwen2MoeAttention": modeling_qwen2_moe.Qwen2MoeAttention,
+    "Qwen3MoeExperts": modeling_qwen3_moe.Qwen3MoeExperts,
+    "Qwen3MoeAttention": modeling_qwen3_moe.Qwen3MoeAttention,
+}
+
+
+# --- helpers ----------------------------------------------------------------------------
+
+
+def load(path: Path, *, patched: bool, **kwargs: Any) -> Any:
+    """``from_pretrained`` as a user would, with hfpatch enabled for the pack or not at all."""
+    if patched:
+        hfpatch_core.enable(PACK)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    finally:
+        hfpatch_core.disable()
+    return model.eval()
+
+
+def padded_batch(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Three prompts of 12, 8 and 5 tokens, left-padded to 12."""
+    ids = torch.randint(3, VOCAB, (3, 12), generator=torch.Generator().manual_seed(seed))
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0
+    mask[2, :7] = 0
+    ids[mask == 0] = PAD
+    return ids, mask
+
+
+def logits(model: Any, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        result: torch.Tensor = model(input_ids=ids, attention_mask=mask).logits.float()
+    return result
+
+
+def assert_patched(model: Any) -> None:
+    """Every layer's experts and attention are the pack's classes, under the plan's names."""
+    family = FAMILIES[model.config.model_type]
+    plan = hfpatch_core.plan_of(model)
+    assert plan is not None
+    assert {name: claim.pack for name, claim in plan.replaced.items()} == {
+        family.experts: PACK,
+        family.attention: PACK,
+    }
+    for layer in model.model.layers:
+        assert type(layer.mlp.experts) is PerExpertExperts
+        assert type(layer.self_attn) is family.fused_attention
+        assert not hasattr(layer.self_attn, "q_proj")
+
+
+def safetensors_of(path: Path) -> dict[str, torch.Tensor]:
+    tensors = {}
+    for file in sorted(path.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as handle:
+            for key in handle.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                tensors[key] = handle.get_tensor(key)
+    assert tensors, f"no safetensors under {path}"
+    return tensors
+
+
+# --- the pack's hooks -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("model_type", sorted(FAMILIES))
+def test_builtin_expert_fusion_is_what_the_converter_removes(model_type: str) -> None:
+    """The ``replaces`` patterns are source patterns, as written, of transformers' own list."""
+    builtin = get_checkpoint_conversion_mapping(model_type)
+    assert builtin
+    for pattern in BUILTIN_EXPERT_FUSION:
+        assert any(pattern in source_patterns_of(transform) for transform in builtin), pattern
+
+
+def test_hooks_target_only_the_two_families_and_need_a_config_for_attention() -> None:
+    for model_type in ("llama", "olmoe", "qwen3_next", "qwen2", None):
+        context = LoadContext(model_type=model_type, model_class_name="AnyModel")
+        assert hfpatch_pack_qwen_moe.provide_patches(context) == []
+        assert hfpatch_pack_qwen_moe.provide_converters(context) == []
+    for model_type, family in FAMILIES.items():
+        bare = LoadContext(model_type=model_type, model_class_name="AnyModel", config=None)
+        assert [(p.target, p.replacement) for p in hfpatch_pack_qwen_moe.provide_patches(bare)] == [
+            (family.experts, PerExpertExperts)
+        ]
+        (converter,) = hfpatch_pack_qwen_moe.provide_converters(bare)
+        assert converter.key == model_type and converter.transforms == ()
+        assert converter.replaces == BUILTIN_EXPERT_FUSION
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_qkv_converter_sizes_follow_the_config(name: str) -> None:
+    config = CASES[name].config
+    context = LoadContext(model_type=config.model_type, model_class_name="AnyModel", config=config)
+    patches = hfpatch_pack_qwen_moe.provide_patches(context)
+    family = FAMILIES[config.model_type]
+    assert [p.target for p in patches] == [family.experts, family.attention]
+    fused = [t for c in hfpatch_pack_qwen_moe.provide_converters(context) for t in c.transforms]
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    expected = (4 * head_dim, 2 * head_dim, 2 * head_dim)
+    assert qkv_sizes(config) == expected
+    suffixes = ["weight", "bias"] if getattr(config, family.bias_attribute) else ["weight"]
+    assert [t.operations[0].sizes for t in fused] == [expected] * len(suffixes)
+    assert all(isinstance(t.operations[0], SizedConcatenate) for t in fused)
+    assert [source_patterns_of(t) for t in fused] == [
+        tuple(f"self_attn.{p}_proj.{suffix}" for p in "qkv") for suffix in suffixes
+    ]
+
+
+def test_plan_records_the_replaced_builtin_fusion(checkpoints: dict[str, Path], case: str) -> None:
+    model = load(checkpoints[case], patched=True)
+    assert_patched(model)
+    plan = hfpatch_core.plan_of(model)
+    assert plan is not None and plan.conversions
+    model_type = model.config.model_type
+    assert sorted(removal.pattern for removal in plan.conversions.removed) == sorted(BUILTIN_EXPERT_FUSION)
+    assert all(removal.key == model_type and removal.pack == PACK for removal in plan.conversions.removed)
+    assert not plan.conversions.unmatched and not plan.conversions.lost
+    left = [
+        pattern
+        for entry in plan.conversions.lists[model_type]
+        if entry.origin != PACK
+        for pattern in source_patterns_of(entry.transform)
+    ]
+    assert not [pattern for pattern in left if "mlp.experts" in pattern], "a built-in expert fusion is left"
+
+
+# --- behaviour: logits, generation, bf16 ------------------------------------------------
+
+
+def test_logits_match_vanilla_fp32_on_a_left_padded_batch(checkpoints: dict[str, Path], case: str) -> None:
+    vanilla = load(checkpoints[case], patched=False)
+    patched = load(checkpoints[case], patched=True)
+    assert_patched(patched)
+    ids, mask = padded_batch()
+    expected, actual = logits(vanilla, ids, mask), logits(patched, ids, mask)
+    real = mask.bool()
+    assert torch.isfinite(expected[real]).all()
+    torch.testing.assert_close(actual, expected, rtol=0, atol=1e-5)
+    # The mask matters here (so that the comparison above covers it): the padded prompt's
+    # logits differ from those of the same tokens without a mask.
+    unmasked = logits(patched, ids, torch.ones_like(mask))
+    assert (unmasked[2, -1] - actual[2, -1]).abs().max() > 1e-3
+
+
+def test_greedy_generation_with_kv_cache_matches_vanilla(checkpoints: dict[str, Path], case: str) -> None:
+    vanilla = load(checkpoints[case], patched=False)
+    patched = load(checkpoints[case], patched=True)
+    ids, mask = padded_batch(seed=1)
+    settings: dict[str, Any] = dict(
+        attention_mask=mask,
+        max_new_tokens=20,
+        min_new_tokens=20,
+        do_sample=False,
+        use_cache=True,
+        pad_token_id=PAD,
+        return_dict_in_generate=True,
+        output_logits=True,
+    )
+    with torch.no_grad():
+        expected = vanilla.generate(ids, **settings)
+        actual = patched.generate(ids, **settings)
+    assert actual.sequences.shape == (3, 12 + 20)
+    assert torch.equal(actual.sequences, expected.sequences)
+    assert len(set(actual.sequences[:, 12:].flatten().tolist())) > 3, "degenerate generation: the test proves little"
+    assert len(actual.logits) == len(expected.logits) == 20
+    torch.testing.assert_close(torch.stack(actual.logits), torch.stack(expected.logits), rtol=0, atol=1e-5)
+    # The cache was filled by the pack's attention (transformers would silently recompute
+    # the whole sequence at every step if it stayed empty): every layer holds the prompt
+    # and all generated tokens but the last.
+    cache = getattr(actual, "cache", None) or getattr(actual, "past_key_values", None)
+    assert cache is not None
+    assert [cache.get_seq_length(layer) for layer in range(patched.config.num_hidden_layers)] == [12 + 19] * 2
+
+
+@pytest.mark.parametrize("name", ["qwen2_moe-sliding", "qwen3_moe-sliding"])
+def test_the_sliding_window_cases_exercise_the_window(checkpoints: dict[str, Path], name: str) -> None:
+    """On the patched model, widening the 4-token window changes the logits past it and only there."""
+    path = checkpoints[name]
+    windowed = load(path, patched=True)
+    config = AutoConfig.from_pretrained(path)
+    assert config.sliding_window == 4
+    config.sliding_window = 1000
+    widened = load(path, patched=True, config=config)
+    ids, mask = torch.randint(3, VOCAB, (1, 12), generator=torch.Generator().manual_seed(6)), torch.ones(1, 12)
+    inside, outside = logits(windowed, ids, mask), logits(widened, ids, mask)
+    torch.testing.assert_close(inside[:, :4], outside[:, :4], rtol=0, atol=1e-5)
+    assert (inside[:, 4:] - outside[:, 4:]).abs().max() > 1e-2
+
+
+def test_bf16_logits_match_vanilla_within_the_measured_tolerance(checkpoints: dict[str, Path], case: str) -> None:
+    """bf16 against vanilla's eager experts; and against vanilla's default experts implementation
+    no further than transformers' own eager-vs-default difference.
+
+    transformers 5.3 runs bf16 experts with ``grouped_mm`` by default, which rounds
+    differently from its eager loop (by up to ~0.45 on these logits, when a token's
+    routing flips); the pack's per-expert modules run the eager loop.
+    """
+    source = checkpoints[case]
+    default = load(source, patched=False, dtype=torch.bfloat16)
+    eager = load(source, patched=False, dtype=torch.bfloat16, experts_implementation="eager")
+    patched = load(source, patched=True, dtype=torch.bfloat16)
+    assert patched.model.layers[0].self_attn.qkv_proj.weight.dtype == torch.bfloat16
+    assert patched.model.layers[0].mlp.experts[0].gate_proj.weight.dtype == torch.bfloat16
+    ids, mask = padded_batch(seed=2)
+    real = mask.bool()
+    actual = logits(patched, ids, mask)[real]
+    from_eager = (actual - logits(eager, ids, mask)[real]).abs().max().item()
+    assert from_eager <= BF16_ATOL, f"bf16 max abs difference from vanilla (eager experts): {from_eager}"
+    expected = logits(default, ids, mask)[real]
+    from_default = (actual - expected).abs().max().item()
+    transformers_own = (logits(eager, ids, mask)[real] - expected).abs().max().item()
+    assert from_default <= transformers_own + BF16_ATOL, (from_default, transformers_own)
+
+
+# --- saving -----------------------------------------------------------------------------
+
+
+def test_save_pretrained_writes_the_original_layout(checkpoints: dict[str, Path], case: str, tmp_path: Path) -> None:
+    source = checkpoints[case]
+    patched = load(source, patched=True)
+    patched.save_pretrained(tmp_path)
+    written, original = safetensors_of(tmp_path), safetensors_of(source)
+    assert sorted(written) == sorted(original)
+    assert not any("qkv_proj" in key for key in written)
+    assert any(re.search(r"mlp\.experts\.3\.down_proj\.weight$", key) for key in written)
+    for key, tensor in original.items():
+        assert written[key].shape == tensor.shape and written[key].dtype == tensor.dtype, key
+        assert torch.equal(written[key], tensor), key
+
+    reloaded = load(tmp_path, patched=False)
+    assert hfpatch_core.plan_of(reloaded) is None
+    assert type(reloaded.model.layers[0].mlp.experts) is ORIGINAL_CLASSES[FAMILIES[reloaded.config.model_type].experts]
+    ids, mask = padded_batch(seed=3)
+    torch.testing.assert_close(
+        logits(reloaded, ids, mask), logits(load(source, patched=False), ids, mask), rtol=0, atol=1e-5
+    )
+
+
+@pytest.mark.parametrize("name", ["qwen2_moe", "qwen3_moe"])
+def test_from_config_initialises_and_saves_the_original_layout(
+    checkpoints: dict[str, Path], name: str, tmp_path: Path
+) -> None:
+    """A model built from a config (no checkpoint) is patched, initialised and saves like vanilla."""
+    config = CASES[name].config
+    hfpatch_core.enable(PACK)
+    model = AutoModelForCausalLM.from_config(config)
+    hfpatch_core.disable()
+    assert_patched(model)
+    experts = model.model.layers[0].mlp.experts
+    weights = torch.stack([expert.gate_proj.weight for expert in experts])
+    assert torch.isfinite(weights).all() and weights.std() > config.initializer_range / 2
+    model.save_pretrained(tmp_path)
+    # The layout vanilla transformers saves for this config: the session's checkpoint.
+    expected = {key: tuple(value.shape) for key, value in safetensors_of(checkpoints[name]).items()}
+    assert {key: tuple(value.shape) for key, value in safetensors_of(tmp_path).items()} == expected
+
+
+# --- the reason the pack exists ---------------------------------------------------------
+
+
+class FakeQuantLinear(nn.Linear):
+    """What a weight-only int8 quantizer puts in place of ``nn.Linear`` (quantise-dequantise per row)."""
+
+    calls: int = 0
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> FakeQuantLinear:
+        quantized = cls(linear.in_features, linear.out_features, bias=linear.bias is not None)
+        with torch.no_grad():
+            scale = linear.weight.abs().amax(dim=1, keepdim=True).clamp(min=1e-8) / 127
+            quantized.weight.copy_((linear.weight / scale).round().clamp(-127, 127) * scale)
+            if linear.bias is not None:
+                quantized.bias.copy_(linear.bias)
+        return quantized
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return F.linear(input, self.weight, self.bias)
+
+
+def quantize(model: nn.Module) -> list[str]:
+    """Replace every plain ``nn.Linear`` by :class:`FakeQuantLinear`; the converted module names."""
+    converted = []
+    for parent_name, parent in list(model.named_modules()):
+        for child_name, child in list(parent.named_children()):
+            if type(child) is nn.Linear:
+                setattr(parent, child_name, FakeQuantLinear.from_linear(child))
+                converted.append(f"{parent_name}.{child_name}" if parent_name else child_name)
+    return converted
+
+
+@pytest.mark.parametrize("name", ["qwen2_moe", "qwen3_moe"])
+def test_a_linear_swapping_quantizer_reaches_every_expert(checkpoints: dict[str, Path], name: str) -> None:
+    config = CASES[name].config
+    expert_linear = re.compile(r"\.mlp\.experts\.(\d+)\.(gate|up|down)_proj$")
+    fused_qkv = re.compile(r"\.self_attn\.qkv_proj$")
+
+    vanilla = load(checkpoints[name], patched=False)
+    vanilla_converted = quantize(vanilla)
+    assert not [n for n in vanilla_converted if expert_linear.search(n)], "vanilla experts are 3-D parameters"
+
+    patched = load(checkpoints[name], patched=True)
+    converted = quantize(patched)
+    experts = [n for n in converted if expert_linear.search(n)]
+    assert len(experts) == config.num_hidden_layers * config.num_experts * 3
+    assert len([n for n in converted if fused_qkv.search(n)]) == config.num_hidden_layers
+    assert not [n for n in converted if re.search(r"\.[qkv]_proj$", n)]
+    leftovers = [n for n, m in patched.named_modules() if type(m) is nn.Linear]
+    assert leftovers == []
+
+    ids, mask = padded_batch(seed=4)
+    logits(patched, ids, mask)
+    modules = dict(patched.named_modules())
+    assert all(modules[n].calls == 1 for n in converted if fused_qkv.search(n))
+    expert_calls = [modules[n].calls for n in experts]
+    assert sum(expert_calls) > 0, "the quantized experts are the ones the forward runs"
+    for layer in range(config.num_hidden_layers):
+        for expert in range(config.num_experts):
+            prefix = f"model.layers.{layer}.mlp.experts.{expert}."
+            assert len({modules[prefix + p].calls for p in ("gate_proj", "up_proj", "down_proj")}) == 1
+
+
+# --- nothing is left behind -------------------------------------------------------------
+
+
+def test_a_patched_load_leaves_transformers_unpatched(checkpoints: dict[str, Path]) -> None:
+    for name in ("qwen2_moe", "qwen3_moe"):
+        load(checkpoints[name], patched=True)
+    assert modeling_qwen2_moe.Qwen2MoeExperts is ORIGINAL_CLASSES["Qwen2MoeExperts"]
+    assert modeling_qwen2_moe.Qwen2MoeAttention is ORIGINAL_CLASSES["Qwen2MoeAttention"]
+    assert modeling_qwen3_moe.Qwen3MoeExperts is ORIGINAL_CLASSES["Qwen3MoeExperts"]
+    assert modeling_qwen3_moe.Qwen3MoeAttention is ORIGINAL_CLASSES["Qwen3MoeAttention"]
+    for name in ("qwen2_moe", "qwen3_moe"):
+        vanilla = load(checkpoints[name], patched=False)
+        family = FAMILIES[vanilla.config.model_type]
+        assert type(vanilla.model.layers[0].mlp.experts) is ORIGINAL_CLASSES[family.experts]
+        assert type(vanilla.model.layers[0].self_attn) is ORIGINAL_CLASSES[family.attention]
+    assert issubclass(FAMILIES["qwen3_moe"].fused_attention, FusedQKVAttention)
+
+
+def test_attention_outputs_are_recorded_and_nothing_leaks_into_later_vanilla_loads(
+    checkpoints: dict[str, Path],
+) -> None:
+    """``output_attentions`` works on the patched model (its attention subclasses the original,
+    which the output recorders look for), gives vanilla's weights, and a vanilla model loaded
+    afterwards still records its own attentions (transformers' ``patch_output_recorders``
+    rewrites class-level recorders during a patched load; hfpatch must put them back)."""
+    path = checkpoints["qwen3_moe"]
+    ids, mask = padded_batch(seed=5)
+    patched = load(path, patched=True, attn_implementation="eager")
+    vanilla = load(path, patched=False, attn_implementation="eager")
+    with torch.no_grad():
+        expected = vanilla(input_ids=ids, attention_mask=mask, output_attentions=True).attentions
+        actual = patched(input_ids=ids, attention_mask=mask, output_attentions=True).attentions
+    assert expected is not None and len(expected) == vanilla.config.num_hidden_layers
+    assert actual is not None and len(actual) == len(expected)
+    for got, want in zip(actual, expected, strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+
+
+# --- discovery from a real wheel --------------------------------------------------------
+
+_PROBE = textwrap.dedent(
+    """
+    import json, sys
+    import importlib_metadata
+    import hfpatch_core
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    hfpatch_core.enable()  # HF_PATCH_PACKS=qwen-moe
+    model = AutoModelForCausalLM.from_pretrained(sys.argv[1])
+    plan = hfpatch_core.plan_of(model)
+    pack = hfpatch_core.discover().packs["qwen-moe"]
+    print(json.dumps({
+        "distribution_files": str(importlib_metadata.distribution("hfpatch-pack-qwen-moe").locate_file("")),
+        "module_file": pack.load().__file__,
+        "replaced": {name: claim.pack for name, claim in plan.replaced.items()},
+        "experts": type(model.model.layers[0].mlp.experts).__module__,
+    }))
+    """
+)
+
+
+def test_the_pack_is_discovered_from_an_installed_wheel(checkpoints: dict[str, Path], tmp_path: Path) -> None:
+    wheels, site = tmp_path / "wheels", tmp_path / "site"
+    build = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--quiet", "--disable-pip-version-check"]
+    try:
+        import hatchling  # noqa: F401
+
+        build.append("--no-build-isolation")  # offline and faster where hatchling is installed
+    except ImportError:
+        pass
+    subprocess.run([*build, "-w", str(wheels), str(PACK_DIR)], check=True, timeout=120)
+    (wheel,) = wheels.glob("hfpatch_pack_qwen_moe-0.1.0-*.whl")
+    install = [sys.executable, "-m", "pip", "install", "--no-deps", "--quiet", "--disable-pip-version-check"]
+    subprocess.run([*install, "--target", str(site), str(wheel)], check=True, timeout=120)
+    # The wheel's copy comes first on the path, ahead of any (editable) install in the venv.
+    env = {**os.environ, "PYTHONPATH": str(site), "HF_PATCH_PACKS": PACK}
+    env.pop("HF_PATCH_STRICT", None)
+
+    listing = subprocess.run(
+        [sys.executable, "-m", "hfpatch_core", "list", "--json"],
+        env=env,
+        cwd=tmp_path,  # not the pack's source directory, which would shadow the wheel
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    )
+    rows = [row for row in json.loads(listing.stdout)["packs"] if row["name"] == PACK]
+    assert len(rows) == 1, listing.stdout
+    (row,) = rows
+    assert (row["distribution"], row["version"], row["enabled"]) == ("hfpatch-pack-qwen-moe", "0.1.0", True)
+    assert row["transformers"] == "<6,>=5.3" and row["description"]
+
+    probe = subprocess.run(
+        [sys.executable, "-c", _PROBE, str(checkpoints["qwen3_moe"])],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+    )
+    found = json.loads(probe.stdout.strip().splitlines()[-1])
+    assert Path(found["distribution_files"]).resolve() == site.resolve()
+    assert Path(found["module_file"]).resolve().is_relative_to(site.resolve())
+    assert found["replaced"] == {"Qwen3MoeExperts": PACK, "Qwen3MoeAttention": PACK}
+    assert found["experts"] == "hfpatch_pack_qwen_moe.experts"
+
+
+def test_the_pack_is_installed_for_these_tests() -> None:
+    """The other tests load through discovery: the pack must be installed (``pip install -e``)."""
+    assert PACK in hfpatch_core.discover().packs, (
+        "install the pack first: pip install --no-deps -e plugins/hfpatch-pack-qwen-moe"
+    )

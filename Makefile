@@ -22,7 +22,7 @@ $(VENV)/.installed: pyproject.toml constraints.txt requirements-dev.txt _hfpatch
 
 $(VENV_OLDEST)/.installed: pyproject.toml constraints-oldest.txt _hfpatch_autorun.py $(wildcard plugins/*/pyproject.toml)
 	$(PYTHON) -m venv $(VENV_OLDEST)
-	$(BIN_OLDEST)/python -m pip install $(PIP_FLAGS) -c constraints-oldest.txt pytest hypothesis $(PACKAGES)
+	$(BIN_OLDEST)/python -m pip install $(PIP_FLAGS) -c constraints-oldest.txt pytest hypothesis hatchling ruff $(PACKAGES)
 	touch $@
 
 venv: $(VENV)/.installed

@@ -242,6 +242,29 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return EXIT_OK if report.ok else EXIT_PROBLEMS
 
 
+def cmd_new(args: argparse.Namespace) -> int:
+    from .scaffold import new_pack
+
+    try:
+        project = new_pack(
+            args.name,
+            model_type=args.model_type,
+            target=args.target,
+            no_input=args.no_input,
+            output_dir=args.output_dir,
+        )
+    except EOFError:
+        print()
+        raise _UsageError("standard input ended before every question was answered; pass --no-input") from None
+    relative = os.path.relpath(project)
+    shown = str(project) if relative.startswith("..") else relative
+    print(f"Created {shown}. Next:")
+    print(f"  cd {shown}")
+    print('  pip install -e ".[test]"   # the pack, hfpatch-core, transformers, torch and pytest')
+    print("  pytest                     # the generated equivalence test")
+    return EXIT_OK
+
+
 class _UsageError(Exception):
     pass
 
@@ -279,6 +302,20 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--model", help="a local checkpoint directory (default: a tiny random Qwen2-MoE)")
     demo.add_argument("--packs", help="the pack to demonstrate (default: qwen-moe, else the built-in example)")
     demo.set_defaults(handler=cmd_demo)
+
+    creating = commands.add_parser("new", help="create a pack project from the template")
+    creating.add_argument("name", nargs="?", help="the pack's name, what HF_PATCH_PACKS selects (default: my-pack)")
+    creating.add_argument(
+        "--model-type", metavar="TYPE", help="config.model_type the example patch applies to (default: llama)"
+    )
+    creating.add_argument(
+        "--target", metavar="CLASS", help="the transformers class to replace (default: the model type's MLP class)"
+    )
+    creating.add_argument("--no-input", action="store_true", help="ask nothing: use the values given and the defaults")
+    creating.add_argument(
+        "-o", "--output-dir", default=".", metavar="DIR", help="where to create the project (default: .)"
+    )
+    creating.set_defaults(handler=cmd_new)
 
     running = commands.add_parser("run", help="run a program (and its children) with hfpatch enabled")
     running.add_argument("command", nargs=argparse.REMAINDER, help="-- program and arguments")

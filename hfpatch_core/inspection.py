@@ -275,6 +275,19 @@ def check_pack(session: Session, name: str) -> CheckResult:
         for failure in gathered.failures:
             note(str(failure))
         classes = modeling_module_classes(model_type)
+        for _info, converter in gathered.converters:
+            key = converter.key
+            known = key in CONFIG_MAPPING_NAMES or isinstance(getattr(transformers, key, None), type)
+            if not known:
+                note(
+                    f"pack {name!r}: converter key {key!r} is neither a model type nor a model class of "
+                    f"transformers {transformers.__version__}; no model would use it."
+                )
+            elif not gathered.claims:
+                note(
+                    f"pack {name!r}: converter for {key!r} but no patch of the pack is active for {model_type}; "
+                    "the checkpoint would be converted for modules that were not replaced."
+                )
         try:
             resolve(gathered.claims)
         except PatchConflictError as exc:

@@ -423,7 +423,11 @@ def patched(config_or_model_type: Any, *, model_class: type | None = None) -> It
     """
     session = _active or new_session()
     context, class_names = _context_for_manual(config_or_model_type, model_class)
-    with session.applied(context, class_names) as frame, apply_mapping(monkey_patching.get_patch_mapping()):
+    with (
+        session.applied(context, class_names) as frame,
+        recorders.RecorderLog(),
+        apply_mapping(monkey_patching.get_patch_mapping()),
+    ):
         yield frame.plan
 
 

@@ -205,3 +205,30 @@ def provide_patches(context):
     assert bad.returncode == 1
     assert "verdict" in bad.stdout and "FAIL" in bad.stdout and "PASS" in bad.stdout
     assert "doubling on llama: logits differ" in bad.stdout
+
+
+def test_check_reports_converters_without_patches_or_model(install) -> None:
+    stray = """
+from hfpatch_core import Converter, hookimpl
+from transformers.core_model_loading import WeightRenaming
+
+@hookimpl
+def provide_converters(context):
+    if context.model_type != "llama":
+        return []
+    return [Converter("llama", [WeightRenaming("mlp.fc", "mlp.proj")]),
+            Converter("NoSuchModelForCausalLM", [WeightRenaming("a", "b")])]
+"""
+    site = install(PackSpec("stray", stray))
+    result = run(HFPATCH, "check", "stray", site=site)
+    assert result.returncode == 1
+    assert "converter for 'llama' but no patch of the pack is active for llama" in result.stdout
+    assert "converter key 'NoSuchModelForCausalLM' is neither a model type nor a model class" in result.stdout
+
+
+def test_new_rejects_a_bad_name_in_one_line(tmp_path: Path) -> None:
+    result = run(HFPATCH, "new", "Bad Name!", "--no-input", "-o", str(tmp_path / "out"))
+    assert result.returncode == 2 and result.stdout == ""
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("hfpatch: error:") and "bad-name" in lines[0]
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())

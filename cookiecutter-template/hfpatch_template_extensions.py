@@ -1,0 +1,27 @@
+"""Jinja filters of the pack template, loaded through ``_extensions`` in cookiecutter.json.
+
+cookiecutter puts the template directory on ``sys.path`` while it renders, so this module
+is importable then; its name is specific to keep clear of other templates' extensions.
+"""
+
+import re
+
+from cookiecutter.utils import simple_filter
+
+
+@simple_filter
+def mlp_class(model_type):
+    """The conventional MLP class name of a model type: ``qwen2`` -> ``Qwen2MLP``.
+
+    Derived from the model type's config class name (``Qwen2Config``), without importing
+    the modeling module; it is only the suggested answer, which the pre_gen_project hook
+    checks against the modeling module.
+    """
+    try:
+        from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+    except ImportError:
+        CONFIG_MAPPING_NAMES = {}
+    config = CONFIG_MAPPING_NAMES.get(str(model_type), "")
+    if config.endswith("Config") and config != "Config":
+        return config[: -len("Config")] + "MLP"
+    return "".join(part[:1].upper() + part[1:] for part in re.split(r"[-_]", str(model_type))) + "MLP"

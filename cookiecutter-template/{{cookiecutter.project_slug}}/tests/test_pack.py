@@ -1,0 +1,20 @@
+"""The pack keeps models of its model type correct.
+
+``assert_pack_equivalent`` saves a tiny random checkpoint of ``MODEL_TYPE``, loads it with
+and without the pack, and checks that only ``TARGET`` was replaced, that no weight is
+missing, that logits and greedy generation match, and that ``save_pretrained`` writes the
+original checkpoint layout.  Run ``pytest`` once the pack is installed
+(``pip install -e ".[test]"``).
+"""
+
+from hfpatch_core.testing import assert_pack_equivalent
+
+PACK = "{{ cookiecutter.pack_name }}"
+MODEL_TYPE = "{{ cookiecutter.model_type }}"
+TARGET = "{{ cookiecutter.target_class }}"
+REPLACEMENT = "{{ cookiecutter.__replacement_class }}"
+
+
+def test_pack_keeps_the_model_equivalent() -> None:
+    report = assert_pack_equivalent(PACK, MODEL_TYPE, expected_replacements=[TARGET])
+    assert report.replaced == {TARGET: REPLACEMENT}

@@ -10,6 +10,8 @@ BIN_OLDEST := $(VENV_OLDEST)/bin
 PLUGINS := $(patsubst %/pyproject.toml,%,$(wildcard plugins/*/pyproject.toml))
 PACKAGES := -e . $(addprefix -e ,$(PLUGINS))
 PYTEST_FLAGS ?= -q
+# the core suite is mostly subprocesses and tiny models: two workers use both CI cores
+PYTEST_WORKERS ?= -n 2
 
 .PHONY: all venv venv-oldest demo test lint typecheck unit unit-oldest clean
 
@@ -22,7 +24,7 @@ $(VENV)/.installed: pyproject.toml constraints.txt requirements-dev.txt _hfpatch
 
 $(VENV_OLDEST)/.installed: pyproject.toml constraints-oldest.txt _hfpatch_autorun.py $(wildcard plugins/*/pyproject.toml)
 	$(PYTHON) -m venv $(VENV_OLDEST)
-	$(BIN_OLDEST)/python -m pip install $(PIP_FLAGS) -c constraints-oldest.txt pytest hypothesis hatchling ruff $(PACKAGES)
+	$(BIN_OLDEST)/python -m pip install $(PIP_FLAGS) -c constraints-oldest.txt pytest pytest-xdist hypothesis hatchling ruff $(PACKAGES)
 	touch $@
 
 venv: $(VENV)/.installed
@@ -40,12 +42,12 @@ typecheck: venv
 
 # The core suite, then each first-party pack's own suite from its directory.
 unit: venv
-	$(BIN)/python -m pytest $(PYTEST_FLAGS)
+	$(BIN)/python -m pytest $(PYTEST_FLAGS) $(PYTEST_WORKERS)
 	@for plugin in $(PLUGINS); do echo "== $$plugin"; (cd $$plugin && $(CURDIR)/$(BIN)/python -m pytest $(PYTEST_FLAGS)) || exit 1; done
 
 # The same suites against transformers 5.3.0, the oldest release hfpatch supports.
 unit-oldest: venv-oldest
-	$(BIN_OLDEST)/python -m pytest $(PYTEST_FLAGS)
+	$(BIN_OLDEST)/python -m pytest $(PYTEST_FLAGS) $(PYTEST_WORKERS)
 	@for plugin in $(PLUGINS); do echo "== $$plugin"; (cd $$plugin && $(CURDIR)/$(BIN_OLDEST)/python -m pytest $(PYTEST_FLAGS)) || exit 1; done
 
 test: lint typecheck unit unit-oldest

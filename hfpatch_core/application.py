@@ -87,23 +87,24 @@ def attribute_names(module: types.ModuleType) -> list[str]:
 class _MatchCache:
     """Which attribute names of each module match a registry's keys.
 
-    Keyed by the registry's keys (in order); a module's entry is reused while its
-    namespace and ``__all__`` keep their sizes.  Modules only gain names as lazy
-    imports resolve, which changes the size and triggers a rescan of that module.
+    Keyed by the registry's keys (in order).  A module's entry is reused while its
+    namespace holds exactly the same names (and, for a lazy module, the same
+    ``__all__``): comparing key sets is done in C and costs far less than matching
+    every name against every pattern again.
     """
 
     def __init__(self, keys: tuple[str, ...]) -> None:
         self.keys = keys
-        self.modules: dict[int, tuple[types.ModuleType, int, int, tuple[str, ...]]] = {}
+        self.modules: dict[int, tuple[types.ModuleType, frozenset[str], tuple[str, ...], tuple[str, ...]]] = {}
 
     def matching(self, module: types.ModuleType, mapping: Mapping[str, object]) -> tuple[str, ...]:
-        size = len(module.__dict__)
-        exported = getattr(module, "__all__", ()) if isinstance(module, _LazyModule) else ()
+        namespace = module.__dict__
+        exported = tuple(getattr(module, "__all__", ())) if isinstance(module, _LazyModule) else ()
         entry = self.modules.get(id(module))
-        if entry is not None and entry[0] is module and entry[1] == size and entry[2] == len(exported):
+        if entry is not None and entry[0] is module and namespace.keys() == entry[1] and entry[2] == exported:
             return entry[3]
         names = tuple(name for name in attribute_names(module) if find_replacement(name, mapping) is not None)
-        self.modules[id(module)] = (module, size, len(exported), names)
+        self.modules[id(module)] = (module, frozenset(namespace), exported, names)
         return names
 
 
@@ -149,6 +150,9 @@ def apply_mapping(mapping: Mapping[str, type]) -> Iterator[list[tuple[types.Modu
         return
     with LOAD_LOCK:
         cache = _cache_for(tuple(mapping))
+        # what this pass installed, by (name, replacement): a lazy module that resolves a
+        # name from an already patched module would otherwise hand back the replacement
+        installed: dict[tuple[str, int], object] = {}
         try:
             for module in _transformers_modules():
                 for name in cache.matching(module, mapping):
@@ -157,6 +161,8 @@ def apply_mapping(mapping: Mapping[str, type]) -> Iterator[list[tuple[types.Modu
                         original = getattr(module, name)
                         if not isinstance(original, type):
                             continue
+                        original = installed.get((name, id(original)), original)
+                        installed[(name, id(replacement))] = original
                         replaced.append((module, name, original))
                         setattr(module, name, replacement)
                     except (AttributeError, TypeError, ImportError):

@@ -8,6 +8,7 @@ a warning (the pack is skipped, the others still apply) or, in strict mode, an e
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import threading
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -79,6 +80,7 @@ class PackSet:
             try:
                 plugin = info.load()
                 self._manager.register(plugin, name=info.name)
+                error = self._unknown_hooks(info)
             except Exception as exc:  # a pack's import may raise anything
                 error = PackError(
                     info.name,
@@ -88,6 +90,19 @@ class PackSet:
                 error.__cause__ = exc
             self._loaded[info.name] = error
             return error
+
+    def _unknown_hooks(self, info: PackInfo) -> PackError | None:
+        """A pack whose hookimpl matches no hfpatch hook (a typo would otherwise be ignored)."""
+        known = [name for name in dir(hookspecs) if name.startswith("provide_")]
+        for name, caller in vars(self._manager.hook).items():
+            if getattr(caller, "spec", None) is not None or not hasattr(caller, "get_hookimpls"):
+                continue
+            if any(impl.plugin_name == info.name for impl in caller.get_hookimpls()):
+                close = difflib.get_close_matches(name, known, n=1)
+                hint = f"; did you mean {close[0]!r}?" if close else f"; hooks are {', '.join(known)}"
+                self._manager.unregister(name=info.name)
+                return PackError(info.name, f"pack {info.name!r} implements unknown hook {name!r}{hint}")
+        return None
 
     def _call(self, info: PackInfo, hook: str, context: LoadContext) -> list[Any]:
         caller = getattr(self._manager.hook, hook)

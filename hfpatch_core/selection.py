@@ -29,7 +29,8 @@ from .errors import HfPatchError, PackError, SelectionError
 from .settings import PACKS_ENV
 
 _NAME = r"[A-Za-z0-9][A-Za-z0-9._-]*"
-_ITEM = re.compile(rf"(?P<minus>-)?(?P<name>{_NAME})(?:@(?P<offset>[+-]?\d+))?")
+_ITEM = re.compile(rf"(?P<minus>-)?(?P<name>{_NAME})(?:@(?P<offset>[+-]?[0-9]{{1,9}}))?", re.ASCII)
+_RESERVED = frozenset({"all", "none"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,6 +89,8 @@ def parse_selection(spec: str | Iterable[str] | None) -> SelectionSpec:
         if match is None:
             raise _error(source, f"{item!r} is not a pack name, '-name' or 'name@N'")
         name, offset = match["name"], match["offset"]
+        if name in _RESERVED:
+            raise _error(source, f"{item!r} uses {name!r}, which is a keyword, not a pack name")
         if match["minus"]:
             if offset is not None:
                 raise _error(source, f"{item!r} both disables a pack and sets its priority")

@@ -12,6 +12,8 @@ import transformers
 from transformers import LlamaConfig, LlamaForCausalLM, conversion_mapping, monkey_patching
 
 import hfpatch_core
+import hfpatch_core.session
+import hfpatch_core.testing  # imported here, so pytester's in-process runs never re-import them
 from packs import PackSpec, install_packs
 
 transformers.utils.logging.disable_progress_bar()

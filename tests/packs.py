@@ -227,3 +227,18 @@ def provide_converters(context):
     )
     return [Converter("llama", [fuse])]
 """
+
+
+# A pack that changes the math on purpose: the MLP output is doubled.
+DOUBLING_PACK = """
+from hfpatch_core import Patch, hookimpl
+from transformers.models.llama.modeling_llama import LlamaMLP
+
+class DoubledMLP(LlamaMLP):
+    def forward(self, x):
+        return 2 * super().forward(x)
+
+@hookimpl
+def provide_patches(context):
+    return [Patch("LlamaMLP", DoubledMLP)] if context.model_type == "llama" else []
+"""

@@ -7,7 +7,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-from packs import MLP_PACK, NORM_PATTERN_PACK, PackSpec, mlp_pack
+from packs import DOUBLING_PACK, MLP_PACK, NORM_PATTERN_PACK, PackSpec, mlp_pack
 
 HFPATCH = str(Path(sys.executable).with_name("hfpatch"))
 
@@ -183,19 +183,7 @@ def test_check_with_nothing_selected_says_so(install) -> None:
 
 
 def test_verify_prints_a_table_and_fails_a_bad_pack(install) -> None:
-    doubling = """
-from hfpatch_core import Patch, hookimpl
-from transformers.models.llama.modeling_llama import LlamaMLP
-
-class DoubledMLP(LlamaMLP):
-    def forward(self, x):
-        return 2 * super().forward(x)
-
-@hookimpl
-def provide_patches(context):
-    return [Patch("LlamaMLP", DoubledMLP)] if context.model_type == "llama" else []
-"""
-    site = install(PackSpec("mlp", MLP_PACK), PackSpec("doubling", doubling))
+    site = install(PackSpec("mlp", MLP_PACK), PackSpec("doubling", DOUBLING_PACK))
     good = run(HFPATCH, "verify", "mlp", "--json", site=site)
     assert good.returncode == 0, good.stderr
     (report,) = json.loads(good.stdout)["reports"]

@@ -10,20 +10,7 @@ from hfpatch_core.testing import (
     tiny_checkpoint,
     tiny_config,
 )
-from packs import MLP_PACK, PackSpec, fused_qkv_pack
-
-DOUBLING_PACK = """
-from hfpatch_core import Patch, hookimpl
-from transformers.models.llama.modeling_llama import LlamaMLP
-
-class DoubledMLP(LlamaMLP):
-    def forward(self, x):
-        return 2 * super().forward(x)
-
-@hookimpl
-def provide_patches(context):
-    return [Patch("LlamaMLP", DoubledMLP)] if context.model_type == "llama" else []
-"""
+from packs import DOUBLING_PACK, MLP_PACK, PackSpec, fused_qkv_pack
 
 PLUGIN_TEST = """
 from hfpatch_core.testing import assert_pack_equivalent

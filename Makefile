@@ -13,18 +13,18 @@ PYTEST_FLAGS ?= -q
 # the core suite is mostly subprocesses and tiny models: two workers use both CI cores
 PYTEST_WORKERS ?= -n 2
 
-.PHONY: all venv venv-oldest demo test lint typecheck unit unit-oldest clean
+.PHONY: all venv venv-oldest demo test lint typecheck docs unit unit-oldest clean
 
 all: test
 
-$(VENV)/.installed: pyproject.toml constraints.txt requirements-dev.txt _hfpatch_autorun.py $(wildcard plugins/*/pyproject.toml)
+$(VENV)/.installed: pyproject.toml constraints.txt requirements-dev.txt docs/requirements.txt _hfpatch_autorun.py $(wildcard plugins/*/pyproject.toml)
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install $(PIP_FLAGS) -c constraints.txt -r requirements-dev.txt $(PACKAGES)
+	$(BIN)/python -m pip install $(PIP_FLAGS) -c constraints.txt -r requirements-dev.txt -r docs/requirements.txt $(PACKAGES)
 	touch $@
 
-$(VENV_OLDEST)/.installed: pyproject.toml constraints-oldest.txt _hfpatch_autorun.py $(wildcard plugins/*/pyproject.toml)
+$(VENV_OLDEST)/.installed: pyproject.toml constraints-oldest.txt docs/requirements.txt _hfpatch_autorun.py $(wildcard plugins/*/pyproject.toml)
 	$(PYTHON) -m venv $(VENV_OLDEST)
-	$(BIN_OLDEST)/python -m pip install $(PIP_FLAGS) -c constraints-oldest.txt pytest pytest-xdist hypothesis hatchling ruff $(PACKAGES)
+	$(BIN_OLDEST)/python -m pip install $(PIP_FLAGS) -c constraints-oldest.txt -r docs/requirements.txt pytest pytest-xdist hypothesis hatchling ruff $(PACKAGES)
 	touch $@
 
 venv: $(VENV)/.installed
@@ -40,6 +40,10 @@ lint: venv
 typecheck: venv
 	$(BIN)/mypy
 
+# The documentation site (its build and every Python snippet also run in tests/test_docs.py).
+docs: venv
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict -d .site
+
 # The core suite, then each first-party pack's own suite from its directory.
 unit: venv
 	$(BIN)/python -m pytest $(PYTEST_FLAGS) $(PYTEST_WORKERS)
@@ -50,7 +54,7 @@ unit-oldest: venv-oldest
 	$(BIN_OLDEST)/python -m pytest $(PYTEST_FLAGS) $(PYTEST_WORKERS)
 	@for plugin in $(PLUGINS); do echo "== $$plugin"; (cd $$plugin && $(CURDIR)/$(BIN_OLDEST)/python -m pytest $(PYTEST_FLAGS)) || exit 1; done
 
-test: lint typecheck unit unit-oldest
+test: lint typecheck docs unit unit-oldest
 
 clean:
-	rm -rf $(VENV) $(VENV_OLDEST) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(VENV_OLDEST) .site .pytest_cache .mypy_cache .ruff_cache

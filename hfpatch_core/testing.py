@@ -260,7 +260,10 @@ def check_pack_equivalence(
     if not source.is_dir():
         source = tiny_checkpoint(str(checkpoint_or_model_type))
     tolerance = atol if atol is not None else (BF16_ATOL if dtype == torch.bfloat16 else 1e-5)
-    vanilla: Any = AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
+    from .session import suspended
+
+    with suspended():  # the reference is vanilla even where hfpatch is enabled (hfpatch run -- pytest)
+        vanilla: Any = AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
     model_type = str(vanilla.config.model_type)
     report = Report(pack=pack, model_type=model_type)
     fail = report.failures.append
@@ -333,7 +336,8 @@ def check_pack_equivalence(
             report.round_trip = not layout
             if layout:
                 fail(f"save_pretrained does not restore the source layout: {', '.join(layout[:10])}")
-            reloaded = AutoModelForCausalLM.from_pretrained(saved, dtype=dtype)
+            with suspended():
+                reloaded = AutoModelForCausalLM.from_pretrained(saved, dtype=dtype)
             with torch.no_grad():
                 again = reloaded(input_ids=ids, attention_mask=mask).logits.float()
             if expect == "same" and (again - reference).abs().max().item() > tolerance:

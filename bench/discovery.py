@@ -36,6 +36,7 @@ import argparse
 import contextlib
 import functools
 import os
+import shutil
 import sys
 import tempfile
 import textwrap
@@ -105,8 +106,22 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     use_test_helpers()
-    import torch
     import transformers
+
+    transformers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.set_verbosity_error()
+    for line in machine_info():
+        print(line)
+
+    work = Path(tempfile.mkdtemp(prefix="hfpatch-bench-discovery-"))
+    try:
+        return measure(args, work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def measure(args: argparse.Namespace, work: Path) -> int:
+    import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     import hfpatch_core
@@ -115,12 +130,6 @@ def main(argv: list[str] | None = None) -> int:
     from hfpatch_core.discovery import discover
     from hfpatch_core.selection import current_selection
 
-    transformers.utils.logging.disable_progress_bar()
-    transformers.utils.logging.set_verbosity_error()
-    for line in machine_info():
-        print(line)
-
-    work = Path(tempfile.mkdtemp(prefix="hfpatch-bench-discovery-"))
     install(work / "site")
     ours = {pack_name(i) for i in range(COUNT)}
     others = sorted(set(discover().names) - ours)

@@ -21,7 +21,7 @@ import sys
 import threading
 import types
 from collections import OrderedDict
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -95,16 +95,23 @@ class _MatchCache:
 
     def __init__(self, keys: tuple[str, ...]) -> None:
         self.keys = keys
-        self.modules: dict[int, tuple[types.ModuleType, frozenset[str], tuple[str, ...], tuple[str, ...]]] = {}
+        self.modules: dict[int, tuple[types.ModuleType, frozenset[str], object, int, tuple[str, ...]]] = {}
 
     def matching(self, module: types.ModuleType, mapping: Mapping[str, object]) -> tuple[str, ...]:
         namespace = module.__dict__
-        exported = tuple(getattr(module, "__all__", ())) if isinstance(module, _LazyModule) else ()
+        exported: Sequence[str] = getattr(module, "__all__", ()) if isinstance(module, _LazyModule) else ()
         entry = self.modules.get(id(module))
-        if entry is not None and entry[0] is module and namespace.keys() == entry[1] and entry[2] == exported:
-            return entry[3]
+        if (
+            entry is not None
+            and entry[0] is module
+            and entry[2] is exported
+            and entry[3] == len(exported)
+            and len(entry[1]) == len(namespace)
+            and namespace.keys() == entry[1]
+        ):
+            return entry[4]
         names = tuple(name for name in attribute_names(module) if find_replacement(name, mapping) is not None)
-        self.modules[id(module)] = (module, frozenset(namespace), exported, names)
+        self.modules[id(module)] = (module, frozenset(namespace), exported, len(exported), names)
         return names
 
 

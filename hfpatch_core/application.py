@@ -84,8 +84,32 @@ def attribute_names(module: types.ModuleType) -> list[str]:
     return dir(module)
 
 
+class _Entry:
+    """What one module's namespace held when its matching names were last computed."""
+
+    __slots__ = ("exported", "exported_size", "keys", "module", "names", "namespace")
+
+    def __init__(self, module: types.ModuleType, mapping: Mapping[str, object]) -> None:
+        self.module = module
+        self.namespace = module.__dict__
+        self.refresh(mapping)
+
+    def refresh(self, mapping: Mapping[str, object]) -> None:
+        module = self.module
+        self.keys = frozenset(self.namespace)
+        # a lazy module also lists the names it has not resolved yet
+        exported: Sequence[str] | None = getattr(module, "__all__", ()) if isinstance(module, _LazyModule) else None
+        self.exported = exported
+        self.exported_size = len(exported) if exported is not None else 0
+        self.names = tuple(name for name in attribute_names(module) if find_replacement(name, mapping) is not None)
+
+    def exports_changed(self) -> bool:
+        exported: Sequence[str] = getattr(self.module, "__all__", ())
+        return exported is not self.exported or len(exported) != self.exported_size  # same list, grown
+
+
 class _MatchCache:
-    """Which attribute names of each module match a registry's keys.
+    """Which attribute names of each loaded transformers module match a registry's keys.
 
     Keyed by the registry's keys (in order).  A module's entry is reused while its
     namespace holds exactly the same names (and, for a lazy module, the same
@@ -95,24 +119,34 @@ class _MatchCache:
 
     def __init__(self, keys: tuple[str, ...]) -> None:
         self.keys = keys
-        self.modules: dict[int, tuple[types.ModuleType, frozenset[str], object, int, tuple[str, ...]]] = {}
+        self.modules: list[types.ModuleType] | None = None
+        self.entries: list[_Entry] = []
 
-    def matching(self, module: types.ModuleType, mapping: Mapping[str, object]) -> tuple[str, ...]:
-        namespace = module.__dict__
-        exported: Sequence[str] = getattr(module, "__all__", ()) if isinstance(module, _LazyModule) else ()
-        entry = self.modules.get(id(module))
-        if (
-            entry is not None
-            and entry[0] is module
-            and entry[2] is exported
-            and entry[3] == len(exported)
-            and len(entry[1]) == len(namespace)
-            and namespace.keys() == entry[1]
-        ):
-            return entry[4]
-        names = tuple(name for name in attribute_names(module) if find_replacement(name, mapping) is not None)
-        self.modules[id(module)] = (module, frozenset(namespace), exported, len(exported), names)
-        return names
+    def targets(
+        self, modules: list[types.ModuleType], mapping: Mapping[str, object]
+    ) -> list[tuple[types.ModuleType, str]]:
+        """``(module, name)`` for every attribute of ``modules`` whose name ``mapping`` matches."""
+        if modules is not self.modules:
+            known = {id(entry.module): entry for entry in self.entries}
+            self.entries = [
+                entry
+                if (entry := known.get(id(module))) is not None and entry.module is module
+                else _Entry(module, mapping)
+                for module in modules
+            ]
+            self.modules = modules
+        found: list[tuple[types.ModuleType, str]] = []
+        for entry in self.entries:  # the hot loop of every load: the checks are inlined
+            namespace = entry.namespace
+            if (
+                len(namespace) != len(entry.keys)
+                or namespace.keys() != entry.keys
+                or (entry.exported is not None and entry.exports_changed())
+            ):
+                entry.refresh(mapping)
+            if entry.names:
+                found.extend((entry.module, name) for name in entry.names)
+        return found
 
 
 _caches: OrderedDict[tuple[str, ...], _MatchCache] = OrderedDict()
@@ -130,17 +164,42 @@ def _cache_for(keys: tuple[str, ...]) -> _MatchCache:
     return cache
 
 
+class _ModuleIndex:
+    """The loaded ``transformers*`` modules, recomputed only when ``sys.modules`` changes.
+
+    Reused while ``sys.modules`` holds exactly the same names and each kept module is
+    still the one under its name: both checks run in C, far below a scan that tests
+    the name of each of the thousands of modules torch loads.
+    """
+
+    def __init__(self) -> None:
+        self.names: frozenset[str] = frozenset()
+        self.modules: list[tuple[str, types.ModuleType]] = []
+        self.loaded: list[types.ModuleType] = []
+
+    def current(self) -> list[types.ModuleType]:
+        loaded = sys.modules
+        if len(loaded) != len(self.names) or loaded.keys() != self.names or not self._same(loaded):
+            self.names = frozenset(loaded)
+            self.modules = []
+            for key, module in list(loaded.items()):
+                if not key.startswith("transformers") or module is None:
+                    continue
+                name = getattr(module, "__name__", None)  # transformers' own test
+                if isinstance(name, str) and name.startswith("transformers"):
+                    self.modules.append((key, module))
+            self.loaded = [module for _, module in self.modules]
+        return self.loaded  # the same list while nothing changed: match caches compare it by identity
+
+    def _same(self, loaded: Mapping[str, object]) -> bool:
+        return all(loaded.get(key) is module for key, module in self.modules)
+
+
+_index = _ModuleIndex()
+
+
 def _transformers_modules() -> list[types.ModuleType]:
-    # Filtering on the sys.modules key first keeps this cheap next to torch's thousands
-    # of modules; the __name__ test is transformers' own.
-    modules = []
-    for key, module in list(sys.modules.items()):
-        if not key.startswith("transformers") or module is None:
-            continue
-        name = getattr(module, "__name__", None)
-        if isinstance(name, str) and name.startswith("transformers"):
-            modules.append(module)
-    return modules
+    return _index.current()
 
 
 @contextmanager
@@ -161,19 +220,18 @@ def apply_mapping(mapping: Mapping[str, type]) -> Iterator[list[tuple[types.Modu
         # name from an already patched module would otherwise hand back the replacement
         installed: dict[tuple[str, int], object] = {}
         try:
-            for module in _transformers_modules():
-                for name in cache.matching(module, mapping):
-                    replacement = find_replacement(name, mapping)
-                    try:
-                        original = getattr(module, name)
-                        if not isinstance(original, type):
-                            continue
-                        original = installed.get((name, id(original)), original)
-                        installed[(name, id(replacement))] = original
-                        replaced.append((module, name, original))
-                        setattr(module, name, replacement)
-                    except (AttributeError, TypeError, ImportError):
+            for module, name in cache.targets(_transformers_modules(), mapping):
+                replacement = find_replacement(name, mapping)
+                try:
+                    original = getattr(module, name)
+                    if not isinstance(original, type):
                         continue
+                    original = installed.get((name, id(original)), original)
+                    installed[(name, id(replacement))] = original
+                    replaced.append((module, name, original))
+                    setattr(module, name, replacement)
+                except (AttributeError, TypeError, ImportError):
+                    continue
             yield replaced
         finally:
             for module, name, original in reversed(replaced):

@@ -70,6 +70,9 @@ def owner_of(key: str, owners: Mapping[str, str], plan: Plan, prefix: str = "") 
 
 def check_loading_info(model: nn.Module, plan: Plan, info: Mapping[str, Any]) -> None:
     """Raise :class:`WeightLayoutError` for every reported key a pack is responsible for."""
+    kinds = ("missing_keys", "unexpected_keys", "mismatched_keys")
+    if not any(info.get(kind) for kind in kinds):
+        return  # the usual case: nothing to attribute, so no walk over the model
     owners = _module_owners(model, plan)
     prefix = getattr(model, "base_model_prefix", "") or ""
     problems = []

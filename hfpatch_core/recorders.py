@@ -5,15 +5,22 @@ of a loaded model's classes at the replacement classes, for good: a vanilla mode
 loaded afterwards then records no hidden states or attentions.  While hfpatch is
 enabled, the call is logged; at the end of the load, the patched model gets its
 capture hooks installed from the patched recorders, and the recorders are put back.
+
+Most replacements subclass the class they replace.  A recorder that matches modules
+with ``isinstance`` then already matches the replacement's instances, so the call
+would change nothing a forward pass records: it is skipped, and nothing needs undoing.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
+from transformers import monkey_patching
 from transformers.utils.output_capturing import OutputRecorder
+
+from .resolution import find_replacement
 
 _log = threading.local()
 
@@ -74,12 +81,46 @@ def _remember(model: Any) -> None:
                     entries.append((recorder, recorder.target_class))
 
 
+def _changes_capture(model: Any, mapping: Mapping[str, type]) -> bool:
+    """Whether repointing ``model``'s recorders at ``mapping``'s replacements changes what they capture.
+
+    transformers matches a recorder class with ``isinstance``; one repointed at a
+    subclass of its class captures the same modules of a patched model.  A recorder
+    given by name (a string, or an ``OutputRecorder`` without a class) would start
+    matching by class instead, which does change it.
+    """
+    seen: set[int] = set()
+    # _can_record_outputs is a class attribute: one lookup per class, not per module
+    for owner in {type(submodule) for submodule in model.modules()}:
+        recorders = getattr(owner, "_can_record_outputs", None)
+        if not isinstance(recorders, dict) or id(recorders) in seen:
+            continue
+        seen.add(id(recorders))
+        for value in recorders.values():
+            for recorder in value if isinstance(value, list) else [value]:
+                target = recorder.target_class if isinstance(recorder, OutputRecorder) else recorder
+                if isinstance(target, type):
+                    replacement = find_replacement(target.__name__, mapping)
+                    if replacement is not None and not issubclass(replacement, target):
+                        return True
+                else:
+                    name = recorder.class_name if isinstance(recorder, OutputRecorder) else recorder
+                    if isinstance(name, str) and find_replacement(name, mapping) is not None:
+                        return True
+    return False
+
+
 def guarded(original: Callable[[Any], None]) -> Callable[[Any], None]:
-    """``patch_output_recorders`` that logs what it is about to change."""
+    """``patch_output_recorders`` that logs what it is about to change, and skips it when nothing would."""
 
     def patch_output_recorders(model: Any) -> None:
-        _remember(model)
-        original(model)
+        if _entries() is None:
+            original(model)  # not a load hfpatch manages
+            return
+        mapping = monkey_patching.get_patch_mapping()
+        if mapping and _changes_capture(model, mapping):
+            _remember(model)
+            original(model)
 
     patch_output_recorders.__doc__ = original.__doc__
     return patch_output_recorders

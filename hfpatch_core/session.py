@@ -14,6 +14,7 @@ import functools
 import logging
 import sys
 import threading
+import types
 import warnings
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
@@ -21,7 +22,7 @@ from typing import Any
 
 import torch.nn as nn
 import transformers
-from transformers import PretrainedConfig, PreTrainedModel, modeling_utils, monkey_patching
+from transformers import PreTrainedModel, modeling_utils, monkey_patching
 
 from . import application, recorders
 from .application import LOAD_LOCK, apply_mapping, registered, registered_conversions
@@ -39,16 +40,6 @@ logger = logging.getLogger("hfpatch")
 
 #: The attribute of a loaded model that holds its :class:`~hfpatch_core.plan.Plan`.
 PLAN_ATTRIBUTE = "hfpatch_plan"
-
-_CONFIG_DOWNLOAD_KWARGS = (
-    "cache_dir",
-    "force_download",
-    "local_files_only",
-    "token",
-    "revision",
-    "subfolder",
-    "trust_remote_code",
-)
 
 
 _INTERNAL = ("hfpatch_core", "transformers", "contextlib", "importlib")
@@ -87,12 +78,14 @@ class Session:
 
     @property
     def current(self) -> LoadContext | None:
-        """The context of the innermost load running on this thread."""
-        frames = self._frames()
-        return frames[-1].plan.context if frames else None
+        """The context of the innermost load running on this thread whose plan is made."""
+        for frame in reversed(self._frames()):
+            if frame.plan is not None:
+                return frame.plan.context
+        return None
 
     def _owned(self) -> frozenset[str]:
-        return frozenset().union(*(frozenset(frame.plan.mapping) for frame in self._frames()))
+        return frozenset().union(*(frozenset(frame.plan.mapping) for frame in self._frames() if frame.plan))
 
     # reporting ----------------------------------------------------------------------
     def _report(self, errors: Iterable[HfPatchError]) -> None:
@@ -123,7 +116,11 @@ class Session:
             class_names=class_names,
             packs=gathered.packs,
         )
-        conversions = compose_for(context, gathered.converters, self.selection.spec.priority_offsets)
+        # A pack whose every patch lost has none of its modules in the model: its
+        # converters would reshape the checkpoint for modules that are not there.
+        beaten = {claim.pack for claim in gathered.claims} - {claim.pack for claim in plan.entries}
+        converters = [(info, converter) for info, converter in gathered.converters if info.name not in beaten]
+        conversions = compose_for(context, converters, self.selection.spec.priority_offsets)
         self._report(
             PackError(
                 claim.pack,
@@ -135,8 +132,16 @@ class Session:
         return dataclasses.replace(plan, conversions=conversions)
 
     @contextmanager
-    def applied(self, context: LoadContext, class_names: Iterable[str] = ()) -> Iterator[_Frame]:
-        """Plan ``context`` and keep the plan registered for the block (lock held).
+    def applied(
+        self, context: LoadContext | None, class_names: Iterable[str] = (), *, loader: _Loader | None = None
+    ) -> Iterator[_Frame]:
+        """Keep a plan registered for the block (lock held).
+
+        With a ``context`` the plan is made on entry.  With ``loader`` instead it is made
+        when transformers' loader (``from_pretrained`` / ``_from_config``) enters
+        ``apply_patches``, just before it builds the model: the config is then the very
+        object the model receives, with every keyword argument, ``attn_implementation``
+        and ``dtype`` already applied, and transformers has read ``config.json`` once.
 
         A load nested in another on the same thread (a composite model's text model)
         registers its patches for its own block, but its converters until the outermost
@@ -144,32 +149,66 @@ class Session:
         the whole model is built.
         """
         with LOAD_LOCK:
-            plan = self.plan(context, class_names)
             frames = self._frames()
-            root = frames[0] if frames else None
-            frame = _Frame(plan)
+            frame = _Frame(self, root=frames[0] if frames else None, loader=loader)
             frames.append(frame)
             try:
                 with frame.cleanup:
-                    (root or frame).cleanup.enter_context(registered_conversions(plan.conversions))
-                    if root is not None:
-                        root.nested.append(plan)
-                    with registered(plan):
-                        yield frame
+                    if context is not None:
+                        frame.resolve(context, class_names)
+                    yield frame
             finally:
                 frames.pop()
 
+    def pending(self) -> _Frame | None:
+        """The innermost load on this thread, if it still waits for its loader to give the config."""
+        frames = self._frames()
+        frame = frames[-1] if frames else None
+        return frame if frame is not None and frame.plan is None and frame.loader is not None else None
 
-@dataclasses.dataclass
+
+@dataclasses.dataclass(frozen=True)
+class _Loader:
+    """A transformers loader hfpatch wraps: the class it builds and the code of the loader function."""
+
+    model_class: type
+    code: types.CodeType
+
+    def config(self) -> Any:
+        """The ``config`` local of the running loader (the config it is about to build with)."""
+        frame = sys._getframe(1)
+        while frame is not None:
+            if frame.f_code is self.code:
+                return frame.f_locals.get("config")
+            frame = frame.f_back  # type: ignore[assignment]
+        return None
+
+
+@dataclasses.dataclass(eq=False)
 class _Frame:
     """One load in progress on this thread."""
 
-    plan: Plan
+    session: Session
+    root: _Frame | None = None
+    loader: _Loader | None = None
+    plan: Plan | None = None
     nested: list[Plan] = dataclasses.field(default_factory=list)
     cleanup: contextlib.ExitStack = dataclasses.field(default_factory=contextlib.ExitStack)
 
-    def final_plan(self) -> Plan:
-        return dataclasses.replace(self.plan, nested=tuple(self.nested)) if self.nested else self.plan
+    def resolve(self, context: LoadContext, class_names: Iterable[str]) -> Plan:
+        """Make this load's plan and register it until the load ends."""
+        plan = self.session.plan(context, class_names)
+        (self.root or self).cleanup.enter_context(registered_conversions(plan.conversions))
+        if self.root is not None:
+            self.root.nested.append(plan)
+        self.cleanup.enter_context(registered(plan))
+        self.plan = plan
+        return plan
+
+    def final_plan(self) -> Plan | None:
+        if self.plan is None or not self.nested:
+            return self.plan
+        return dataclasses.replace(self.plan, nested=tuple(self.nested))
 
 
 def _blame(exc: BaseException, plan: Plan) -> PackError | None:
@@ -241,43 +280,36 @@ def _attach(model: object, plan: Plan) -> None:
     logger.info(plan.summary())
 
 
-def _config_for(cls: type, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    config = kwargs.get("config")
-    if isinstance(config, PretrainedConfig):
-        return config
-    source = config if isinstance(config, str) else (args[0] if args else kwargs.get("pretrained_model_name_or_path"))
-    config_class = getattr(cls, "config_class", None)
-    if source is None or config_class is None:
-        return None
-    try:
-        download = {key: kwargs[key] for key in _CONFIG_DOWNLOAD_KWARGS if key in kwargs}
-        return config_class.from_pretrained(source, **download)
-    except Exception:  # transformers' own load reports a missing or broken config
-        return None
+def _managed(cls: type, load: Callable[[], Any], code: types.CodeType, *, loading_info: bool = False) -> Any:
+    """Run transformers' loader ``load`` for ``cls`` with the session's plan registered.
 
-
-def _managed(cls: type, config: Any, load: Callable[[], Any], *, loading_info: bool = False) -> Any:
-    """Run ``load`` with the session's plan for ``cls`` registered.
-
-    ``loading_info``: ``load`` returns ``(model, info)`` (``from_pretrained`` asked for
-    ``output_loading_info``), used to check that every weight a pack touches was loaded.
+    The plan is made when the loader enters ``apply_patches`` (see
+    :meth:`Session.applied`); ``code`` is the loader function's code, whose frame holds
+    the config.  ``loading_info``: ``load`` returns ``(model, info)`` (``from_pretrained``
+    asked for ``output_loading_info``), used to check that every weight a pack touches
+    was loaded.
     """
     session = _live_session()
     if session is None:
         return load()
-    context = LoadContext.for_model(cls, config, parent=session.current)
-    with session.applied(context, _module_class_names(cls)) as frame, recorders.RecorderLog() as log:
+    loader = _Loader(cls, code)
+    with session.applied(None, loader=loader) as frame, recorders.RecorderLog() as log:
         try:
             result = load()
         except HfPatchError:
             raise
         except Exception as exc:
-            blamed = _blame(exc, frame.final_plan())
+            plan = frame.final_plan()
+            blamed = _blame(exc, plan) if plan is not None else None
             if blamed is None:
                 raise
             raise blamed from exc
         plan = frame.final_plan()
         model, info = result if loading_info else (result, None)
+        if plan is None:
+            # the loader never entered apply_patches (a custom from_pretrained): nothing was applied
+            logger.warning("hfpatch: %s was built without transformers' apply_patches; no pack applied", cls.__name__)
+            return result
         is_root = len(session._frames()) == 1  # sub-models are checked with the model holding them
         if isinstance(model, nn.Module) and is_root:
             if info is not None and plan.touches_weights:
@@ -291,6 +323,19 @@ def _managed(cls: type, config: Any, load: Callable[[], Any], *, loading_info: b
     return result
 
 
+@contextmanager
+def _apply_patches() -> Iterator[None]:
+    """hfpatch's ``modeling_utils.apply_patches``: plan a pending load with its loader's config, then apply."""
+    session = _live_session()
+    frame = session.pending() if session is not None else None
+    if frame is not None and frame.loader is not None:
+        model_class = frame.loader.model_class
+        context = LoadContext.for_model(model_class, frame.loader.config(), parent=session.current if session else None)
+        frame.resolve(context, _module_class_names(model_class))
+    with application.apply_registered_patches():
+        yield
+
+
 def _wrap_from_pretrained(original: classmethod) -> classmethod:
     function = original.__func__
 
@@ -298,10 +343,12 @@ def _wrap_from_pretrained(original: classmethod) -> classmethod:
     def from_pretrained(cls: type, *args: Any, **kwargs: Any) -> Any:
         if _live_session() is None:
             return function(cls, *args, **kwargs)
-        config = _config_for(cls, args, kwargs)
         wanted = bool(kwargs.pop("output_loading_info", False))
         result = _managed(
-            cls, config, lambda: function(cls, *args, output_loading_info=True, **kwargs), loading_info=True
+            cls,
+            lambda: function(cls, *args, output_loading_info=True, **kwargs),
+            function.__code__,
+            loading_info=True,
         )
         return result if wanted else result[0]
 
@@ -313,7 +360,7 @@ def _wrap_from_config(original: classmethod) -> classmethod:
 
     @functools.wraps(function)
     def _from_config(cls: type, config: Any, **kwargs: Any) -> Any:
-        return _managed(cls, config, lambda: function(cls, config, **kwargs))
+        return _managed(cls, lambda: function(cls, config, **kwargs), function.__code__)
 
     return classmethod(_from_config)
 
@@ -356,7 +403,7 @@ def _hooked() -> list[tuple[Any, str, Callable[[Any], Any]]]:
     return [
         (PreTrainedModel, "from_pretrained", _wrap_from_pretrained),
         (PreTrainedModel, "_from_config", _wrap_from_config),
-        (modeling_utils, "apply_patches", lambda _original: application.apply_registered_patches),
+        (modeling_utils, "apply_patches", lambda _original: _apply_patches),
         (modeling_utils, "patch_output_recorders", recorders.guarded),
     ]
 
@@ -428,6 +475,7 @@ def patched(config_or_model_type: Any, *, model_class: type | None = None) -> It
         recorders.RecorderLog(),
         apply_mapping(monkey_patching.get_patch_mapping()),
     ):
+        assert frame.plan is not None  # a context was given: planned on entry
         yield frame.plan
 
 

@@ -13,7 +13,7 @@ from conftest import tiny_llama_config
 from hfpatch_core import ConverterConflictError, PackWarning, WeightLayoutError, plan_of
 from hfpatch_core.composition import BUILTIN, ConverterClaim, compose
 from hfpatch_core.conversion import Converter, SizedConcatenate, SizedSplit
-from packs import FUSED_MLP_PACK, PackSpec, fused_qkv_pack
+from packs import FUSED_MLP_PACK, MLP_PACK, PackSpec, fused_qkv_pack
 
 
 def tensors(path: Path) -> dict[str, torch.Tensor]:
@@ -117,6 +117,27 @@ def test_two_packs_converting_one_model_type_compose(install, llama_checkpoint, 
     torch.testing.assert_close(logits(model), logits(vanilla), rtol=0, atol=1e-5)
     model.save_pretrained(tmp_path / "saved")
     assert set(tensors(tmp_path / "saved")) == set(tensors(llama_checkpoint))
+
+
+def test_a_pack_whose_patches_all_lose_keeps_its_converters_out(install, llama_checkpoint, snapshot) -> None:
+    # gateup's converter fuses gate/up for its own MLP; when mlp's plain MLP wins, the
+    # checkpoint must load unconverted into it.
+    install(PackSpec("gateup", FUSED_MLP_PACK), PackSpec("mlp", MLP_PACK))
+    vanilla = AutoModelForCausalLM.from_pretrained(llama_checkpoint)
+    hfpatch_core.enable("all,mlp@+1")
+    model = AutoModelForCausalLM.from_pretrained(llama_checkpoint)
+    plan = plan_of(model)
+    assert type(model.model.layers[0].mlp).__name__ == "PackMLP" and [lost.claim.pack for lost in plan.lost] == [
+        "gateup"
+    ]
+    assert not plan.conversions
+    torch.testing.assert_close(logits(model), logits(vanilla), rtol=0, atol=0)
+    hfpatch_core.enable("all,gateup@+1")
+    model = AutoModelForCausalLM.from_pretrained(llama_checkpoint)
+    assert type(model.model.layers[0].mlp).__name__ == "FusedGateUpMLP"
+    assert [entry.origin for entry in plan_of(model).conversions.lists["llama"]] == ["gateup"]
+    hfpatch_core.disable()
+    snapshot.assert_unchanged()
 
 
 def test_two_packs_converting_the_same_tensors_conflict_or_follow_priority(install, llama_checkpoint) -> None:

@@ -222,6 +222,32 @@ def provide_patches(context):
     assert first.transformers_version == __import__("transformers").__version__
 
 
+def test_the_hook_sees_the_config_the_model_is_built_with(install, llama_checkpoint) -> None:
+    # Config keyword arguments and loader options are applied before the packs are asked,
+    # and the context holds the model's own config object (transformers read config.json once).
+    source = """
+from hfpatch_core import hookimpl
+seen = []
+@hookimpl
+def provide_patches(context):
+    seen.append(context.config)
+    return []
+"""
+    install(PackSpec("spy", source))
+    hfpatch_core.enable()
+    model = LlamaForCausalLM.from_pretrained(
+        llama_checkpoint, num_hidden_layers=1, attn_implementation="eager", dtype=torch.bfloat16
+    )
+    built = AutoModelForCausalLM.from_config(tiny_llama_config(), attn_implementation="sdpa")
+    import hfpatch_test_pack_spy as spy
+
+    loaded, configured = spy.seen
+    assert loaded is model.config and configured is built.config
+    assert (loaded.num_hidden_layers, len(model.model.layers)) == (1, 1)
+    assert (loaded._attn_implementation, loaded.dtype) == ("eager", torch.bfloat16)
+    assert configured._attn_implementation == "sdpa"
+
+
 def test_patched_applies_packs_to_manual_construction(install, snapshot) -> None:
     install(PackSpec("mlp", MLP_PACK))
     config = tiny_llama_config()

@@ -8,30 +8,47 @@ PIP_FLAGS ?= --disable-pip-version-check --quiet --quiet
 BIN := $(VENV)/bin
 BIN_OLDEST := $(VENV_OLDEST)/bin
 PLUGINS := $(patsubst %/pyproject.toml,%,$(wildcard plugins/*/pyproject.toml))
-PACKAGES := -e . $(addprefix -e ,$(PLUGINS))
+PLUGIN_SOURCES := $(shell find plugins -name '*.py' -not -path '*/tests/*' -o -name pyproject.toml)
 PYTEST_FLAGS ?= -q
 # the core suite is mostly subprocesses and tiny models: two workers use both CI cores
 PYTEST_WORKERS ?= -n 2
+# The first-party packs are installed (as wheels) on a path entry of their own, not in
+# site-packages: the core suite sees only the packs each test installs, and the demo,
+# the docs and each pack's suite put PACKS_SITE on PYTHONPATH, as a user's
+# `pip install hfpatch-pack-...` would make them visible.
+PACKS_SITE := $(VENV)/first-party-packs
+PACKS_SITE_OLDEST := $(VENV_OLDEST)/first-party-packs
 
 .PHONY: all venv venv-oldest demo test lint typecheck docs unit unit-oldest clean
 
 all: test
 
-$(VENV)/.installed: pyproject.toml constraints.txt requirements-dev.txt docs/requirements.txt _hfpatch_autorun.py $(wildcard plugins/*/pyproject.toml)
+$(VENV)/.installed: pyproject.toml constraints.txt requirements-dev.txt docs/requirements.txt _hfpatch_autorun.py
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install $(PIP_FLAGS) -c constraints.txt -r requirements-dev.txt -r docs/requirements.txt $(PACKAGES)
+	$(BIN)/python -m pip install $(PIP_FLAGS) -c constraints.txt -r requirements-dev.txt -r docs/requirements.txt -e .
 	touch $@
 
-$(VENV_OLDEST)/.installed: pyproject.toml constraints-oldest.txt docs/requirements.txt _hfpatch_autorun.py $(wildcard plugins/*/pyproject.toml)
+$(VENV_OLDEST)/.installed: pyproject.toml constraints-oldest.txt docs/requirements.txt _hfpatch_autorun.py
 	$(PYTHON) -m venv $(VENV_OLDEST)
-	$(BIN_OLDEST)/python -m pip install $(PIP_FLAGS) -c constraints-oldest.txt -r docs/requirements.txt pytest pytest-xdist hypothesis hatchling ruff $(PACKAGES)
+	$(BIN_OLDEST)/python -m pip install $(PIP_FLAGS) -c constraints-oldest.txt -r docs/requirements.txt pytest pytest-xdist hypothesis hatchling ruff -e .
 	touch $@
 
-venv: $(VENV)/.installed
-venv-oldest: $(VENV_OLDEST)/.installed
+# --no-build-isolation: the venv's hatchling builds the wheels, so nothing is fetched
+$(PACKS_SITE)/.installed: $(VENV)/.installed $(PLUGIN_SOURCES)
+	rm -rf $(PACKS_SITE)
+	$(BIN)/python -m pip install $(PIP_FLAGS) --no-deps --no-build-isolation --target $(PACKS_SITE) $(PLUGINS)
+	touch $@
+
+$(PACKS_SITE_OLDEST)/.installed: $(VENV_OLDEST)/.installed $(PLUGIN_SOURCES)
+	rm -rf $(PACKS_SITE_OLDEST)
+	$(BIN_OLDEST)/python -m pip install $(PIP_FLAGS) --no-deps --no-build-isolation --target $(PACKS_SITE_OLDEST) $(PLUGINS)
+	touch $@
+
+venv: $(VENV)/.installed $(PACKS_SITE)/.installed
+venv-oldest: $(VENV_OLDEST)/.installed $(PACKS_SITE_OLDEST)/.installed
 
 demo: venv
-	$(BIN)/hfpatch demo
+	PYTHONPATH=$(PACKS_SITE) $(BIN)/hfpatch demo
 
 lint: venv
 	$(BIN)/ruff check .
@@ -42,17 +59,17 @@ typecheck: venv
 
 # The documentation site (its build and every Python snippet also run in tests/test_docs.py).
 docs: venv
-	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict -d .site
+	PYTHONPATH=$(PACKS_SITE) NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict -d .site
 
 # The core suite, then each first-party pack's own suite from its directory.
 unit: venv
 	$(BIN)/python -m pytest $(PYTEST_FLAGS) $(PYTEST_WORKERS)
-	@for plugin in $(PLUGINS); do echo "== $$plugin"; (cd $$plugin && $(CURDIR)/$(BIN)/python -m pytest $(PYTEST_FLAGS)) || exit 1; done
+	@for plugin in $(PLUGINS); do echo "== $$plugin"; (cd $$plugin && PYTHONPATH=$(CURDIR)/$(PACKS_SITE) $(CURDIR)/$(BIN)/python -m pytest $(PYTEST_FLAGS)) || exit 1; done
 
 # The same suites against transformers 5.3.0, the oldest release hfpatch supports.
 unit-oldest: venv-oldest
 	$(BIN_OLDEST)/python -m pytest $(PYTEST_FLAGS) $(PYTEST_WORKERS)
-	@for plugin in $(PLUGINS); do echo "== $$plugin"; (cd $$plugin && $(CURDIR)/$(BIN_OLDEST)/python -m pytest $(PYTEST_FLAGS)) || exit 1; done
+	@for plugin in $(PLUGINS); do echo "== $$plugin"; (cd $$plugin && PYTHONPATH=$(CURDIR)/$(PACKS_SITE_OLDEST) $(CURDIR)/$(BIN_OLDEST)/python -m pytest $(PYTEST_FLAGS)) || exit 1; done
 
 test: lint typecheck docs unit unit-oldest
 

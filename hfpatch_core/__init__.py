@@ -12,7 +12,11 @@ does not import torch.
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING, Any
+
+# typing costs milliseconds to import, and hfpatch run's start-up path imports this package
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any
 
 __version__ = "0.1.0"
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -209,30 +208,12 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    import importlib.util
+    from .launch import LaunchError, launch
 
-    from .settings import AUTORUN_ENV
-
-    command = list(args.command)
-    if command and command[0] == "--":
-        command = command[1:]
-    if not command:
-        raise _UsageError("hfpatch run needs a command: hfpatch run -- python train.py")
-    if importlib.util.find_spec("_hfpatch_autorun") is None:
-        raise _UsageError("hfpatch's start-up hook is not installed; reinstall hfpatch-core with pip")
-    from .selection import current_selection
-    from .settings import strict_from_env
-
-    current_selection()  # fail here, once, on a bad HF_PATCH_PACKS rather than in every child
-    strict_from_env()
-    executable = shutil.which(command[0])
-    if executable is None:
-        raise _UsageError(f"command not found: {command[0]}")
-    environment = dict(os.environ, **{AUTORUN_ENV: "1"})
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os.execve(executable, command, environment)
-    return EXIT_OK  # pragma: no cover - execve does not return
+    try:
+        launch(args.command)
+    except LaunchError as exc:
+        raise _UsageError(str(exc)) from None
 
 
 def cmd_demo(args: argparse.Namespace) -> int:

@@ -19,14 +19,15 @@ Items are separated by commas; whitespace around them is ignored.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import re
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-from .discovery import Discovery, PackInfo
 from .errors import HfPatchError, PackError, SelectionError
 from .settings import PACKS_ENV
+
+if TYPE_CHECKING:  # parsing a choice (hfpatch run) must not pay for reading metadata
+    from .discovery import Discovery, PackInfo
 
 _NAME = r"[A-Za-z0-9][A-Za-z0-9._-]*"
 _ITEM = re.compile(rf"(?P<minus>-)?(?P<name>{_NAME})(?:@(?P<offset>[+-]?[0-9]{{1,9}}))?", re.ASCII)
@@ -139,6 +140,8 @@ class Selection:
 
 def _unknown(name: str, installed: Sequence[str], source: str) -> SelectionError:
     listing = "no pack is installed" if not installed else "installed packs: " + ", ".join(installed)
+    import difflib
+
     close = difflib.get_close_matches(name, installed, n=1)
     hint = f"; did you mean {close[0]!r}?" if close else ""
     return SelectionError(f"{PACKS_ENV}={source!r} names pack {name!r}, which is not installed ({listing}){hint}")

@@ -479,3 +479,21 @@ def test_the_pack_is_installed_for_these_tests() -> None:
     assert PACK in hfpatch_core.discover().packs, (
         "install the pack first: pip install --no-deps -e plugins/hfpatch-pack-qwen-moe"
     )
+
+
+def test_hfpatch_demo_with_this_pack_passes_every_check() -> None:
+    """``make demo`` (``hfpatch demo``) runs this pack on a tiny Qwen2-MoE checkpoint."""
+    import io
+
+    from hfpatch_core.demo import run_demo
+
+    out = io.StringIO()
+    report = run_demo(packs=PACK, out=out)
+    text = out.getvalue()
+    assert report.ok, text
+    assert report.model_type == "qwen2_moe" and set(report.replaced) == {"Qwen2MoeExperts", "Qwen2MoeAttention"}
+    for check in ("classes replaced", "logits match", "greedy generation matches", "save round trip"):
+        assert f"PASS  {check}" in text
+    assert "PASS  nothing left behind" in text
+    assert "Converters applied:" in text and "SizedConcatenate" in text and "removed WeightConverter" in text
+    assert not hfpatch_core.is_enabled()

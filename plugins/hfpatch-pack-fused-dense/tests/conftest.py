@@ -1,0 +1,195 @@
+"""Tiny random checkpoints of every covered family, and isolation between tests."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import transformers
+from hfpatch_pack_fused_dense import FAMILIES
+from transformers import (
+    AutoModelForCausalLM,
+    LlamaConfig,
+    MistralConfig,
+    PretrainedConfig,
+    Qwen2Config,
+    Qwen2MoeConfig,
+    Qwen3Config,
+    Qwen3MoeConfig,
+    monkey_patching,
+)
+from transformers.models.llama import modeling_llama
+from transformers.models.mistral import modeling_mistral
+from transformers.models.qwen2 import modeling_qwen2
+from transformers.models.qwen2_moe import modeling_qwen2_moe
+from transformers.models.qwen3 import modeling_qwen3
+from transformers.models.qwen3_moe import modeling_qwen3_moe
+
+import hfpatch_core
+
+transformers.utils.logging.disable_progress_bar()
+transformers.utils.logging.set_verbosity_error()
+
+PACK = "fused-dense"
+VOCAB = 160
+PAD = 0
+
+_COMMON: dict[str, Any] = dict(
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,  # grouped-query: q is twice as wide as k and v
+    vocab_size=VOCAB,
+    max_position_embeddings=128,
+    # Larger than the default 0.02 so that logits are far from uniform: swapped q/k/v
+    # rows or gate/up halves would change them by much more than 1e-5.
+    initializer_range=0.2,
+    pad_token_id=PAD,
+    bos_token_id=1,
+    eos_token_id=2,
+    tie_word_embeddings=False,
+)
+
+_MOE: dict[str, Any] = dict(moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2)
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One checkpoint the tests run on, and the classes the pack must replace in it.
+
+    Attributes:
+        name: the case's id.
+        build: makes the config.
+        replaced: original class -> fused class name the pack must put in its place.
+    """
+
+    name: str
+    build: Callable[[], PretrainedConfig]
+    replaced: dict[str, str]
+
+    @property
+    def config(self) -> PretrainedConfig:
+        return self.build()
+
+
+def _replaced(*names: str) -> dict[str, str]:
+    return {name: ("FusedQKV" if name.endswith("Attention") else "FusedGateUp") + name for name in names}
+
+
+CASES = {
+    case.name: case
+    for case in (
+        Case("llama", lambda: LlamaConfig(**_COMMON), _replaced("LlamaAttention", "LlamaMLP")),
+        # bias on q/k/v/o and on the MLP projections, multi-head (no GQA), tied embeddings
+        Case(
+            "llama-bias",
+            lambda: LlamaConfig(
+                **{**_COMMON, "num_key_value_heads": 4, "tie_word_embeddings": True},
+                attention_bias=True,
+                mlp_bias=True,
+            ),
+            _replaced("LlamaAttention", "LlamaMLP"),
+        ),
+        # a 4-token sliding window on every layer (the test inputs are longer)
+        Case(
+            "mistral-sliding",
+            lambda: MistralConfig(**_COMMON, sliding_window=4),
+            _replaced("MistralAttention", "MistralMLP"),
+        ),
+        # q/k/v biases (always on in qwen2); layer 1 with a 4-token sliding window (layer_types)
+        Case(
+            "qwen2-sliding",
+            lambda: Qwen2Config(**_COMMON, use_sliding_window=True, sliding_window=4, max_window_layers=1),
+            _replaced("Qwen2Attention", "Qwen2MLP"),
+        ),
+        # head_dim 16 != hidden / heads (8), per-head q/k norms
+        Case("qwen3", lambda: Qwen3Config(**_COMMON, head_dim=16), _replaced("Qwen3Attention", "Qwen3MLP")),
+        # the shared expert of every sparse layer and the dense MLP of layer 1 (mlp_only_layers)
+        Case(
+            "qwen2_moe",
+            lambda: Qwen2MoeConfig(**_COMMON, **_MOE, shared_expert_intermediate_size=48, mlp_only_layers=[1]),
+            _replaced("Qwen2MoeAttention", "Qwen2MoeMLP"),
+        ),
+        Case(
+            "qwen3_moe",
+            lambda: Qwen3MoeConfig(**{**_COMMON, **_MOE, "head_dim": 16}, mlp_only_layers=[1]),
+            _replaced("Qwen3MoeAttention", "Qwen3MoeMLP"),
+        ),
+    )
+}
+
+MODELING = {
+    "llama": modeling_llama,
+    "mistral": modeling_mistral,
+    "qwen2": modeling_qwen2,
+    "qwen3": modeling_qwen3,
+    "qwen2_moe": modeling_qwen2_moe,
+    "qwen3_moe": modeling_qwen3_moe,
+}
+
+
+def head_dim(config: Any) -> int:
+    return int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
+
+
+def expected_sites(config: Any) -> list[tuple[str, str, tuple[int, ...], bool]]:
+    """``(class, path, sizes, bias)`` the detection must find, computed from the config alone."""
+    family = FAMILIES[config.model_type]
+    q, kv = config.num_attention_heads * head_dim(config), config.num_key_value_heads * head_dim(config)
+    bias = bool(getattr(config, "attention_bias", False) or config.model_type in ("qwen2", "qwen2_moe"))
+    found: list[tuple[str, str, tuple[int, ...], bool]] = [(family.attention, "self_attn", (q, kv, kv), bias)]
+    width = config.intermediate_size
+    if config.model_type == "qwen2_moe":
+        shared = config.shared_expert_intermediate_size
+        found.append((family.mlp, "mlp.shared_expert", (shared, shared), False))
+    found.append((family.mlp, "mlp", (width, width), bool(getattr(config, "mlp_bias", False))))
+    return sorted(found)
+
+
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Every case saved by vanilla transformers (the layout published checkpoints have)."""
+    hfpatch_core.disable()
+    paths = {}
+    for seed, (name, case) in enumerate(CASES.items()):
+        torch.manual_seed(seed)
+        path = tmp_path_factory.mktemp(name)
+        model = AutoModelForCausalLM.from_config(case.config)
+        assert type(model).__module__ == MODELING[case.config.model_type].__name__
+        model.save_pretrained(path)
+        paths[name] = path
+    return paths
+
+
+@pytest.fixture(params=list(CASES))
+def case(request: pytest.FixtureRequest) -> Case:
+    return CASES[request.param]
+
+
+@pytest.fixture(autouse=True)
+def _isolation(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """hfpatch off, the environment's pack choice ignored, and transformers' class-level
+    output recorders put back after each test (``patch_output_recorders`` rewrites them
+    during a patched load; hfpatch restores them, and this keeps a regression from
+    leaking into later tests)."""
+    monkeypatch.delenv("HF_PATCH_PACKS", raising=False)
+    monkeypatch.delenv("HF_PATCH_STRICT", raising=False)
+    registry = monkey_patching.get_patch_mapping()
+    classes: list[Any] = [
+        cls
+        for module in MODELING.values()
+        for cls in vars(module).values()
+        if isinstance(cls, type) and cls.__name__.endswith("PreTrainedModel") and cls.__module__ == module.__name__
+    ]
+    recorders = {cls: dict(cls._can_record_outputs) for cls in classes}
+    yield
+    hfpatch_core.disable()
+    assert monkey_patching.get_patch_mapping() == registry, "a test left the patch registry changed"
+    for cls, saved in recorders.items():
+        cls._can_record_outputs.clear()
+        cls._can_record_outputs.update(saved)

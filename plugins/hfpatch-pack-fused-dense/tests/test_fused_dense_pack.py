@@ -1,0 +1,481 @@
+"""The fused-dense pack on tiny random checkpoints of every covered family, loaded as a user would.
+
+Every test compares the patched model with vanilla transformers on the same checkpoint:
+the pack must change the module structure and nothing else.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import hfpatch_pack_fused_dense
+import pytest
+import torch
+from hfpatch_pack_fused_dense import FAMILIES, FusedGateUpMLP, FusedQKVAttention
+from hfpatch_pack_fused_dense.modules import LLAMA, MISTRAL, QWEN2, QWEN3
+from safetensors import safe_open
+from transformers import AutoConfig, AutoModelForCausalLM
+
+import hfpatch_core
+from conftest import CASES, MODELING, PACK, PAD, VOCAB, Case, expected_sites
+from hfpatch_core import LoadContext
+from hfpatch_core.conversion import SizedConcatenate, source_patterns_of
+from hfpatch_core.testing import assert_pack_equivalent
+
+PACK_DIR = Path(__file__).resolve().parents[1]
+
+# --- helpers ----------------------------------------------------------------------------
+
+
+def load(path: Path, *, packs: str | None = PACK, **kwargs: Any) -> Any:
+    """``from_pretrained`` as a user would, with hfpatch enabled for ``packs`` or (None) not at all."""
+    if packs is not None:
+        hfpatch_core.enable(packs, strict=True)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    finally:
+        hfpatch_core.disable()
+    return model.eval()
+
+
+def padded_batch(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Three prompts of 12, 8 and 5 tokens, left-padded to 12."""
+    ids = torch.randint(3, VOCAB, (3, 12), generator=torch.Generator().manual_seed(seed))
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0
+    mask[2, :7] = 0
+    ids[mask == 0] = PAD
+    return ids, mask
+
+
+def logits(model: Any, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        result: torch.Tensor = model(input_ids=ids, attention_mask=mask).logits.float()
+    return result
+
+
+def safetensors_of(path: Path) -> dict[str, torch.Tensor]:
+    tensors = {}
+    for file in sorted(path.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as handle:
+            for key in handle.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                tensors[key] = handle.get_tensor(key)
+    assert tensors, f"no safetensors under {path}"
+    return tensors
+
+
+def owners(model: Any) -> dict[str, str]:
+    """Replaced class -> the pack whose class replaced it, from the model's plan."""
+    plan = hfpatch_core.plan_of(model)
+    assert plan is not None
+    return {name: claim.pack for name, claim in plan.replaced.items()}
+
+
+# --- the pack as a whole ----------------------------------------------------------------
+
+
+def test_the_pack_is_installed_for_these_tests() -> None:
+    """The other tests load through discovery: the pack must be installed (``pip install -e``)."""
+    assert PACK in hfpatch_core.discover().packs, (
+        "install the pack first: pip install --no-deps -e plugins/hfpatch-pack-fused-dense"
+    )
+
+
+def test_assert_pack_equivalent(checkpoints: dict[str, Path], case: Case) -> None:
+    """hfpatch's own proof: replaced classes, no weight lost, padded-batch logits, 20 greedy
+    tokens, the saved layout and a vanilla reload."""
+    report = assert_pack_equivalent(PACK, checkpoints[case.name], expected_replacements=list(case.replaced))
+    assert report.replaced == case.replaced
+    assert report.max_abs_diff is not None and report.max_abs_diff <= 1e-5
+    assert report.generation_match and report.round_trip
+
+
+def test_every_layer_is_fused_and_logits_match(checkpoints: dict[str, Path], case: Case) -> None:
+    vanilla = load(checkpoints[case.name], packs=None)
+    patched = load(checkpoints[case.name])
+    assert owners(patched) == dict.fromkeys(case.replaced, PACK)
+    vanilla_types = {name: type(module).__name__ for name, module in vanilla.named_modules()}
+    replaced = {name for name, cls in vanilla_types.items() if cls in case.replaced}
+    assert replaced, "the case has modules to fuse"
+    for name, module in patched.named_modules():
+        if name in replaced:
+            assert type(module).__name__ == case.replaced[vanilla_types[name]], name
+            fused = "qkv_proj" if isinstance(module, FusedQKVAttention) else "gate_up_proj"
+            assert hasattr(module, fused), name
+            assert not any(hasattr(module, p) for p in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")), name
+    ids, mask = padded_batch()
+    expected, actual = logits(vanilla, ids, mask), logits(patched, ids, mask)
+    assert torch.isfinite(expected[mask.bool()]).all()
+    torch.testing.assert_close(actual, expected, rtol=0, atol=1e-5)
+    # The mask matters here (so that the comparison above covers it).
+    unmasked = logits(patched, ids, torch.ones_like(mask))
+    assert (unmasked[2, -1] - actual[2, -1]).abs().max() > 1e-3
+
+
+def test_greedy_generation_with_kv_cache_matches_vanilla(checkpoints: dict[str, Path], case: Case) -> None:
+    vanilla = load(checkpoints[case.name], packs=None)
+    patched = load(checkpoints[case.name])
+    ids, mask = padded_batch(seed=1)
+    settings: dict[str, Any] = dict(
+        attention_mask=mask,
+        max_new_tokens=20,
+        min_new_tokens=20,
+        do_sample=False,
+        use_cache=True,
+        pad_token_id=PAD,
+        return_dict_in_generate=True,
+        output_logits=True,
+    )
+    with torch.no_grad():
+        expected = vanilla.generate(ids, **settings)
+        actual = patched.generate(ids, **settings)
+    assert torch.equal(actual.sequences, expected.sequences)
+    assert len(set(actual.sequences[:, 12:].flatten().tolist())) > 3, "degenerate generation: the test proves little"
+    torch.testing.assert_close(torch.stack(actual.logits), torch.stack(expected.logits), rtol=0, atol=1e-5)
+    # The pack's attention filled the cache (transformers would silently recompute the
+    # whole sequence at every step if it stayed empty).
+    cache = getattr(actual, "cache", None) or getattr(actual, "past_key_values", None)
+    assert cache is not None
+    layers = patched.config.num_hidden_layers
+    assert [cache.get_seq_length(layer) for layer in range(layers)] == [12 + 19] * layers
+
+
+def test_save_pretrained_writes_the_original_layout(checkpoints: dict[str, Path], case: Case, tmp_path: Path) -> None:
+    source = checkpoints[case.name]
+    patched = load(source)
+    patched.save_pretrained(tmp_path)
+    written, original = safetensors_of(tmp_path), safetensors_of(source)
+    assert sorted(written) == sorted(original)
+    assert not any("qkv_proj" in key or "gate_up_proj" in key for key in written)
+    for key, tensor in original.items():
+        assert written[key].shape == tensor.shape and written[key].dtype == tensor.dtype, key
+        assert torch.equal(written[key], tensor), key
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_from_config_initialises_and_saves_the_original_layout(
+    checkpoints: dict[str, Path], name: str, tmp_path: Path
+) -> None:
+    """A model built from a config (no checkpoint) is patched, initialised, and saves what
+    vanilla would save for that config; a vanilla reload of it computes the same logits."""
+    config = CASES[name].config
+    hfpatch_core.enable(PACK, strict=True)
+    try:
+        model = AutoModelForCausalLM.from_config(config).eval()
+    finally:
+        hfpatch_core.disable()
+    assert owners(model) == dict.fromkeys(CASES[name].replaced, PACK)
+    qkv = model.model.layers[0].self_attn.qkv_proj.weight
+    assert torch.isfinite(qkv).all() and qkv.std() > config.initializer_range / 2
+    model.save_pretrained(tmp_path)
+    expected = {key: tuple(value.shape) for key, value in safetensors_of(checkpoints[name]).items()}
+    assert {key: tuple(value.shape) for key, value in safetensors_of(tmp_path).items()} == expected
+    reloaded = load(tmp_path, packs=None)
+    ids, mask = padded_batch(seed=3)
+    torch.testing.assert_close(logits(reloaded, ids, mask), logits(model, ids, mask), rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["mistral-sliding", "qwen2-sliding"])
+def test_the_sliding_window_cases_exercise_the_window(checkpoints: dict[str, Path], name: str) -> None:
+    """On the patched model, widening the 4-token window changes the logits past it and only there."""
+    path = checkpoints[name]
+    config = AutoConfig.from_pretrained(path)
+    assert config.sliding_window == 4
+    windowed = load(path)
+    config.sliding_window = 1000
+    widened = load(path, config=config)
+    ids, mask = torch.randint(3, VOCAB, (1, 12), generator=torch.Generator().manual_seed(6)), torch.ones(1, 12)
+    inside, outside = logits(windowed, ids, mask), logits(widened, ids, mask)
+    torch.testing.assert_close(inside[:, :4], outside[:, :4], rtol=0, atol=1e-5)
+    assert (inside[:, 4:] - outside[:, 4:]).abs().max() > 1e-2
+
+
+def test_the_attention_function_gets_what_the_original_passes(
+    checkpoints: dict[str, Path], case: Case, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every keyword argument the original attention hands the attention function
+    (``sliding_window`` from the layer or the config, scaling, dropout, the cache and mask
+    arguments) reaches it from the fused attention too, with the same value.  On CPU the
+    window lives in the mask, so logits alone would not show a lost ``sliding_window``."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]
+    calls: list[dict[str, Any]] = []
+
+    def capture(module: Any, query: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        calls.append(
+            {"layer": module.layer_idx, "shape": tuple(query.shape), **{k: repr(v)[:40] for k, v in kwargs.items()}}
+        )
+        return sdpa(module, query, *args, **kwargs)
+
+    monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS._global_mapping, "sdpa", capture)
+    ids, mask = padded_batch(seed=9)
+    seen = []
+    for packs in (None, PACK):
+        model = load(checkpoints[case.name], packs=packs, attn_implementation="sdpa")
+        calls.clear()
+        logits(model, ids, mask)
+        seen.append(list(calls))
+    vanilla, patched = seen
+    assert len(vanilla) == case.config.num_hidden_layers
+    assert patched == vanilla
+    windows = {call.get("sliding_window") for call in vanilla}
+    if case.name in ("mistral-sliding", "qwen2-sliding"):
+        assert "4" in windows, windows
+
+
+def test_attention_outputs_are_recorded(checkpoints: dict[str, Path]) -> None:
+    """``output_attentions`` works on the patched model (its attention subclasses the
+    original, which the output recorders look for) and gives vanilla's weights."""
+    path = checkpoints["qwen3"]
+    ids, mask = padded_batch(seed=5)
+    patched = load(path, attn_implementation="eager")
+    vanilla = load(path, packs=None, attn_implementation="eager")
+    with torch.no_grad():
+        expected = vanilla(input_ids=ids, attention_mask=mask, output_attentions=True).attentions
+        actual = patched(input_ids=ids, attention_mask=mask, output_attentions=True).attentions
+    assert expected is not None and actual is not None and len(actual) == len(expected) == 2
+    for got, want in zip(actual, expected, strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+
+
+def test_a_patched_load_leaves_transformers_unpatched(checkpoints: dict[str, Path]) -> None:
+    originals = {
+        (model_type, name): getattr(MODELING[model_type], name)
+        for model_type, family in FAMILIES.items()
+        for name in (family.attention, family.mlp)
+    }
+    for name in ("llama", "qwen3", "qwen2_moe"):
+        load(checkpoints[name])
+    for (model_type, name), cls in originals.items():
+        assert getattr(MODELING[model_type], name) is cls
+        assert not issubclass(cls, (FusedQKVAttention, FusedGateUpMLP))
+    vanilla = load(checkpoints["llama"], packs=None)
+    assert type(vanilla.model.layers[0].self_attn) is MODELING["llama"].LlamaAttention
+    assert type(vanilla.model.layers[0].mlp) is MODELING["llama"].LlamaMLP
+
+
+def test_the_fused_classes_unpickle_in_a_fresh_process(checkpoints: dict[str, Path]) -> None:
+    """Pickle names a class by module and name; the runtime-built classes are found again
+    in a process that has not built them yet (``torch.load`` of a whole model, a worker)."""
+    import pickle
+
+    model = load(checkpoints["qwen2_moe"])
+    classes = sorted({type(m) for m in model.modules() if isinstance(m, (FusedQKVAttention, FusedGateUpMLP))}, key=str)
+    assert len(classes) == 2
+    probe = (
+        "import pickle, sys; "
+        "print([(c.__name__, c.__mro__[2].__name__) for c in pickle.loads(bytes.fromhex(sys.argv[1]))])"
+    )
+    found = subprocess.run(
+        [sys.executable, "-c", probe, pickle.dumps(classes).hex()], capture_output=True, text=True, check=True
+    )
+    assert found.stdout.strip() == str([(c.__name__, c.__mro__[2].__name__) for c in classes])
+    assert "Qwen2MoeAttention" in found.stdout and "Qwen2MoeMLP" in found.stdout
+
+
+# --- the hooks --------------------------------------------------------------------------
+
+
+def test_hooks_return_nothing_outside_the_families_or_without_a_config() -> None:
+    for model_type in ("gemma", "phi3", "mixtral", "olmo2", None):
+        context = LoadContext(model_type=model_type, model_class_name="AnyModel", config=None)
+        assert hfpatch_pack_fused_dense.provide_patches(context) == []
+        assert hfpatch_pack_fused_dense.provide_converters(context) == []
+    gemma = AutoConfig.for_model("gemma", num_hidden_layers=1)
+    assert hfpatch_pack_fused_dense.provide_patches(LoadContext("gemma", "GemmaForCausalLM", gemma)) == []
+    for model_type in FAMILIES:
+        bare = LoadContext(model_type=model_type, model_class_name="AnyModel", config=None)
+        assert hfpatch_pack_fused_dense.provide_patches(bare) == []
+        assert hfpatch_pack_fused_dense.provide_converters(bare) == []
+
+
+def test_converters_follow_the_detected_sizes(case: Case) -> None:
+    config = case.config
+    context = LoadContext(model_type=config.model_type, model_class_name="AnyModel", config=config)
+    patches = hfpatch_pack_fused_dense.provide_patches(context)
+    converters = hfpatch_pack_fused_dense.provide_converters(context)
+    family = FAMILIES[config.model_type]
+    assert [(p.target, p.replacement.__name__) for p in patches] == sorted(case.replaced.items())
+    priorities = {p.target: p.priority for p in patches}
+    assert priorities[family.attention] == (-1 if config.model_type.endswith("_moe") else 0)
+    assert priorities[family.mlp] == 0
+    # one converter per replaced class, with that class's priority
+    assert [c.key for c in converters] == [config.model_type] * len(patches)
+    assert [c.priority for c in converters] == [p.priority for p in patches]
+    transforms = {
+        (source_patterns_of(t), t.operations[0].sizes)
+        for c in converters
+        for t in c.transforms
+        if isinstance(t.operations[0], SizedConcatenate)
+    }
+    assert len(transforms) == sum(len(c.transforms) for c in converters)
+    expected = set()
+    for _, path, sizes, bias in expected_sites(config):
+        parts = ("q_proj", "k_proj", "v_proj") if path == "self_attn" else ("gate_proj", "up_proj")
+        for suffix in ("weight", "bias") if bias else ("weight",):
+            expected.add((tuple(f"{path}.{part}.{suffix}" for part in parts), sizes))
+    assert transforms == expected
+
+
+def test_a_sub_model_is_fused_only_where_transformers_converts_sub_models() -> None:
+    """transformers 5.3 applies only the root model type's conversions: there the text model
+    of a composite load is left unpatched (rather than failing with WeightLayoutError)."""
+    config = CASES["llama"].config
+    parent = LoadContext(model_type="llava", model_class_name="LlavaForConditionalGeneration")
+    nested = LoadContext(model_type="llama", model_class_name="LlamaModel", config=config, parent=parent)
+    patches = hfpatch_pack_fused_dense.provide_patches(nested)
+    import transformers
+    from packaging.version import Version
+
+    if Version(transformers.__version__) < Version("5.4"):
+        assert patches == []
+    else:
+        assert sorted(p.target for p in patches) == ["LlamaAttention", "LlamaMLP"]
+
+
+# --- the family table: each fused forward is the original's -----------------------------
+
+
+def _normalized_forward(cls: Any) -> str:
+    """``cls.forward``'s source with the family prefix of its class name replaced."""
+    source = textwrap.dedent(inspect.getsource(cls.forward))
+    prefix = re.sub(r"(Attention|MLP)$", "", cls.__name__)
+    return source.replace(prefix, "<Family>")
+
+
+@pytest.mark.parametrize("model_type", sorted(FAMILIES))
+def test_each_family_has_the_forward_its_flavor_reproduces(model_type: str) -> None:
+    """The table says which forward each family's attention has; the installed sources agree
+    (qwen2_moe's attention forward is llama's token for token, qwen3_moe's is qwen3's), and
+    every MLP forward is llama's ``down_proj(act_fn(gate_proj(x)) * up_proj(x))``."""
+    family = FAMILIES[model_type]
+    references = {
+        LLAMA: MODELING["llama"].LlamaAttention,
+        MISTRAL: MODELING["mistral"].MistralAttention,
+        QWEN2: MODELING["qwen2"].Qwen2Attention,
+        QWEN3: MODELING["qwen3"].Qwen3Attention,
+    }
+    attention = getattr(MODELING[model_type], family.attention)
+    assert _normalized_forward(attention) == _normalized_forward(references[family.flavor])
+    others = {
+        flavor for flavor, cls in references.items() if _normalized_forward(cls) == _normalized_forward(attention)
+    }
+    assert others == {family.flavor}, "flavors must differ in source"
+    mlp = getattr(MODELING[model_type], family.mlp)
+    assert _normalized_forward(mlp) == _normalized_forward(MODELING["llama"].LlamaMLP)
+
+
+# --- composing with qwen-moe ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["qwen2_moe", "qwen3_moe"])
+def test_composes_with_qwen_moe(checkpoints: dict[str, Path], name: str, tmp_path: Path) -> None:
+    """Both packs on the model types both touch: qwen-moe wins the attention (fused-dense
+    claims it, and its converter, at priority -1), fused-dense fuses the MLPs qwen-moe
+    leaves alone, and the result still matches vanilla and saves the original layout."""
+    assert "qwen-moe" in hfpatch_core.discover().packs, "install plugins/hfpatch-pack-qwen-moe too"
+    family = FAMILIES[name]
+    source = checkpoints[name]
+    both = load(source, packs="qwen-moe,fused-dense")
+    experts = "Qwen2MoeExperts" if name == "qwen2_moe" else "Qwen3MoeExperts"
+    assert owners(both) == {family.attention: "qwen-moe", experts: "qwen-moe", family.mlp: PACK}
+    plan = hfpatch_core.plan_of(both)
+    assert plan is not None
+    (lost,) = [lost for lost in plan.lost if lost.claim.pack == PACK]
+    assert lost.claim.target == family.attention and lost.winner is not None and lost.winner.pack == "qwen-moe"
+    assert "priority -1 < 0" in lost.reason
+    (lost_converter,) = plan.conversions.lost
+    assert lost_converter[0].pack == PACK and lost_converter[0].priority == -1
+    assert {c.pack for c in plan.conversions.claims} == {"qwen-moe", PACK}
+
+    vanilla = load(source, packs=None)
+    ids, mask = padded_batch(seed=7)
+    torch.testing.assert_close(logits(both, ids, mask), logits(vanilla, ids, mask), rtol=0, atol=1e-5)
+    both.save_pretrained(tmp_path)
+    written, original = safetensors_of(tmp_path), safetensors_of(source)
+    assert sorted(written) == sorted(original)
+    assert all(torch.equal(written[key], tensor) for key, tensor in original.items())
+
+
+def test_raising_fused_dense_priority_makes_it_win_the_attention(checkpoints: dict[str, Path]) -> None:
+    """The conflict is resolved by priority only: ``fused-dense@+2`` takes the attention
+    (patch and converter together) and the model is still correct; ``@+1`` ties, which
+    hfpatch refuses with an error naming both packs."""
+    source = checkpoints["qwen2_moe"]
+    with pytest.raises(hfpatch_core.PatchConflictError, match="'fused-dense' and 'qwen-moe' both replace"):
+        load(source, packs="qwen-moe,fused-dense@+1")
+    flipped = load(source, packs="qwen-moe,fused-dense@+2")
+    assert owners(flipped) == {"Qwen2MoeAttention": PACK, "Qwen2MoeExperts": "qwen-moe", "Qwen2MoeMLP": PACK}
+    assert type(flipped.model.layers[0].self_attn).__module__ == "hfpatch_pack_fused_dense.modules"
+    plan = hfpatch_core.plan_of(flipped)
+    assert plan is not None
+    assert [lost.claim.pack for lost in plan.lost] == ["qwen-moe"]
+    assert [claim.pack for claim, _ in plan.conversions.lost] == ["qwen-moe"]
+    ids, mask = padded_batch(seed=8)
+    vanilla = load(source, packs=None)
+    torch.testing.assert_close(logits(flipped, ids, mask), logits(vanilla, ids, mask), rtol=0, atol=1e-5)
+
+
+# --- discovery from a real wheel --------------------------------------------------------
+
+_PROBE = textwrap.dedent(
+    """
+    import json, sys
+    import importlib_metadata
+    import hfpatch_core
+    from transformers import AutoModelForCausalLM
+
+    hfpatch_core.enable()  # HF_PATCH_PACKS=fused-dense
+    model = AutoModelForCausalLM.from_pretrained(sys.argv[1])
+    plan = hfpatch_core.plan_of(model)
+    pack = hfpatch_core.discover().packs["fused-dense"]
+    print(json.dumps({
+        "distribution_files": str(importlib_metadata.distribution("hfpatch-pack-fused-dense").locate_file("")),
+        "module_file": pack.load().__file__,
+        "replaced": {name: claim.pack for name, claim in plan.replaced.items()},
+        "attention": type(model.model.layers[0].self_attn).__module__,
+    }))
+    """
+)
+
+
+def test_the_pack_is_discovered_from_an_installed_wheel(checkpoints: dict[str, Path], tmp_path: Path) -> None:
+    wheels, site = tmp_path / "wheels", tmp_path / "site"
+    build = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--quiet", "--disable-pip-version-check"]
+    try:
+        import hatchling  # noqa: F401
+
+        build.append("--no-build-isolation")  # offline and faster where hatchling is installed
+    except ImportError:
+        pass
+    subprocess.run([*build, "-w", str(wheels), str(PACK_DIR)], check=True, timeout=120)
+    (wheel,) = wheels.glob("hfpatch_pack_fused_dense-0.1.0-*.whl")
+    install = [sys.executable, "-m", "pip", "install", "--no-deps", "--quiet", "--disable-pip-version-check"]
+    subprocess.run([*install, "--target", str(site), str(wheel)], check=True, timeout=120)
+    # The wheel's copy comes first on the path, ahead of the (editable) install in the venv.
+    env = {**os.environ, "PYTHONPATH": str(site), "HF_PATCH_PACKS": PACK}
+    env.pop("HF_PATCH_STRICT", None)
+    run = dict(env=env, cwd=tmp_path, capture_output=True, text=True, check=True, timeout=120)
+
+    listing = subprocess.run([sys.executable, "-m", "hfpatch_core", "list", "--json"], **run)  # type: ignore[call-overload]
+    rows = [row for row in json.loads(listing.stdout)["packs"] if row["name"] == PACK]
+    assert len(rows) == 1, listing.stdout
+    (row,) = rows
+    assert (row["distribution"], row["version"], row["enabled"]) == ("hfpatch-pack-fused-dense", "0.1.0", True)
+    assert row["transformers"] == "<6,>=5.3" and row["description"]
+
+    probe = subprocess.run([sys.executable, "-c", _PROBE, str(checkpoints["qwen2-sliding"])], **run)  # type: ignore[call-overload]
+    found = json.loads(probe.stdout.strip().splitlines()[-1])
+    assert Path(found["distribution_files"]).resolve() == site.resolve()
+    assert Path(found["module_file"]).resolve().is_relative_to(site.resolve())
+    assert found["replaced"] == {"Qwen2Attention": PACK, "Qwen2MLP": PACK}
+    assert found["attention"] == "hfpatch_pack_fused_dense.modules"

@@ -11,9 +11,9 @@ checkpoint vanilla transformers cannot read.
 from __future__ import annotations
 
 import copy
+import functools
 import re
 import sys
-import types
 import warnings
 from collections.abc import Mapping
 from typing import Any
@@ -68,6 +68,17 @@ def owner_of(key: str, owners: Mapping[str, str], plan: Plan, prefix: str = "") 
     return _converter_owner(key, plan)
 
 
+def _past_a_container(key: str, modules: Mapping[str, nn.Module], prefix: str) -> bool:
+    """Whether ``key`` names a child a ``ModuleList`` / ``ModuleDict`` of the model does not have."""
+    for candidate in (key, key.removeprefix(prefix + ".")) if prefix else (key,):
+        parts = candidate.split(".")
+        for end in range(len(parts) - 1, 0, -1):
+            module = modules.get(".".join(parts[:end]))
+            if module is not None:
+                return end < len(parts) - 1 and isinstance(module, nn.ModuleList | nn.ModuleDict)
+    return False
+
+
 def check_loading_info(model: nn.Module, plan: Plan, info: Mapping[str, Any]) -> None:
     """Raise :class:`WeightLayoutError` for every reported key a pack is responsible for."""
     kinds = ("missing_keys", "unexpected_keys", "mismatched_keys")
@@ -75,6 +86,7 @@ def check_loading_info(model: nn.Module, plan: Plan, info: Mapping[str, Any]) ->
         return  # the usual case: nothing to attribute, so no walk over the model
     owners = _module_owners(model, plan)
     prefix = getattr(model, "base_model_prefix", "") or ""
+    modules = dict(model.named_modules())
     problems = []
     for kind, label in (
         ("missing_keys", "missing from the checkpoint (left randomly initialised)"),
@@ -83,6 +95,8 @@ def check_loading_info(model: nn.Module, plan: Plan, info: Mapping[str, Any]) ->
     ):
         for entry in sorted(info.get(kind) or (), key=str):
             key = entry[0] if isinstance(entry, tuple) else str(entry)
+            if _past_a_container(key, modules, prefix):
+                continue  # e.g. layer 3 of a checkpoint loaded with num_hidden_layers=2: not a pack's doing
             pack = owner_of(key, owners, plan, prefix)
             if pack is not None:
                 problems.append(f"{key}: {label}; touched by pack {pack!r}")
@@ -187,7 +201,9 @@ def guard_saving(model: nn.Module, plan: Plan) -> None:
     """Make ``model.save_pretrained`` check the layout first (this instance only)."""
     if not plan.touches_weights:
         return
-    object.__setattr__(model, "save_pretrained", types.MethodType(_guarded_save_pretrained, model))
+    # a partial, not a bound method: it pickles (torch.save(model)), a bound method of a
+    # function the class does not have does not
+    object.__setattr__(model, "save_pretrained", functools.partial(_guarded_save_pretrained, model))
     object.__setattr__(model, _SAVE_GUARD, True)
 
 

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import pickle
 from pathlib import Path
 
 import pytest
@@ -73,6 +74,19 @@ def test_grouped_query_fused_qkv_loads_and_saves_the_original_layout(install, tm
     assert all(torch.equal(written[key], original[key]) for key in original)
     hfpatch_core.disable()
     torch.testing.assert_close(logits(AutoModelForCausalLM.from_pretrained(saved)), logits(vanilla), rtol=0, atol=1e-5)
+
+
+def test_a_converted_load_with_fewer_layers_and_a_pickle_round_trip(install, llama_checkpoint) -> None:
+    # Layer 1's tensors are unexpected for a 1-layer model, as in vanilla transformers:
+    # not the converting pack's doing.  The patched model pickles (torch.save(model)).
+    install(PackSpec("qkv", fused_qkv_pack()))
+    vanilla = AutoModelForCausalLM.from_pretrained(llama_checkpoint, num_hidden_layers=1)
+    hfpatch_core.enable()
+    model = AutoModelForCausalLM.from_pretrained(llama_checkpoint, num_hidden_layers=1)
+    assert len(model.model.layers) == 1 and type(model.model.layers[0].self_attn).__name__ == "FusedQKVAttention"
+    torch.testing.assert_close(logits(model), logits(vanilla), rtol=0, atol=1e-5)
+    copy = pickle.loads(pickle.dumps(model))
+    torch.testing.assert_close(logits(copy), logits(model), rtol=0, atol=0)
 
 
 def test_equal_chunk_reversal_is_caught_before_writing(install, llama_checkpoint, tmp_path) -> None:

@@ -119,3 +119,11 @@ def install(tmp_path: Path) -> Installer:
         return install_packs(tmp_path / f"site{next(counter)}", specs)
 
     return _install
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    # Runs in the controlling process, so the count shows under pytest-xdist too (a test's
+    # own print stays in its worker).
+    from test_fault_matrix import CASES, FAULTS, MODES
+
+    terminalreporter.write_line(f"fault matrix: {len(CASES)} cases ({len(FAULTS)} bad inputs x {len(MODES)} modes)")

@@ -180,10 +180,11 @@ def cmd_verify(args: argparse.Namespace) -> int:
             if not args.model and target not in checkpoints:
                 checkpoints[target] = str(tiny_checkpoint(target))
             report = check_pack_equivalence(name, checkpoints.get(target, target))
-        except TinyCheckpointError as exc:
+        except Exception as exc:  # one model type that cannot be built is a FAIL row, not the end of the run
             from .testing import Report
 
-            report = Report(pack=name, model_type=target, failures=[str(exc)])
+            message = str(exc) if isinstance(exc, TinyCheckpointError) else f"{type(exc).__name__}: {exc}"
+            report = Report(pack=name, model_type=target, failures=[message])
         reports.append(report)
     if args.json:
         _print_json({"reports": [report.to_json() for report in reports]})

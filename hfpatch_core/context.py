@@ -22,6 +22,9 @@ class LoadContext:
         model_class_name: the class being instantiated, e.g. ``"LlamaForCausalLM"``.
         config: the model's config, or ``None`` where only the type is known
             (``hfpatch check`` on a model type whose default config cannot be built).
+            In a ``from_pretrained`` / ``from_config`` load it is the very object the
+            model is built with, keyword overrides (``num_hidden_layers=...``),
+            ``attn_implementation`` and ``dtype`` applied; read it, do not change it.
         transformers_version: the installed transformers version.
         parent: for a sub-model built inside another load (the text model of a
             multimodal model), the outer load's context; ``None`` for a top-level load.

@@ -116,7 +116,11 @@ def _meta_state_dict(model: Any) -> dict[str, torch.Tensor]:
     state = {
         key: torch.empty(value.shape, dtype=value.dtype, device="meta") for key, value in model.state_dict().items()
     }
-    return dict(remove_tied_weights_from_state_dict(state, model))
+    # transformers 5.3 looks every key up as a parameter: pass the parameters only, then
+    # add the (persistent) buffers back, which are never tied
+    parameters = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+    kept = dict(remove_tied_weights_from_state_dict({k: v for k, v in state.items() if k in parameters}, model))
+    return {key: value for key, value in state.items() if key in kept or key not in parameters}
 
 
 def _original_class(model: nn.Module, plan: Plan) -> type:

@@ -95,6 +95,14 @@ def tiny_config(model_type: str, **overrides: Any) -> Any:
         token = getattr(defaults, name, None)
         if isinstance(token, int) and token >= vocab:
             values[name] = vocab - 1
+    layers = values.get("num_hidden_layers")
+    pattern = getattr(defaults, "layer_types", None)
+    if isinstance(layers, int) and isinstance(pattern, list) and "full_attention" in pattern:
+        # hybrid models (qwen3_next: 3 linear-attention layers, then 1 full) keep a full-attention layer
+        shrunk = list(pattern[:layers])
+        if "full_attention" not in shrunk:
+            shrunk[-1] = "full_attention"
+        values["layer_types"] = shrunk
     values.update(overrides)
     # built anew (not edited) so that derived fields such as layer_types follow the sizes
     try:

@@ -38,6 +38,14 @@ def test_tiny_checkpoint_shrinks_each_family(model_type: str, tmp_path) -> None:
     assert first.keys() == second.keys() and all(torch.equal(first[k], second[k]) for k in first)  # seeded
 
 
+def test_a_shrunk_hybrid_model_keeps_a_full_attention_layer(tmp_path) -> None:
+    # qwen3_next's default pattern is 3 linear-attention layers then 1 full: 2 layers of
+    # it alone would be all linear attention, which transformers rejects
+    config = tiny_config("qwen3_next")
+    assert config.layer_types == ["linear_attention", "full_attention"]
+    assert (tiny_checkpoint("qwen3_next", tmp_path) / "model.safetensors").exists()
+
+
 def test_tiny_checkpoint_explains_what_to_do_when_it_cannot_shrink() -> None:
     with pytest.raises(TinyCheckpointError, match="not a model type"):
         tiny_checkpoint("lama")

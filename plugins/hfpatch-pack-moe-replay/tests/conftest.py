@@ -1,0 +1,167 @@
+"""Tiny random checkpoints of every covered MoE family, and isolation between tests."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import transformers
+from hfpatch_pack_moe_replay import routing
+from transformers import (
+    AutoModelForCausalLM,
+    FlexOlmoConfig,
+    MiniMaxConfig,
+    MixtralConfig,
+    OlmoeConfig,
+    PretrainedConfig,
+    Qwen2MoeConfig,
+    Qwen3MoeConfig,
+    Qwen3NextConfig,
+    monkey_patching,
+)
+from transformers.models.flex_olmo.modeling_flex_olmo import FlexOlmoPreTrainedModel
+from transformers.models.minimax.modeling_minimax import MiniMaxPreTrainedModel
+from transformers.models.mixtral.modeling_mixtral import MixtralPreTrainedModel
+from transformers.models.olmoe.modeling_olmoe import OlmoePreTrainedModel
+from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoePreTrainedModel
+from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoePreTrainedModel
+from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextPreTrainedModel
+
+import hfpatch_core
+
+transformers.utils.logging.disable_progress_bar()
+transformers.utils.logging.set_verbosity_error()
+
+PACK = "moe-replay"
+VOCAB = 160
+PAD = 0
+
+COMMON: dict[str, Any] = dict(
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    num_experts_per_tok=2,
+    vocab_size=VOCAB,
+    max_position_embeddings=128,
+    # Larger than the default 0.02 so that router probabilities are far from uniform and
+    # a wrong expert or a wrong score changes the logits by far more than rounding.
+    initializer_range=0.2,
+    pad_token_id=PAD,
+    bos_token_id=1,
+    eos_token_id=2,
+    tie_word_embeddings=False,
+)
+# qwen3_next and minimax are hybrids: one linear-attention layer, one full-attention layer.
+_HYBRID = ["linear_attention", "full_attention"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One family the tests run on, and how it renormalises the top-k probabilities."""
+
+    model_type: str
+    build: Callable[[], PretrainedConfig]
+    always_renormalises: bool = False
+
+    @property
+    def config(self) -> PretrainedConfig:
+        return self.build()
+
+    def renormalises(self, config: Any) -> bool:
+        return self.always_renormalises or bool(config.norm_topk_prob)
+
+
+CASES = {
+    case.model_type: case
+    for case in (
+        Case(
+            "qwen2_moe",
+            lambda: Qwen2MoeConfig(
+                **COMMON, num_experts=4, moe_intermediate_size=16, shared_expert_intermediate_size=32
+            ),
+        ),
+        # norm_topk_prob on here (off by default), so both settings of the flag are covered
+        Case(
+            "qwen3_moe",
+            lambda: Qwen3MoeConfig(**COMMON, num_experts=4, moe_intermediate_size=16, head_dim=16, norm_topk_prob=True),
+        ),
+        Case("mixtral", lambda: MixtralConfig(**COMMON, num_local_experts=4), always_renormalises=True),
+        Case("olmoe", lambda: OlmoeConfig(**COMMON, num_experts=4)),
+        Case("flex_olmo", lambda: FlexOlmoConfig(**COMMON, num_experts=4)),
+        Case(
+            "qwen3_next",
+            lambda: Qwen3NextConfig(
+                **COMMON,
+                num_experts=4,
+                moe_intermediate_size=16,
+                shared_expert_intermediate_size=32,
+                head_dim=8,
+                linear_num_value_heads=2,
+                linear_num_key_heads=2,
+                linear_key_head_dim=8,
+                linear_value_head_dim=8,
+                layer_types=_HYBRID,
+            ),
+        ),
+        Case(
+            "minimax",
+            lambda: MiniMaxConfig(**COMMON, num_local_experts=4, head_dim=8, layer_types=_HYBRID),
+            always_renormalises=True,
+        ),
+    )
+}
+
+
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Every family saved by vanilla transformers."""
+    hfpatch_core.disable()
+    paths = {}
+    for seed, (name, case) in enumerate(CASES.items()):
+        torch.manual_seed(seed)
+        path = tmp_path_factory.mktemp(name)
+        AutoModelForCausalLM.from_config(case.config).save_pretrained(path)
+        paths[name] = path
+    return paths
+
+
+@pytest.fixture(params=list(CASES))
+def family(request: pytest.FixtureRequest) -> str:
+    name: str = request.param
+    return name
+
+
+# The classes whose class-level ``_can_record_outputs`` a patched load may rewrite.
+PRETRAINED_CLASSES = (
+    FlexOlmoPreTrainedModel,
+    MiniMaxPreTrainedModel,
+    MixtralPreTrainedModel,
+    OlmoePreTrainedModel,
+    Qwen2MoePreTrainedModel,
+    Qwen3MoePreTrainedModel,
+    Qwen3NextPreTrainedModel,
+)
+
+
+@pytest.fixture(autouse=True)
+def _isolation(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """hfpatch off, the environment's pack choice ignored; afterwards the patch registry,
+    transformers' class-level output recorders and the pack's replay state are as before."""
+    monkeypatch.delenv("HF_PATCH_PACKS", raising=False)
+    monkeypatch.delenv("HF_PATCH_STRICT", raising=False)
+    registry = monkey_patching.get_patch_mapping()
+    recorders = {cls: dict(cls._can_record_outputs) for cls in PRETRAINED_CLASSES}
+    yield
+    hfpatch_core.disable()
+    assert monkey_patching.get_patch_mapping() == registry, "a test left the patch registry changed"
+    assert routing._REPLAY.get() is None and not routing._OPEN, "a test left a replay open"
+    assert routing._RECORDING.get() == (), "a test left a recording open"
+    for cls, saved in recorders.items():
+        cls._can_record_outputs.clear()
+        cls._can_record_outputs.update(saved)

@@ -21,7 +21,7 @@ from .conversion import describe_transform
 from .errors import HfPatchError, PatchConflictError
 from .plan import Claim, Plan
 from .resolution import find_replacement, matches, resolve
-from .session import Session
+from .session import Session, module_classes
 
 
 class ModelNotFoundError(HfPatchError, ValueError):
@@ -72,9 +72,7 @@ def modeling_module_classes(model_type: str) -> dict[str, type]:
         module = importlib.import_module(f"transformers.models.{module_name}.modeling_{module_name}")
     except ImportError:
         return {}
-    return {
-        name: value for name, value in vars(module).items() if isinstance(value, type) and issubclass(value, nn.Module)
-    }
+    return module_classes(module)
 
 
 @dataclasses.dataclass(frozen=True)

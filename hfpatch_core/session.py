@@ -21,7 +21,6 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch.nn as nn
-import transformers
 from transformers import PreTrainedModel, modeling_utils, monkey_patching
 
 from . import application, recorders
@@ -267,11 +266,16 @@ def new_session(packs: str | Iterable[str] | None = None, strict: bool | None = 
     return Session(current_selection(packs), strict=strict_from_env() if strict is None else strict)
 
 
+def module_classes(module: types.ModuleType) -> dict[str, type]:
+    """The ``nn.Module`` classes a module holds, by attribute name (what a load resolves claims against)."""
+    return {
+        name: value for name, value in vars(module).items() if isinstance(value, type) and issubclass(value, nn.Module)
+    }
+
+
 def _module_class_names(model_class: type) -> list[str]:
     module = sys.modules.get(model_class.__module__)
-    if module is None:
-        return [model_class.__name__]
-    return [name for name, value in vars(module).items() if isinstance(value, type) and issubclass(value, nn.Module)]
+    return list(module_classes(module)) if module is not None else [model_class.__name__]
 
 
 def _attach(model: object, plan: Plan) -> None:
@@ -440,15 +444,7 @@ def _context_for_manual(config_or_model_type: Any, model_class: type | None) -> 
         names = [mapped] if isinstance(mapped, str) else list(mapped or ())
     class_name = names[0] if names else "PreTrainedModel"
     module = f"transformers.models.{model_type}.modeling_{model_type}" if model_type else ""
-    class_names = (
-        [
-            name
-            for name, value in vars(sys.modules.get(module) or transformers).items()
-            if isinstance(value, type) and issubclass(value, nn.Module)
-        ]
-        if module in sys.modules
-        else []
-    )
+    class_names = list(module_classes(sys.modules[module])) if module in sys.modules else []
     return LoadContext(model_type=model_type, model_class_name=class_name, config=config), class_names
 
 

@@ -14,7 +14,7 @@ would change nothing a forward pass records: it is skipped, and nothing needs un
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from transformers import monkey_patching
@@ -63,22 +63,36 @@ class RecorderLog:
             self.entries.clear()
 
 
+def _tables(model: Any) -> Iterator[dict[str, Any]]:
+    """Each distinct ``_can_record_outputs`` dict of ``model``'s module classes (a class attribute)."""
+    seen: set[int] = set()
+    for owner in {type(submodule) for submodule in model.modules()}:
+        table = getattr(owner, "_can_record_outputs", None)
+        if isinstance(table, dict) and id(table) not in seen:
+            seen.add(id(table))
+            yield table
+
+
+def _recorders(table: dict[str, Any]) -> Iterator[Any]:
+    """The recorders of one table: a recorder, or a list of them, per output name."""
+    for value in table.values():
+        yield from value if isinstance(value, list) else [value]
+
+
 def _remember(model: Any) -> None:
     entries = _entries()
     if entries is None:
         return
     seen = {id(target) for target, _ in entries}
-    for submodule in model.modules():
-        recorders = getattr(submodule, "_can_record_outputs", None)
-        if not isinstance(recorders, dict) or id(recorders) in seen:
+    for table in _tables(model):
+        if id(table) in seen:
             continue
-        seen.add(id(recorders))
-        entries.append((recorders, dict(recorders)))
-        for value in recorders.values():
-            for recorder in value if isinstance(value, list) else [value]:
-                if isinstance(recorder, OutputRecorder) and id(recorder) not in seen:
-                    seen.add(id(recorder))
-                    entries.append((recorder, recorder.target_class))
+        seen.add(id(table))
+        entries.append((table, dict(table)))
+        for recorder in _recorders(table):
+            if isinstance(recorder, OutputRecorder) and id(recorder) not in seen:
+                seen.add(id(recorder))
+                entries.append((recorder, recorder.target_class))
 
 
 def _changes_capture(model: Any, mapping: Mapping[str, type]) -> bool:
@@ -89,24 +103,17 @@ def _changes_capture(model: Any, mapping: Mapping[str, type]) -> bool:
     given by name (a string, or an ``OutputRecorder`` without a class) would start
     matching by class instead, which does change it.
     """
-    seen: set[int] = set()
-    # _can_record_outputs is a class attribute: one lookup per class, not per module
-    for owner in {type(submodule) for submodule in model.modules()}:
-        recorders = getattr(owner, "_can_record_outputs", None)
-        if not isinstance(recorders, dict) or id(recorders) in seen:
-            continue
-        seen.add(id(recorders))
-        for value in recorders.values():
-            for recorder in value if isinstance(value, list) else [value]:
-                target = recorder.target_class if isinstance(recorder, OutputRecorder) else recorder
-                if isinstance(target, type):
-                    replacement = find_replacement(target.__name__, mapping)
-                    if replacement is not None and not issubclass(replacement, target):
-                        return True
-                else:
-                    name = recorder.class_name if isinstance(recorder, OutputRecorder) else recorder
-                    if isinstance(name, str) and find_replacement(name, mapping) is not None:
-                        return True
+    for table in _tables(model):
+        for recorder in _recorders(table):
+            target = recorder.target_class if isinstance(recorder, OutputRecorder) else recorder
+            if isinstance(target, type):
+                replacement = find_replacement(target.__name__, mapping)
+                if replacement is not None and not issubclass(replacement, target):
+                    return True
+            else:
+                name = recorder.class_name if isinstance(recorder, OutputRecorder) else recorder
+                if isinstance(name, str) and find_replacement(name, mapping) is not None:
+                    return True
     return False
 
 

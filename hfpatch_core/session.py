@@ -159,11 +159,15 @@ class Session:
             finally:
                 frames.pop()
 
-    def pending(self) -> _Frame | None:
-        """The innermost load on this thread, if it still waits for its loader to give the config."""
+    def resolve_pending(self) -> None:
+        """Plan the innermost load on this thread if it waits for its loader's config (see :meth:`applied`)."""
         frames = self._frames()
         frame = frames[-1] if frames else None
-        return frame if frame is not None and frame.plan is None and frame.loader is not None else None
+        if frame is None or frame.plan is not None or frame.loader is None:
+            return
+        model_class = frame.loader.model_class
+        context = LoadContext.for_model(model_class, frame.loader.config(), parent=self.current)
+        frame.resolve(context, _module_class_names(model_class))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -331,11 +335,8 @@ def _managed(cls: type, load: Callable[[], Any], code: types.CodeType, *, loadin
 def _apply_patches() -> Iterator[None]:
     """hfpatch's ``modeling_utils.apply_patches``: plan a pending load with its loader's config, then apply."""
     session = _live_session()
-    frame = session.pending() if session is not None else None
-    if frame is not None and frame.loader is not None:
-        model_class = frame.loader.model_class
-        context = LoadContext.for_model(model_class, frame.loader.config(), parent=session.current if session else None)
-        frame.resolve(context, _module_class_names(model_class))
+    if session is not None:
+        session.resolve_pending()
     with application.apply_registered_patches():
         yield
 

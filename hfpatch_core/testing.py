@@ -120,6 +120,38 @@ def _causal_lm_class(config: Any) -> type[nn.Module]:
     return model_class_for(config)
 
 
+def install_wheel(project: str | Path, site: str | Path, *, timeout: float = 120) -> Path:
+    """Build ``project``'s wheel and install it, without dependencies, into directory ``site``.
+
+    What a pack's "discovered from an installed wheel" test needs: put ``site`` first on
+    ``PYTHONPATH`` of a subprocess started outside the project's directory, and the pack
+    is discovered from the wheel's own metadata.  The wheel is built without build
+    isolation where hatchling is importable (offline, and faster).
+
+    Returns:
+        The wheel file (kept next to ``site``, in ``<site>-wheels``).
+
+    Raises:
+        subprocess.CalledProcessError: pip could not build or install the wheel.
+    """
+    import importlib.util
+    import subprocess
+    import sys
+
+    site = Path(site)
+    wheels = site.with_name(f"{site.name}-wheels")
+    pip = [sys.executable, "-m", "pip", "--disable-pip-version-check"]
+    build = [*pip, "wheel", "--no-deps", "--quiet", "-w", str(wheels), str(project)]
+    if importlib.util.find_spec("hatchling") is not None:
+        build.append("--no-build-isolation")
+    subprocess.run(build, check=True, timeout=timeout)
+    (wheel,) = wheels.glob("*.whl")
+    subprocess.run(
+        [*pip, "install", "--no-deps", "--quiet", "--target", str(site), str(wheel)], check=True, timeout=timeout
+    )
+    return wheel
+
+
 def tiny_checkpoint(
     model_type_or_config: Any, directory: str | Path | None = None, *, seed: int = 0, **config_overrides: Any
 ) -> Path:

@@ -28,7 +28,7 @@ import hfpatch_core
 from conftest import CASES, MODELING, PACK, PAD, VOCAB, Case, expected_sites
 from hfpatch_core import LoadContext
 from hfpatch_core.conversion import SizedConcatenate, source_patterns_of
-from hfpatch_core.testing import assert_pack_equivalent
+from hfpatch_core.testing import assert_pack_equivalent, install_wheel
 
 PACK_DIR = Path(__file__).resolve().parents[1]
 
@@ -449,19 +449,10 @@ _PROBE = textwrap.dedent(
 
 
 def test_the_pack_is_discovered_from_an_installed_wheel(checkpoints: dict[str, Path], tmp_path: Path) -> None:
-    wheels, site = tmp_path / "wheels", tmp_path / "site"
-    build = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--quiet", "--disable-pip-version-check"]
-    try:
-        import hatchling  # noqa: F401
-
-        build.append("--no-build-isolation")  # offline and faster where hatchling is installed
-    except ImportError:
-        pass
-    subprocess.run([*build, "-w", str(wheels), str(PACK_DIR)], check=True, timeout=120)
-    (wheel,) = wheels.glob("hfpatch_pack_fused_dense-0.1.0-*.whl")
-    install = [sys.executable, "-m", "pip", "install", "--no-deps", "--quiet", "--disable-pip-version-check"]
-    subprocess.run([*install, "--target", str(site), str(wheel)], check=True, timeout=120)
-    # The wheel's copy comes first on the path, ahead of the (editable) install in the venv.
+    site = tmp_path / "site"
+    wheel = install_wheel(PACK_DIR, site)
+    assert wheel.name.startswith("hfpatch_pack_fused_dense-0.1.0-"), wheel
+    # The wheel's copy comes first on the path, ahead of any other install of the pack.
     env = {**os.environ, "PYTHONPATH": str(site), "HF_PATCH_PACKS": PACK}
     env.pop("HF_PATCH_STRICT", None)
     run = dict(env=env, cwd=tmp_path, capture_output=True, text=True, check=True, timeout=120)

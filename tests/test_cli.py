@@ -166,6 +166,24 @@ def test_run_checks_the_selection_and_the_command_first(install) -> None:
     assert empty.returncode == 2 and "needs a command" in empty.stderr
     passthrough = run(HFPATCH, "run", "--", sys.executable, "-c", "import sys; sys.exit(7)", site=site)
     assert passthrough.returncode == 7
+    malformed = run(
+        HFPATCH, "run", "--", sys.executable, "-c", "print(1)", site=site, env={"HF_PATCH_PACKS": "all,none"}
+    )
+    assert malformed.returncode == 2 and "'none' cannot be combined" in malformed.stderr and malformed.stdout == ""
+    strict = run(HFPATCH, "run", "--", sys.executable, "-c", "print(1)", site=site, env={"HF_PATCH_STRICT": "maybe"})
+    assert (
+        strict.returncode == 2 and "HF_PATCH_STRICT='maybe' is not a boolean" in strict.stderr and strict.stdout == ""
+    )
+
+
+def test_run_refuses_when_the_start_up_hook_is_not_on_the_path() -> None:
+    code = (
+        "import os, sys; from hfpatch_core.launch import main; "
+        "sys.path[:] = [p for p in sys.path if not os.path.isfile(os.path.join(p or '.', '_hfpatch_autorun.py'))]; "
+        "sys.exit(main(['run', '--', 'true']))"
+    )
+    result = run(sys.executable, "-c", code)
+    assert result.returncode == 2 and "start-up hook is not installed" in result.stderr
 
 
 def test_list_does_not_import_torch(install) -> None:

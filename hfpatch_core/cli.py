@@ -108,18 +108,27 @@ def cmd_explain(args: argparse.Namespace) -> int:
         for claim in explanation.unused:
             print(f"  {claim.describe()}")
     conversions = plan.conversions
-    if conversions:
+    if conversions is not None:
         for key, entries in conversions.lists.items():
             print(f"\nConversions for {key!r} (first matching converter wins):")
             for entry in entries:
                 print(f"  {entry.describe()}")
         for removal in conversions.removed:
             print(f"  removed by {removal.pack!r}: {describe_transform(removal.transform)} [transformers]")
+        if conversions.lost and not conversions.lists:
+            print("\nConverters not applied:")
         for claim, reason in conversions.lost:
             print(f"  not applied: {claim.describe()}: {reason}")
     for warning in explanation.warnings:
         print(f"\nwarning: {warning}")
     return EXIT_OK
+
+
+#: Why a pack can target no model type, and what to do (a pack that needs a config to decide).
+_NO_TARGETS = (
+    "the pack returned nothing when asked with config=None for every model type; "
+    "if it decides from the config, pass --model-type TYPE"
+)
 
 
 def cmd_check(args: argparse.Namespace) -> int:
@@ -138,10 +147,12 @@ def cmd_check(args: argparse.Namespace) -> int:
         print(f"FAIL  {error}")
         failed = True
     for name in sorted(selection.packs):
-        result = check_pack(session, name)
+        result = check_pack(session, name, args.model_type or ())
         targets = ", ".join(result.model_types) or "no model type"
         if result.ok:
             print(f"ok    {name} {result.version}: targets {targets}")
+            if not result.model_types:
+                print(f"      {_NO_TARGETS}")
             continue
         failed = True
         print(f"FAIL  {name} {result.version}: targets {targets}")
@@ -167,7 +178,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
             continue
         types = args.model_type or list(check_pack(session, name).model_types)
         if not types:
-            print(f"hfpatch: {name} targets no model type; pass --model-type or --model", file=sys.stderr)
+            print(f"hfpatch: {name} targets no model type: {_NO_TARGETS} (or --model DIR)", file=sys.stderr)
         jobs.extend((name, model_type) for model_type in types)
     if not jobs:
         print("No pack to verify.")
@@ -271,6 +282,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     checking = commands.add_parser("check", help="import packs and validate what their hooks return")
     checking.add_argument("packs", nargs="*", metavar="PACK", help="packs to check (default: all installed)")
+    checking.add_argument(
+        "--model-type",
+        action="append",
+        metavar="TYPE",
+        help="check on these model types (repeatable) instead of those the pack claims when asked without a config",
+    )
     checking.set_defaults(handler=cmd_check)
 
     verifying = commands.add_parser("verify", help="prove packs keep models correct on tiny checkpoints")

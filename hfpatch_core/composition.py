@@ -15,7 +15,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from .conversion import Converter, describe_transform, source_patterns_of
-from .errors import ConverterConflictError
+from .errors import ConverterConflictError, PackError
+from .plan import Claim, Plan
 from .settings import PACKS_ENV
 
 #: The origin recorded for transforms that come from transformers' own lists.
@@ -230,23 +231,97 @@ def compose(
     return Conversions(lists, tuple(removed), tuple(lost), tuple(unmatched), tuple(winners))
 
 
+def unused_converters(
+    converters: Sequence[tuple[Any, Converter]], claims: Iterable[Claim], plan: Plan, *, classes_known: bool
+) -> tuple[dict[int, str], list[PackError]]:
+    """Which gathered converters must not apply because their patches are not applied.
+
+    A converter with ``patch_targets`` applies while one of the pack's patches on those
+    targets replaces a class of the model (or, when the model's classes are not known,
+    won its target); one without applies unless every patch of its pack lost.  A
+    converter would otherwise reshape checkpoint tensors for modules that are not in the
+    model, and the load would fail or, worse, load them under the wrong names.
+
+    Args:
+        converters: ``(pack, converter)`` pairs as gathered.
+        claims: every patch claim gathered for the load.
+        plan: the resolved plan.
+        classes_known: whether ``plan`` was resolved against the model's class names.
+
+    Returns:
+        The reason each unused converter (by position) does not apply, and an error for
+        each ``patch_targets`` entry the pack returned no patch for.
+    """
+    claims = list(claims)
+    applied = list(plan.replaced.values()) if classes_known else list(plan.entries)
+    in_effect = {(claim.pack, claim.target) for claim in applied}
+    won = {claim.pack for claim in plan.entries}
+    offered = {(claim.pack, claim.target) for claim in claims}
+    unused: dict[int, str] = {}
+    errors: list[PackError] = []
+    for index, (info, converter) in enumerate(converters):
+        pack = info.name
+        if not converter.patch_targets:
+            if pack in {claim.pack for claim in claims} and pack not in won:
+                unused[index] = f"every patch of pack {pack!r} lost"
+            continue
+        missing = [target for target in converter.patch_targets if (pack, target) not in offered]
+        for target in missing:
+            errors.append(
+                PackError(
+                    pack,
+                    f"pack {pack!r}: converter for {converter.key!r} names patch target {target!r}, but the pack "
+                    "returned no patch for it for this model; list the targets of its own patches in patch_targets.",
+                )
+            )
+        if any((pack, target) in in_effect for target in converter.patch_targets):
+            continue
+        reasons = [
+            _not_applied(pack, target, plan) for target in converter.patch_targets if (pack, target) in offered
+        ] or [f"the pack returned no patch for {list(missing)}"]
+        unused[index] = "; ".join(reasons)
+    return unused, errors
+
+
+def _not_applied(pack: str, target: str, plan: Plan) -> str:
+    for lost in plan.lost:
+        if lost.claim.pack == pack and lost.claim.target == target:
+            where = f" on {lost.class_name}" if lost.class_name else ""
+            return f"its patch {target!r} is not applied{where}: {lost.reason}"
+    return f"its patch {target!r} replaces no class of this model"
+
+
 def compose_for(
-    context: Any, converters: Iterable[tuple[Any, Converter]], priority_offsets: Mapping[str, int] | None = None
+    context: Any,
+    converters: Sequence[tuple[Any, Converter]],
+    priority_offsets: Mapping[str, int] | None = None,
+    unused: Mapping[int, str] | None = None,
 ) -> Conversions:
-    """Compose the converters gathered for ``context`` against the installed transformers."""
-    if not converters:
-        return Conversions()
+    """Compose the converters gathered for ``context`` against the installed transformers.
+
+    Args:
+        context: the load.
+        converters: ``(pack, converter)`` pairs as gathered.
+        priority_offsets: each pack's priority offset from the selection.
+        unused: for the position in ``converters`` of each converter that must not
+            apply (its patches are not applied), the reason; reported in ``lost``.
+    """
+    offsets = priority_offsets or {}
+    unused = unused or {}
+    every = [
+        ConverterClaim(info.name, info.version, converter, converter.priority + offsets.get(info.name, 0), index)
+        for index, (info, converter) in enumerate(converters)
+    ]
+    dropped = tuple((claim, unused[claim.index]) for claim in every if claim.index in unused)
+    claims = [claim for claim in every if claim.index not in unused]
+    if not claims:
+        return Conversions(lost=dropped)
     import transformers
     from transformers import conversion_mapping
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 
     from .application import class_keys_supported
 
-    offsets = priority_offsets or {}
-    claims = [
-        ConverterClaim(info.name, info.version, converter, converter.priority + offsets.get(info.name, 0), index)
-        for index, (info, converter) in enumerate(converters)
-    ]
     class_types: dict[str, str] = {}
     if context.model_type:
         class_types[context.model_class_name] = context.model_type
@@ -255,10 +330,11 @@ def compose_for(
         model_type = getattr(getattr(cls, "config_class", None), "model_type", None)
         if isinstance(model_type, str) and model_type:
             class_types.setdefault(claim.key, model_type)
-    return compose(
+    composed = compose(
         claims,
         builtin=conversion_mapping.get_checkpoint_conversion_mapping,
         model_types=CONFIG_MAPPING_NAMES,
         class_model_types=class_types,
         class_keys_supported=class_keys_supported(),
     )
+    return dataclasses.replace(composed, lost=dropped + composed.lost)

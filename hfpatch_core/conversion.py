@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from transformers.core_model_loading import ConversionOps, WeightTransform
@@ -24,6 +24,12 @@ class Converter:
         overwrite: wins a priority tie.
         replaces: source patterns of the transforms already registered for ``key``
             (transformers' built-in list) that these transforms make obsolete.
+        patch_targets: the targets of the pack's own patches whose modules these
+            transforms load (``("LlamaAttention",)``).  The converter applies only while
+            one of those patches replaces a class of the model, so a pack that wins one
+            class and loses another converts the checkpoint for the winner alone.  Left
+            empty, the converter applies while any patch of the pack is applied (or
+            always, for a pack without patches).
 
     Raises:
         InvalidPatchError: an argument has the wrong type.
@@ -35,6 +41,7 @@ class Converter:
     priority: int = 0
     overwrite: bool = False
     replaces: tuple[str, ...] = ()
+    patch_targets: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.key, str) or not self.key.strip():
@@ -57,18 +64,26 @@ class Converter:
                     "use transformers.core_model_loading.WeightConverter or WeightRenaming."
                 )
         object.__setattr__(self, "transforms", tuple(transforms))
-        replaces = (self.replaces,) if isinstance(self.replaces, str) else tuple(self.replaces)
-        if not all(isinstance(pattern, str) and pattern for pattern in replaces):
-            raise InvalidPatchError(
-                f"Converter({self.key!r}): replaces must be source patterns (strings), got {self.replaces!r}."
-            )
-        object.__setattr__(self, "replaces", replaces)
+        object.__setattr__(self, "replaces", self._strings("replaces", "source patterns", "'mlp.gate_proj'"))
+        object.__setattr__(
+            self, "patch_targets", self._strings("patch_targets", "targets of the pack's patches", "'LlamaAttention'")
+        )
         if isinstance(self.priority, bool) or not isinstance(self.priority, int):
             raise InvalidPatchError(f"Converter({self.key!r}): priority must be an int, got {self.priority!r}.")
         if not isinstance(self.overwrite, bool):
             raise InvalidPatchError(
                 f"Converter({self.key!r}): overwrite must be True or False, got {self.overwrite!r}."
             )
+
+    def _strings(self, field: str, what: str, example: str) -> tuple[str, ...]:
+        value = getattr(self, field)
+        values = (value,) if isinstance(value, str) else tuple(value) if isinstance(value, Iterable) else None
+        if values is None or not all(isinstance(item, str) and item for item in values):
+            raise InvalidPatchError(
+                f"Converter({self.key!r}): {field} must be {what} (non-empty strings), got {value!r}; "
+                f"e.g. {field}=({example},)."
+            )
+        return values
 
 
 def source_patterns_of(transform: Any) -> tuple[str, ...]:

@@ -8,7 +8,6 @@ with hfpatch-core.
 from __future__ import annotations
 
 import contextlib
-import importlib
 import sys
 import tempfile
 from collections.abc import Iterator
@@ -22,18 +21,17 @@ FIRST_PARTY_PACK = "qwen-moe"
 def _install_example_pack(site: Path) -> None:
     """Install the built-in example pack as a real distribution on ``site``."""
     from . import __version__
+    from .testing import install_pack
 
-    dist = site / f"hfpatch_example_counting-{__version__}.dist-info"
-    dist.mkdir(parents=True)
-    (dist / "METADATA").write_text(
-        "Metadata-Version: 2.1\nName: hfpatch-example-counting\n"
-        f"Version: {__version__}\nSummary: Example pack: counting Llama MLPs and norms\n"
-        "Requires-Dist: transformers>=5.3,<6\n"
+    install_pack(
+        site,
+        EXAMPLE_PACK,
+        entry_point="hfpatch_core.examples.counting_mlp",
+        distribution="hfpatch-example-counting",
+        version=__version__,
+        summary="Example pack: counting Llama MLPs and norms",
+        requires=("transformers>=5.3,<6",),
     )
-    (dist / "entry_points.txt").write_text(f"[hfpatch.packs]\n{EXAMPLE_PACK} = hfpatch_core.examples.counting_mlp\n")
-    (dist / "RECORD").write_text("")
-    sys.path.insert(0, str(site))
-    importlib.invalidate_caches()
 
 
 @contextlib.contextmanager

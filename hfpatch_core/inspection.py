@@ -6,7 +6,7 @@ import dataclasses
 import difflib
 import importlib
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -124,6 +124,15 @@ class Explanation:
                 {"key": removal.key, "transform": describe_transform(removal.transform), "by": removal.pack}
                 for removal in (self.plan.conversions.removed if self.plan.conversions else ())
             ],
+            "conversions_lost": [
+                {
+                    "pack": claim.pack,
+                    "key": claim.key,
+                    "transforms": [describe_transform(transform) for transform in claim.converter.transforms],
+                    "reason": reason,
+                }
+                for claim, reason in (self.plan.conversions.lost if self.plan.conversions is not None else ())
+            ],
             "warnings": list(self.warnings),
         }
 
@@ -234,13 +243,15 @@ def _default_config(model_type: str) -> Any:
         return None
 
 
-def check_pack(session: Session, name: str) -> CheckResult:
+def check_pack(session: Session, name: str, model_types: Sequence[str] = ()) -> CheckResult:
     """Import pack ``name``, call its hooks for every model type, and check what they return.
 
     A model type is *targeted* when the pack returns patches or converters for it
     (asked with ``config=None``); for those, the hooks are called again with the
     default config, and every patch target must match a class of that model type's
-    modeling module.
+    modeling module.  ``model_types``: check these instead of asking with
+    ``config=None`` (for a pack that decides from the config, and returns nothing
+    without one); each must be targeted.
     """
     from .gathering import PackSet
 
@@ -253,7 +264,15 @@ def check_pack(session: Session, name: str) -> CheckResult:
         if message not in problems:
             problems.append(message)
 
-    for model_type in CONFIG_MAPPING_NAMES:
+    for model_type in model_types:
+        if model_type in CONFIG_MAPPING_NAMES:
+            targeted.append(model_type)
+            continue
+        close = difflib.get_close_matches(model_type, list(CONFIG_MAPPING_NAMES), n=3)
+        hint = f"; did you mean {', '.join(map(repr, close))}?" if close else ""
+        note(f"{model_type!r} is not a model type of transformers {transformers.__version__}{hint}")
+
+    for model_type in () if model_types else CONFIG_MAPPING_NAMES:
         context = LoadContext(model_type=model_type, model_class_name=_default_class_name(model_type))
         gathered = packs.gather(context)
         for failure in gathered.failures:
@@ -272,6 +291,8 @@ def check_pack(session: Session, name: str) -> CheckResult:
         gathered = packs.gather(context)
         for failure in gathered.failures:
             note(str(failure))
+        if model_types and not (gathered.claims or gathered.converters or gathered.failures):
+            note(f"pack {name!r} returns no patch and no converter for {model_type} (default config)")
         classes = modeling_module_classes(model_type)
         for _info, converter in gathered.converters:
             key = converter.key
@@ -286,6 +307,13 @@ def check_pack(session: Session, name: str) -> CheckResult:
                     f"pack {name!r}: converter for {key!r} but no patch of the pack is active for {model_type}; "
                     "the checkpoint would be converted for modules that were not replaced."
                 )
+            targets = {claim.target for claim in gathered.claims}
+            for target in converter.patch_targets:
+                if target not in targets:
+                    note(
+                        f"pack {name!r}: converter for {key!r} names patch target {target!r}, but the pack "
+                        f"returns no patch for it for {model_type}; the converter would never apply."
+                    )
         try:
             resolve(gathered.claims)
         except PatchConflictError as exc:

@@ -25,7 +25,7 @@ from transformers import PreTrainedModel, modeling_utils, monkey_patching
 
 from . import application, recorders
 from .application import LOAD_LOCK, apply_mapping, registered, registered_conversions
-from .composition import compose_for
+from .composition import compose_for, unused_converters
 from .context import LoadContext
 from .errors import HfPatchError, PackError, PackWarning
 from .gathering import PackSet
@@ -107,6 +107,7 @@ class Session:
         """
         gathered = self.packs.gather(context, self.selection.spec.priority_offsets)
         self._report([*self.selection.problems, *gathered.failures])
+        class_names = tuple(class_names)
         plan = resolve(
             gathered.claims,
             context=context,
@@ -115,11 +116,10 @@ class Session:
             class_names=class_names,
             packs=gathered.packs,
         )
-        # A pack whose every patch lost has none of its modules in the model: its
-        # converters would reshape the checkpoint for modules that are not there.
-        beaten = {claim.pack for claim in gathered.claims} - {claim.pack for claim in plan.entries}
-        converters = [(info, converter) for info, converter in gathered.converters if info.name not in beaten]
-        conversions = compose_for(context, converters, self.selection.spec.priority_offsets)
+        unused, errors = unused_converters(gathered.converters, gathered.claims, plan, classes_known=bool(class_names))
+        self._report(errors)
+        offsets = self.selection.spec.priority_offsets
+        conversions = compose_for(context, gathered.converters, offsets, unused)
         self._report(
             PackError(
                 claim.pack,

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
-import importlib
-import sys
-import textwrap
 from collections.abc import Iterable
 from pathlib import Path
+
+from hfpatch_core.testing import install_pack
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,34 +33,22 @@ class PackSpec:
 
 def write_pack(site: Path, spec: PackSpec) -> Path:
     """Install ``spec`` into ``site`` as a distribution that importlib.metadata finds."""
-    site.mkdir(parents=True, exist_ok=True)
-    module_file = site / f"{spec.module_name}.py"
-    if not module_file.exists():
-        module_file.write_text(textwrap.dedent(spec.source))
-    dist_dir = site / f"{spec.distribution_name.replace('-', '_')}-{spec.version}.dist-info"
-    dist_dir.mkdir()
-    metadata = [
-        "Metadata-Version: 2.1",
-        f"Name: {spec.distribution_name}",
-        f"Version: {spec.version}",
-        f"Summary: {spec.summary}",
-        "Requires-Dist: hfpatch-core",
-        *(f"Requires-Dist: {requirement}" for requirement in spec.requires),
-    ]
-    (dist_dir / "METADATA").write_text("\n".join(metadata) + "\n")
-    (dist_dir / "entry_points.txt").write_text(
-        f"[hfpatch.packs]\n{spec.name} = {spec.entry_value or spec.module_name}\n"
+    return install_pack(
+        site,
+        spec.name,
+        spec.source,
+        module=spec.module_name,
+        entry_point=spec.entry_value or None,
+        distribution=spec.distribution_name,
+        version=spec.version,
+        summary=spec.summary,
+        requires=spec.requires,
     )
-    (dist_dir / "RECORD").write_text("")
-    return dist_dir
 
 
 def install_packs(site: Path, specs: Iterable[PackSpec]) -> Path:
     for spec in specs:
         write_pack(site, spec)
-    importlib.invalidate_caches()
-    if str(site) not in sys.path:
-        sys.path.insert(0, str(site))
     return site
 
 
@@ -120,16 +107,8 @@ def provide_patches(context):
 """
 
 
-def fused_qkv_pack(
-    *, converter: str = "sized", priority: int = 0, class_name: str = "FusedQKVAttention", key: str = "llama"
-) -> str:
-    """A pack fusing LlamaAttention's q/k/v projections into one ``qkv_proj``.
-
-    ``converter``: ``"sized"`` (exact), ``"chunk"`` (transformers' Concatenate, whose
-    reverse splits equally: wrong for grouped-query attention) or ``"none"``.
-    """
-    return f"""
-import torch
+def _fused_qkv_classes(class_name: str) -> str:
+    return f"""import torch
 from torch import nn
 from hfpatch_core import Converter, Patch, hookimpl
 from hfpatch_core.conversion import SizedConcatenate
@@ -163,7 +142,19 @@ class {class_name}(LlamaAttention):
             return super().forward(hidden_states, *args, **kwargs)
         finally:
             del self._parts
+"""
 
+
+def fused_qkv_pack(
+    *, converter: str = "sized", priority: int = 0, class_name: str = "FusedQKVAttention", key: str = "llama"
+) -> str:
+    """A pack fusing LlamaAttention's q/k/v projections into one ``qkv_proj``.
+
+    ``converter``: ``"sized"`` (exact), ``"chunk"`` (transformers' Concatenate, whose
+    reverse splits equally: wrong for grouped-query attention) or ``"none"``.
+    """
+    return f"""
+{_fused_qkv_classes(class_name)}
 
 @hookimpl
 def provide_patches(context):
@@ -190,7 +181,7 @@ def provide_converters(context):
 """
 
 
-FUSED_MLP_PACK = """
+_FUSED_MLP_CLASS = """
 import torch
 from torch import nn
 from hfpatch_core import Converter, Patch, hookimpl
@@ -208,7 +199,10 @@ class FusedGateUpMLP(LlamaMLP):
     def forward(self, x):
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.down_proj(self.act_fn(gate) * up)
+"""
 
+FUSED_MLP_PACK = f"""
+{_FUSED_MLP_CLASS}
 
 @hookimpl
 def provide_patches(context):
@@ -226,6 +220,50 @@ def provide_converters(context):
         operations=[SizedConcatenate(dim=0, sizes=(size, size))],
     )
     return [Converter("llama", [fuse])]
+"""
+
+
+def fused_attention_and_mlp_pack(
+    *, attention_targets: str = "('LlamaAttention',)", mlp_targets: str = "('LlamaMLP',)"
+) -> str:
+    """One pack fusing both q/k/v and gate/up, each converter naming the patch it serves.
+
+    ``attention_targets`` / ``mlp_targets``: the ``patch_targets`` argument of each
+    converter, as Python source.
+    """
+    return f"""
+{_fused_qkv_classes("FusedQKVAttention")}
+{_FUSED_MLP_CLASS}
+
+@hookimpl
+def provide_patches(context):
+    if context.model_type != "llama":
+        return []
+    return [Patch("LlamaAttention", FusedQKVAttention), Patch("LlamaMLP", FusedGateUpMLP)]
+
+
+@hookimpl
+def provide_converters(context):
+    if context.model_type != "llama" or context.config is None:
+        return []
+    config = context.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    q, kv = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
+    qkv = WeightConverter(
+        source_patterns=["self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"],
+        target_patterns="self_attn.qkv_proj.weight",
+        operations=[SizedConcatenate(dim=0, sizes=(q, kv, kv))],
+    )
+    size = config.intermediate_size
+    gate_up = WeightConverter(
+        source_patterns=["mlp.gate_proj.weight", "mlp.up_proj.weight"],
+        target_patterns="mlp.gate_up_proj.weight",
+        operations=[SizedConcatenate(dim=0, sizes=(size, size))],
+    )
+    return [
+        Converter("llama", [qkv], patch_targets={attention_targets}),
+        Converter("llama", [gate_up], patch_targets={mlp_targets}),
+    ]
 """
 
 

@@ -7,7 +7,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-from packs import DOUBLING_PACK, MLP_PACK, NORM_PATTERN_PACK, PackSpec, mlp_pack
+from packs import DOUBLING_PACK, MLP_PACK, NORM_PATTERN_PACK, PackSpec, fused_attention_and_mlp_pack, mlp_pack
 
 HFPATCH = str(Path(sys.executable).with_name("hfpatch"))
 
@@ -112,6 +112,7 @@ def test_check_passes_a_good_pack_and_fails_a_bad_target(install) -> None:
         PackSpec("mlp", MLP_PACK),
         PackSpec("renamed", mlp_pack("RenamedMLP", target="LlamaFeedForward")),
         PackSpec("broken", "raise ImportError('missing kernel')\n"),
+        PackSpec("typo", fused_attention_and_mlp_pack(mlp_targets="('LlamaMlp',)")),
     )
     good = run(HFPATCH, "check", "mlp", site=site)
     assert good.returncode == 0 and "ok    mlp 1.0.0: targets llama" in good.stdout
@@ -119,6 +120,36 @@ def test_check_passes_a_good_pack_and_fails_a_bad_target(install) -> None:
     assert bad.returncode == 1
     assert "patch target 'LlamaFeedForward' matches no module class of transformers.models.llama" in bad.stdout
     assert "failed to import 'hfpatch_test_pack_broken': ImportError: missing kernel" in bad.stdout
+    assert "converter for 'llama' names patch target 'LlamaMlp', but the pack returns no patch for it" in bad.stdout
+
+
+CONFIG_ONLY_PACK = """
+from hfpatch_core import Patch, hookimpl
+from transformers.models.llama.modeling_llama import LlamaMLP
+
+class SizedMLP(LlamaMLP):
+    pass
+
+@hookimpl
+def provide_patches(context):
+    # decides from the config, as a pack that reads sizes does
+    if context.model_type == "llama" and context.config is not None:
+        return [Patch("LlamaMLP", SizedMLP)]
+    return []
+"""
+
+
+def test_check_with_model_types_checks_a_pack_that_needs_a_config(install) -> None:
+    site = install(PackSpec("sized", CONFIG_ONLY_PACK))
+    found = run(HFPATCH, "check", "sized", site=site)
+    assert found.returncode == 0 and "ok    sized 1.0.0: targets no model type" in found.stdout
+    assert "if it decides from the config, pass --model-type TYPE" in found.stdout
+    given = run(HFPATCH, "check", "sized", "--model-type", "llama", site=site)
+    assert given.returncode == 0 and "ok    sized 1.0.0: targets llama" in given.stdout, given.stdout
+    wrong = run(HFPATCH, "check", "sized", "--model-type", "mistral", "--model-type", "lama", site=site)
+    assert wrong.returncode == 1
+    assert "pack 'sized' returns no patch and no converter for mistral (default config)" in wrong.stdout
+    assert "'lama' is not a model type of transformers" in wrong.stdout and "did you mean 'llama'" in wrong.stdout
 
 
 PROGRAM = """

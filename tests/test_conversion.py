@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import json
 import pickle
 from pathlib import Path
 
@@ -13,8 +14,8 @@ import hfpatch_core
 from conftest import tiny_llama_config
 from hfpatch_core import ConverterConflictError, PackWarning, WeightLayoutError, plan_of
 from hfpatch_core.composition import BUILTIN, ConverterClaim, compose
-from hfpatch_core.conversion import Converter, SizedConcatenate, SizedSplit
-from packs import FUSED_MLP_PACK, MLP_PACK, PackSpec, fused_qkv_pack
+from hfpatch_core.conversion import Converter, SizedConcatenate, SizedSplit, describe_transform
+from packs import FUSED_MLP_PACK, MLP_PACK, PackSpec, fused_attention_and_mlp_pack, fused_qkv_pack
 
 
 def tensors(path: Path) -> dict[str, torch.Tensor]:
@@ -145,6 +146,9 @@ def test_a_pack_whose_patches_all_lose_keeps_its_converters_out(install, llama_c
         "gateup"
     ]
     assert not plan.conversions
+    assert [(claim.pack, reason) for claim, reason in plan.conversions.lost] == [
+        ("gateup", "every patch of pack 'gateup' lost")
+    ]
     torch.testing.assert_close(logits(model), logits(vanilla), rtol=0, atol=0)
     hfpatch_core.enable("all,gateup@+1")
     model = AutoModelForCausalLM.from_pretrained(llama_checkpoint)
@@ -152,6 +156,57 @@ def test_a_pack_whose_patches_all_lose_keeps_its_converters_out(install, llama_c
     assert [entry.origin for entry in plan_of(model).conversions.lists["llama"]] == ["gateup"]
     hfpatch_core.disable()
     snapshot.assert_unchanged()
+
+
+def test_a_pack_that_loses_one_of_two_classes_converts_for_the_winning_one_only(
+    install, llama_checkpoint, tmp_path, capsys, monkeypatch
+) -> None:
+    # fused wins LlamaAttention and loses LlamaMLP to mlp: only the converter whose
+    # patch_targets name the attention patch may apply, or the checkpoint's gate/up would
+    # be fused for a plain MLP that has no gate_up_proj.
+    install(PackSpec("fused", fused_attention_and_mlp_pack()), PackSpec("mlp", MLP_PACK))
+    vanilla = AutoModelForCausalLM.from_pretrained(llama_checkpoint)
+    hfpatch_core.enable("all,mlp@+1")
+    model = AutoModelForCausalLM.from_pretrained(llama_checkpoint)
+    layer = model.model.layers[0]
+    assert (type(layer.self_attn).__name__, type(layer.mlp).__name__) == ("FusedQKVAttention", "PackMLP")
+    torch.testing.assert_close(logits(model), logits(vanilla), rtol=0, atol=1e-5)
+    conversions = plan_of(model).conversions
+    assert [describe_transform(entry.transform) for entry in conversions.lists["llama"]] == [
+        describe_transform(fused_qkv_transform(conversions))
+    ]
+    [(claim, reason)] = conversions.lost
+    assert claim.pack == "fused" and claim.converter.patch_targets == ("LlamaMLP",)
+    assert reason.startswith("its patch 'LlamaMLP' is not applied: priority 0 < 1 of pack 'mlp'")
+    model.save_pretrained(tmp_path / "saved")
+    assert set(tensors(tmp_path / "saved")) == set(tensors(llama_checkpoint))
+
+    from hfpatch_core.cli import main
+
+    monkeypatch.setenv("HF_PATCH_PACKS", "all,mlp@+1")
+    assert main(["explain", str(llama_checkpoint)]) == 0
+    out = capsys.readouterr().out
+    assert "not applied: pack 'fused' (converter for 'llama': ['mlp.gate_proj.weight', 'mlp.up_proj.weight'])" in out
+    assert main(["explain", str(llama_checkpoint), "--json"]) == 0
+    lost = json.loads(capsys.readouterr().out)["conversions_lost"]
+    assert [(entry["pack"], entry["reason"][:28]) for entry in lost] == [("fused", "its patch 'LlamaMLP' is not ")]
+
+
+def fused_qkv_transform(conversions) -> object:
+    return next(t for claim in conversions.claims for t in claim.converter.transforms if "qkv" in describe_transform(t))
+
+
+def test_a_patch_target_the_pack_does_not_return_is_reported_and_drops_the_converter(install, llama_checkpoint) -> None:
+    install(PackSpec("fused", fused_attention_and_mlp_pack(mlp_targets="('LlamaMlp',)")))
+    hfpatch_core.enable()
+    with (
+        pytest.warns(PackWarning, match=r"names patch target 'LlamaMlp', but the pack returned no patch for it"),
+        pytest.raises(WeightLayoutError, match=r"mlp.gate_up_proj.weight: missing from the checkpoint"),
+    ):
+        AutoModelForCausalLM.from_pretrained(llama_checkpoint)
+    hfpatch_core.enable(strict=True)
+    with pytest.raises(hfpatch_core.PackError, match=r"converter for 'llama' names patch target 'LlamaMlp'"):
+        AutoModelForCausalLM.from_pretrained(llama_checkpoint)
 
 
 def test_two_packs_converting_the_same_tensors_conflict_or_follow_priority(install, llama_checkpoint) -> None:

@@ -60,6 +60,11 @@ def test_converter_validates_transforms() -> None:
         Converter("llama", ["mlp.fc"])
     with pytest.raises(InvalidPatchError, match="model_type or model class name"):
         Converter("", [renaming])
+    assert Converter("llama", [renaming], patch_targets="LlamaMLP").patch_targets == ("LlamaMLP",)
+    with pytest.raises(InvalidPatchError, match=r"patch_targets must be targets of the pack's patches.*got 3"):
+        Converter("llama", [renaming], patch_targets=3)  # type: ignore[arg-type]
+    with pytest.raises(InvalidPatchError, match=r"replaces must be source patterns .*got \['a', ''\]"):
+        Converter("llama", [renaming], replaces=["a", ""])
 
 
 def test_load_context_is_frozen_and_knows_its_root() -> None:

@@ -139,7 +139,7 @@ class Fusion:
                         operations=[SizedConcatenate(dim=0, sizes=site.sizes)],
                     )
                 )
-        return Converter(model_type, tuple(transforms), priority=self.priority)
+        return Converter(model_type, tuple(transforms), priority=self.priority, patch_targets=(self.original.__name__,))
 
 
 def _submodel_conversions_supported() -> bool:
@@ -201,8 +201,9 @@ def provide_patches(context: LoadContext) -> list[Patch]:
 def provide_converters(context: LoadContext) -> list[Converter]:
     """One converter per replaced class, keyed by the model type, with that class's priority.
 
-    One per class rather than one for all: when another pack wins one class (qwen-moe
-    on the MoE attention), only that class's converter loses with it.
+    One per class rather than one for all, each naming its patch in ``patch_targets``:
+    when another pack wins one class (qwen-moe on the MoE attention, or any pack
+    replacing the MLP), only that class's converter is left out with it.
     """
     model_type = context.model_type or ""
     return [fusion.converter(model_type) for fusion in fusions_for(context)]

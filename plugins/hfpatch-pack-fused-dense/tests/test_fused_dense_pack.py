@@ -28,7 +28,7 @@ import hfpatch_core
 from conftest import CASES, MODELING, PACK, PAD, VOCAB, Case, expected_sites
 from hfpatch_core import LoadContext
 from hfpatch_core.conversion import SizedConcatenate, source_patterns_of
-from hfpatch_core.testing import assert_pack_equivalent, install_wheel
+from hfpatch_core.testing import assert_pack_equivalent, install_pack, install_wheel
 
 PACK_DIR = Path(__file__).resolve().parents[1]
 
@@ -271,15 +271,18 @@ def test_the_fused_classes_unpickle_in_a_fresh_process(checkpoints: dict[str, Pa
     model = load(checkpoints["qwen2_moe"])
     classes = sorted({type(m) for m in model.modules() if isinstance(m, (FusedQKVAttention, FusedGateUpMLP))}, key=str)
     assert len(classes) == 2
+    # each class with the transformers class it derives from (the first in its MRO)
     probe = (
         "import pickle, sys; "
-        "print([(c.__name__, c.__mro__[2].__name__) for c in pickle.loads(bytes.fromhex(sys.argv[1]))])"
+        "print([(c.__name__, next(b.__name__ for b in c.__mro__ if b.__module__.startswith('transformers.'))) "
+        "for c in pickle.loads(bytes.fromhex(sys.argv[1]))])"
     )
     found = subprocess.run(
         [sys.executable, "-c", probe, pickle.dumps(classes).hex()], capture_output=True, text=True, check=True
     )
-    assert found.stdout.strip() == str([(c.__name__, c.__mro__[2].__name__) for c in classes])
-    assert "Qwen2MoeAttention" in found.stdout and "Qwen2MoeMLP" in found.stdout
+    assert found.stdout.strip() == str(
+        [("FusedGateUpQwen2MoeMLP", "Qwen2MoeMLP"), ("FusedQKVQwen2MoeAttention", "Qwen2MoeAttention")]
+    )
 
 
 # --- the hooks --------------------------------------------------------------------------
@@ -423,6 +426,46 @@ def test_raising_fused_dense_priority_makes_it_win_the_attention(checkpoints: di
     ids, mask = padded_batch(seed=8)
     vanilla = load(source, packs=None)
     torch.testing.assert_close(logits(flipped, ids, mask), logits(vanilla, ids, mask), rtol=0, atol=1e-5)
+
+
+_RIVAL_ATTENTION = """
+from hfpatch_core import Patch, hookimpl
+from transformers.models.llama.modeling_llama import LlamaAttention
+
+class RivalAttention(LlamaAttention):
+    pass
+
+@hookimpl
+def provide_patches(context):
+    return [Patch("LlamaAttention", RivalAttention, priority=1)] if context.model_type == "llama" else []
+"""
+
+
+def test_a_pack_winning_one_class_without_a_converter_leaves_that_class_unconverted(
+    checkpoints: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another pack takes LlamaAttention (priority 1) and keeps q/k/v as they are: only
+    this pack's MLP converter applies, so the checkpoint's q/k/v load unfused into the
+    rival's attention and gate/up fused into this pack's MLP."""
+    monkeypatch.setattr(sys, "path", list(sys.path))  # the rival is installed for this test only
+    install_pack(tmp_path / "site", "rival-attention", _RIVAL_ATTENTION)
+    source = checkpoints["llama"]
+    model = load(source, packs=f"{PACK},rival-attention")
+    assert owners(model) == {"LlamaAttention": "rival-attention", "LlamaMLP": PACK}
+    plan = hfpatch_core.plan_of(model)
+    assert plan is not None
+    [(lost, reason)] = plan.conversions.lost
+    assert (lost.pack, lost.converter.patch_targets) == (PACK, ("LlamaAttention",))
+    assert reason.startswith("its patch 'LlamaAttention' is not applied: priority 0 < 1 of pack 'rival-attention'")
+    assert {origin for entries in plan.conversions.lists.values() for origin in (e.origin for e in entries)} == {PACK}
+
+    vanilla = load(source, packs=None)
+    ids, mask = padded_batch(seed=9)
+    torch.testing.assert_close(logits(model, ids, mask), logits(vanilla, ids, mask), rtol=0, atol=1e-5)
+    model.save_pretrained(tmp_path / "saved")
+    written, original = safetensors_of(tmp_path / "saved"), safetensors_of(source)
+    assert sorted(written) == sorted(original)
+    assert all(torch.equal(written[key], tensor) for key, tensor in original.items())
 
 
 # --- discovery from a real wheel --------------------------------------------------------

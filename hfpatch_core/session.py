@@ -462,6 +462,11 @@ def patched(config_or_model_type: Any, *, model_class: type | None = None) -> It
         config_or_model_type: a config, or a ``model_type`` string.
         model_class: the class about to be built, when the config does not name it.
 
+    Each model built in the block (and not loaded by ``from_pretrained`` /
+    ``from_config``, which do this themselves) gets the plan (:func:`plan_of`), and, when
+    the packs convert weights, saves through the reversed conversions with the layout
+    check, as a model loaded from a config does.
+
     Yields:
         The plan in force inside the block.
     """
@@ -471,9 +476,41 @@ def patched(config_or_model_type: Any, *, model_class: type | None = None) -> It
         session.applied(context, class_names) as frame,
         recorders.RecorderLog(),
         apply_mapping(monkey_patching.get_patch_mapping()),
+        _models_built() as built,
     ):
         assert frame.plan is not None  # a context was given: planned on entry
         yield frame.plan
+        plan = frame.plan
+        inner = {id(module) for model in built for module in list(model.modules())[1:]}
+        for model in built:
+            if id(model) in inner or plan_of(model) is not None:
+                continue  # a sub-model, or loaded by a managed loader inside the block
+            if plan.conversions:
+                # what from_config records: the conversions saving must reverse
+                object.__setattr__(model, "_weight_conversions", reversible_conversions(model))
+            guard_saving(model, plan)
+            _attach(model, plan)
+
+
+@contextmanager
+def _models_built() -> Iterator[list[nn.Module]]:
+    """The ``PreTrainedModel`` instances this thread builds in the block (their ``post_init`` runs)."""
+    built: list[nn.Module] = []
+    thread = threading.get_ident()
+    original = PreTrainedModel.__dict__["post_init"]
+
+    @functools.wraps(original)
+    def post_init(self: Any, *args: Any, **kwargs: Any) -> Any:
+        result = original(self, *args, **kwargs)
+        if threading.get_ident() == thread:
+            built.append(self)
+        return result
+
+    PreTrainedModel.post_init = post_init  # type: ignore[method-assign]
+    try:
+        yield built
+    finally:
+        PreTrainedModel.post_init = original  # type: ignore[method-assign]
 
 
 def plan_of(model: object) -> Plan | None:

@@ -302,6 +302,22 @@ def test_from_config_models_save_through_the_packs_conversions(install, tmp_path
     torch.testing.assert_close(logits(reloaded), logits(model), rtol=0, atol=1e-5)
 
 
+def test_models_built_in_patched_save_through_the_packs_conversions(install, tmp_path) -> None:
+    install(PackSpec("qkv", fused_qkv_pack()))
+    config = tiny_llama_config()
+    with hfpatch_core.patched(config, model_class=LlamaForCausalLM) as plan:
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(config)
+    assert type(model.model.layers[0].self_attn).__name__ == "FusedQKVAttention"
+    assert plan_of(model) is plan and plan_of(model.model) is None
+    model.save_pretrained(tmp_path / "saved")
+    written = tensors(tmp_path / "saved")
+    assert tuple(written["model.layers.0.self_attn.k_proj.weight"].shape) == (16, 32)
+    assert not any("qkv_proj" in key for key in written)
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "saved")
+    torch.testing.assert_close(logits(reloaded), logits(model), rtol=0, atol=1e-5)
+
+
 def test_explain_shows_composed_lists_with_their_origins(install) -> None:
     from hfpatch_core.inspection import explain
     from hfpatch_core.session import new_session

@@ -285,6 +285,29 @@ def test_the_fused_classes_unpickle_in_a_fresh_process(checkpoints: dict[str, Pa
     )
 
 
+def test_a_whole_patched_model_round_trips_through_torch_save(checkpoints: dict[str, Path], tmp_path: Path) -> None:
+    """``torch.save(model)`` in this process, ``torch.load`` + ``save_pretrained`` in a fresh
+    one: the fused classes and the save guard unpickle, and the original layout is written."""
+    source = checkpoints["llama"]
+    torch.save(load(source), tmp_path / "model.pt")
+    probe = (
+        "import sys, torch; "
+        "model = torch.load(sys.argv[1], weights_only=False); "
+        "model.save_pretrained(sys.argv[2]); "
+        "print(type(model.model.layers[0].self_attn).__name__)"
+    )
+    found = subprocess.run(
+        [sys.executable, "-c", probe, str(tmp_path / "model.pt"), str(tmp_path / "saved")],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert found.stdout.strip().splitlines()[-1] == "FusedQKVLlamaAttention"
+    written, original = safetensors_of(tmp_path / "saved"), safetensors_of(source)
+    assert sorted(written) == sorted(original)
+    assert all(torch.equal(written[key], tensor) for key, tensor in original.items())
+
+
 # --- the hooks --------------------------------------------------------------------------
 
 

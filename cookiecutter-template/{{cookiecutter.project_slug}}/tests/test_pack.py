@@ -5,14 +5,22 @@ and without the pack, and checks that only ``TARGET`` was replaced, that no weig
 missing, that logits and greedy generation match, and that ``save_pretrained`` writes the
 original checkpoint layout.  Run ``pytest`` once the pack is installed
 (``pip install -e ".[test]"``).
+
+Every test here uses the ``hfpatch_isolation`` fixture of hfpatch-core's pytest plugin: it
+starts with hfpatch disabled and ``HF_PATCH_PACKS`` / ``HF_PATCH_STRICT`` unset, and errors
+if it leaves transformers' patch registry, conversion registry or output recorders changed
+(a pack that leaks them changes every later load in the process).
 """
 
+import pytest
 from hfpatch_core.testing import assert_pack_equivalent
 
 PACK = "{{ cookiecutter.pack_name }}"
 MODEL_TYPE = "{{ cookiecutter.model_type }}"
 TARGET = "{{ cookiecutter.target_class }}"
 REPLACEMENT = "{{ cookiecutter.__replacement_class }}"
+
+pytestmark = pytest.mark.usefixtures("hfpatch_isolation")
 
 
 def test_pack_keeps_the_model_equivalent() -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +20,6 @@ from transformers import (
     Qwen2MoeConfig,
     Qwen3Config,
     Qwen3MoeConfig,
-    monkey_patching,
 )
 from transformers.models.llama import modeling_llama
 from transformers.models.mistral import modeling_mistral
@@ -30,6 +29,7 @@ from transformers.models.qwen3 import modeling_qwen3
 from transformers.models.qwen3_moe import modeling_qwen3_moe
 
 import hfpatch_core
+from hfpatch_core.pytest_plugin import HfPatchIsolation
 
 transformers.utils.logging.disable_progress_bar()
 transformers.utils.logging.set_verbosity_error()
@@ -172,24 +172,6 @@ def case(request: pytest.FixtureRequest) -> Case:
 
 
 @pytest.fixture(autouse=True)
-def _isolation(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """hfpatch off, the environment's pack choice ignored, and transformers' class-level
-    output recorders put back after each test (``patch_output_recorders`` rewrites them
-    during a patched load; hfpatch restores them, and this keeps a regression from
-    leaking into later tests)."""
-    monkeypatch.delenv("HF_PATCH_PACKS", raising=False)
-    monkeypatch.delenv("HF_PATCH_STRICT", raising=False)
-    registry = monkey_patching.get_patch_mapping()
-    classes: list[Any] = [
-        cls
-        for module in MODELING.values()
-        for cls in vars(module).values()
-        if isinstance(cls, type) and cls.__name__.endswith("PreTrainedModel") and cls.__module__ == module.__name__
-    ]
-    recorders = {cls: dict(cls._can_record_outputs) for cls in classes}
-    yield
-    hfpatch_core.disable()
-    assert monkey_patching.get_patch_mapping() == registry, "a test left the patch registry changed"
-    for cls, saved in recorders.items():
-        cls._can_record_outputs.clear()
-        cls._can_record_outputs.update(saved)
+def _isolation(hfpatch_isolation: HfPatchIsolation) -> None:
+    """Every test starts with hfpatch off and the environment's pack choice ignored, and errors if it
+    leaves transformers' registries or class-level output recorders changed (``hfpatch_isolation``)."""

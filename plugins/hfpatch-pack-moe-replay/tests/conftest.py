@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -21,17 +22,10 @@ from transformers import (
     Qwen2MoeConfig,
     Qwen3MoeConfig,
     Qwen3NextConfig,
-    monkey_patching,
 )
-from transformers.models.flex_olmo.modeling_flex_olmo import FlexOlmoPreTrainedModel
-from transformers.models.minimax.modeling_minimax import MiniMaxPreTrainedModel
-from transformers.models.mixtral.modeling_mixtral import MixtralPreTrainedModel
-from transformers.models.olmoe.modeling_olmoe import OlmoePreTrainedModel
-from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoePreTrainedModel
-from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoePreTrainedModel
-from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextPreTrainedModel
 
 import hfpatch_core
+from hfpatch_core.pytest_plugin import HfPatchIsolation
 
 transformers.utils.logging.disable_progress_bar()
 transformers.utils.logging.set_verbosity_error()
@@ -137,31 +131,17 @@ def family(request: pytest.FixtureRequest) -> str:
     return name
 
 
-# The classes whose class-level ``_can_record_outputs`` a patched load may rewrite.
-PRETRAINED_CLASSES = (
-    FlexOlmoPreTrainedModel,
-    MiniMaxPreTrainedModel,
-    MixtralPreTrainedModel,
-    OlmoePreTrainedModel,
-    Qwen2MoePreTrainedModel,
-    Qwen3MoePreTrainedModel,
-    Qwen3NextPreTrainedModel,
-)
+# Imported before the first test, so that hfpatch_isolation records the output recorders
+# of every family (a patched load may rewrite them) from the start.
+for _model_type in CASES:
+    importlib.import_module(f"transformers.models.{_model_type}.modeling_{_model_type}")
 
 
 @pytest.fixture(autouse=True)
-def _isolation(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """hfpatch off, the environment's pack choice ignored; afterwards the patch registry,
-    transformers' class-level output recorders and the pack's replay state are as before."""
-    monkeypatch.delenv("HF_PATCH_PACKS", raising=False)
-    monkeypatch.delenv("HF_PATCH_STRICT", raising=False)
-    registry = monkey_patching.get_patch_mapping()
-    recorders = {cls: dict(cls._can_record_outputs) for cls in PRETRAINED_CLASSES}
+def _isolation(hfpatch_isolation: HfPatchIsolation) -> Iterator[None]:
+    """Every test starts with hfpatch off and the environment's pack choice ignored, and errors if it
+    leaves transformers' registries or class-level output recorders changed (``hfpatch_isolation``),
+    or a replay or a recording of this pack open."""
     yield
-    hfpatch_core.disable()
-    assert monkey_patching.get_patch_mapping() == registry, "a test left the patch registry changed"
     assert routing._REPLAY.get() is None and not routing._OPEN, "a test left a replay open"
     assert routing._RECORDING.get() == (), "a test left a recording open"
-    for cls, saved in recorders.items():
-        cls._can_record_outputs.clear()
-        cls._can_record_outputs.update(saved)

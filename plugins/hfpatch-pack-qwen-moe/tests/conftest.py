@@ -3,18 +3,19 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import transformers
-from transformers import AutoModelForCausalLM, PretrainedConfig, Qwen2MoeConfig, Qwen3MoeConfig, monkey_patching
+from transformers import AutoModelForCausalLM, PretrainedConfig, Qwen2MoeConfig, Qwen3MoeConfig
 from transformers.models.qwen2_moe import modeling_qwen2_moe
 from transformers.models.qwen3_moe import modeling_qwen3_moe
 
 import hfpatch_core
+from hfpatch_core.pytest_plugin import HfPatchIsolation
 
 transformers.utils.logging.disable_progress_bar()
 transformers.utils.logging.set_verbosity_error()
@@ -110,21 +111,6 @@ def case(request: pytest.FixtureRequest) -> str:
 
 
 @pytest.fixture(autouse=True)
-def _isolation(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """hfpatch off, the environment's pack choice ignored, and transformers' class-level
-    output recorders put back after each test (``patch_output_recorders`` rewrites them
-    during a patched load; hfpatch restores them, and this keeps a regression from
-    leaking into later tests)."""
-    monkeypatch.delenv("HF_PATCH_PACKS", raising=False)
-    monkeypatch.delenv("HF_PATCH_STRICT", raising=False)
-    registry = monkey_patching.get_patch_mapping()
-    recorders = {
-        cls: dict(cls._can_record_outputs)
-        for cls in (modeling_qwen2_moe.Qwen2MoePreTrainedModel, modeling_qwen3_moe.Qwen3MoePreTrainedModel)
-    }
-    yield
-    hfpatch_core.disable()
-    assert monkey_patching.get_patch_mapping() == registry, "a test left the patch registry changed"
-    for cls, saved in recorders.items():
-        cls._can_record_outputs.clear()
-        cls._can_record_outputs.update(saved)
+def _isolation(hfpatch_isolation: HfPatchIsolation) -> None:
+    """Every test starts with hfpatch off and the environment's pack choice ignored, and errors if it
+    leaves transformers' registries or class-level output recorders changed (``hfpatch_isolation``)."""

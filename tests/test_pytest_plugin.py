@@ -1,0 +1,213 @@
+"""The pytest plugin's ``hfpatch_isolation`` fixture, run on inner test files with pytester."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import textwrap
+
+import pytest
+from transformers import conversion_mapping, monkey_patching
+from transformers.models.llama import modeling_llama
+
+import hfpatch_core
+from conftest import Installer
+from packs import PackSpec
+from test_recorders import PROXY_PACK
+
+#: Imported by every inner test file: a tiny llama config and a replacement that is not a LlamaAttention.
+HEADER = """
+import os
+
+import torch.nn as nn
+from transformers import AutoModelForCausalLM, LlamaConfig, conversion_mapping, monkey_patching
+from transformers.models.llama import modeling_llama
+
+import hfpatch_core
+
+CONFIG = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+              num_key_value_heads=2, vocab_size=128, max_position_embeddings=64)
+
+
+class Stranger(nn.Module):
+    def __init__(self, config=None, layer_idx=None):
+        super().__init__()
+
+
+def assert_clean():
+    assert monkey_patching.get_patch_mapping() == {}
+    assert modeling_llama.LlamaPreTrainedModel._can_record_outputs["attentions"] is modeling_llama.LlamaAttention
+    assert modeling_llama.LlamaMLP.__module__ == modeling_llama.__name__
+    assert "hfpatch-test" not in conversion_mapping._checkpoint_conversion_mapping_cache
+    assert "hfpatch-test" not in getattr(conversion_mapping, "USER_REGISTERED_MAPPINGS", ())
+    assert not hfpatch_core.is_enabled()
+"""
+
+
+def run_inner(pytester: pytest.Pytester, body: str) -> pytest.RunResult:
+    pytester.makepyfile(HEADER + textwrap.dedent(body))
+    return pytester.runpytest_inprocess("-p", "no:cacheprovider", "-q")
+
+
+def assert_outer_state_clean() -> None:
+    assert monkey_patching.get_patch_mapping() == {}
+    assert modeling_llama.LlamaPreTrainedModel._can_record_outputs["attentions"] is modeling_llama.LlamaAttention
+    assert modeling_llama.LlamaMLP.__module__ == modeling_llama.__name__
+    assert "hfpatch-test" not in conversion_mapping._checkpoint_conversion_mapping_cache
+    assert not hfpatch_core.is_enabled()
+
+
+def test_the_plugin_module_imports_neither_torch_nor_transformers() -> None:
+    code = "import sys, hfpatch_core.pytest_plugin; print(sorted({'torch', 'transformers'} & set(sys.modules)))"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
+    assert result.stdout.strip() == "[]", result.stdout + result.stderr
+
+
+def test_the_test_starts_clean_and_the_environment_comes_back(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("HF_PATCH_PACKS", "outer")
+    monkeypatch.setenv("HF_PATCH_STRICT", "1")
+    monkeypatch.delenv("HFPATCH_AUTORUN", raising=False)
+    hfpatch_core.enable("none")
+    result = run_inner(
+        pytester,
+        """
+        def test_changes_the_environment(hfpatch_isolation, monkeypatch):
+            assert not hfpatch_core.is_enabled()
+            assert not {"HF_PATCH_PACKS", "HF_PATCH_STRICT", "HFPATCH_AUTORUN"} & set(os.environ)
+            os.environ["HF_PATCH_PACKS"] = "inner"
+            os.environ["HFPATCH_AUTORUN"] = "1"
+            monkeypatch.setenv("HF_PATCH_STRICT", "0")
+            hfpatch_core.enable("none")
+        """,
+    )
+    # choosing packs and enabling hfpatch is what tests do: put back, not reported
+    result.assert_outcomes(passed=1)
+    assert (os.environ["HF_PATCH_PACKS"], os.environ["HF_PATCH_STRICT"]) == ("outer", "1")
+    assert "HFPATCH_AUTORUN" not in os.environ
+    assert not hfpatch_core.is_enabled()
+
+
+def test_a_registered_patch_and_the_recorders_it_repointed_are_reported_and_restored(
+    pytester: pytest.Pytester,
+) -> None:
+    # Plain transformers: its patch_output_recorders repoints LlamaModel's recorders for good.
+    result = run_inner(
+        pytester,
+        """
+        def test_leaks(hfpatch_isolation):
+            monkey_patching.register_patch_mapping({"LlamaAttention": Stranger})
+            model = AutoModelForCausalLM.from_config(LlamaConfig(**CONFIG))
+            assert type(model.model.layers[0].self_attn) is Stranger
+
+        def test_after():
+            assert_clean()
+        """,
+    )
+    result.assert_outcomes(passed=2, errors=1)
+    result.stdout.fnmatch_lines(
+        [
+            "*hfpatch_isolation: the test left global state changed (restored now;*",
+            "- transformers' patch registry: added 'LlamaAttention' -> test_a_*.Stranger",
+            "- transformers.models.llama.modeling_llama.LlamaPreTrainedModel._can_record_outputs: 'attentions' is "
+            "test_a_*.Stranger (was transformers.models.llama.modeling_llama.LlamaAttention)",
+            "If the test changes it on purpose, call hfpatch_isolation.allow_changes().",
+        ]
+    )
+    assert "ERROR at teardown of test_leaks" in result.stdout.str()
+    assert_outer_state_clean()
+
+
+def test_a_leaked_conversion_and_module_class_are_reported_and_restored(pytester: pytest.Pytester) -> None:
+    result = run_inner(
+        pytester,
+        """
+        def test_leaks(hfpatch_isolation):
+            conversion_mapping.register_checkpoint_conversion_mapping("hfpatch-test", [], overwrite=True)
+            modeling_llama.LlamaMLP = Stranger
+
+        def test_after():
+            assert_clean()
+        """,
+    )
+    result.assert_outcomes(passed=2, errors=1)
+    result.stdout.fnmatch_lines(
+        [
+            "- transformers' conversion registry: added 'hfpatch-test' -> []",
+            "- transformers.models.llama.modeling_llama.LlamaMLP is test_a_*.Stranger "
+            "(was transformers.models.llama.modeling_llama.LlamaMLP)",
+        ]
+    )
+    assert_outer_state_clean()
+
+
+def test_what_monkeypatch_undoes_and_changes_allowed_on_purpose_are_not_reported(pytester: pytest.Pytester) -> None:
+    result = run_inner(
+        pytester,
+        """
+        def test_monkeypatched(monkeypatch, hfpatch_isolation):
+            monkeypatch.setattr(modeling_llama, "LlamaMLP", Stranger)
+            monkeypatch.setitem(modeling_llama.LlamaPreTrainedModel._can_record_outputs, "attentions", Stranger)
+
+        def test_on_purpose(hfpatch_isolation):
+            hfpatch_isolation.allow_changes()
+            monkey_patching.register_patch_mapping({"LlamaAttention": Stranger})
+
+        def test_after():
+            assert_clean()
+        """,
+    )
+    result.assert_outcomes(passed=3)
+    assert_outer_state_clean()
+
+
+def test_recorders_of_a_class_imported_during_the_test_pointing_outside_transformers_are_reported(
+    pytester: pytest.Pytester,
+) -> None:
+    name = "transformers.models.hfpatch_fake.modeling_hfpatch_fake"
+    try:
+        result = run_inner(
+            pytester,
+            f"""
+            import sys
+            import types
+
+            class FakePreTrainedModel(nn.Module):
+                __module__ = {name!r}
+                _can_record_outputs = {{"hidden_states": Stranger, "attentions": modeling_llama.LlamaAttention}}
+
+            def test_imports_a_leaky_module(hfpatch_isolation):
+                module = sys.modules[{name!r}] = types.ModuleType({name!r})
+                module.FakePreTrainedModel = FakePreTrainedModel
+            """,
+        )
+    finally:
+        sys.modules.pop(name, None)
+    result.assert_outcomes(passed=1, errors=1)
+    result.stdout.re_match_lines(
+        [
+            re.escape(f"- {name}.FakePreTrainedModel._can_record_outputs['hidden_states'] points at test_")
+            + r"\w+"
+            + re.escape(".Stranger (the class was first imported during the test: not restored)"),
+        ]
+    )
+    assert "'attentions'" not in result.stdout.str()
+
+
+def test_a_load_hfpatch_manages_leaves_nothing_to_report(pytester: pytest.Pytester, install: Installer) -> None:
+    # ProxyAttention is not a LlamaAttention: hfpatch repoints the recorders for the load, then puts them back.
+    install(PackSpec("proxy", PROXY_PACK))
+    result = run_inner(
+        pytester,
+        """
+        def test_loads(hfpatch_isolation):
+            hfpatch_core.enable("proxy", strict=True)
+            model = AutoModelForCausalLM.from_config(LlamaConfig(**CONFIG))
+            assert type(model.model.layers[0].self_attn).__name__ == "ProxyAttention"
+        """,
+    )
+    result.assert_outcomes(passed=1)
+    assert_outer_state_clean()

@@ -22,6 +22,10 @@ interquartile ranges and the speedup vanilla / fused with a 95% bootstrap interv
 Goal: decode speedup >= 1.15.  ``--profile`` (default on) prints the top operators of
 a few decode steps of each variant (torch.profiler), and the per-load cost of the pack's
 structural detection is measured for this config and for a 7B-size llama config.
+Last, the projections alone (every linear once, on one token) are timed for both
+variants, interleaved: the pack changes nothing else, so their difference bounds the
+decode speedup it can give; the time reading the weights once takes, at this machine's
+memory read rate, is printed for scale.
 
 Run: ``.venv/bin/python bench/fused_dense.py`` (``--help`` for sizes and round counts).
 """
@@ -239,6 +243,73 @@ def profile(runners: dict[str, Runner], steps: int, rounds: int = 4) -> None:
     print(table(["operator", *names, "calls"], body))
 
 
+def weight_bytes_per_decode_step(model: Any) -> int:
+    """Bytes of weights one decode step reads: every parameter once, but one row of the input embedding."""
+    embedding = model.get_input_embeddings().weight
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    tied = model.get_output_embeddings() is not None and model.get_output_embeddings().weight is embedding
+    return total if tied else total - embedding.numel() * embedding.element_size() + embedding[0].nbytes
+
+
+def projections_sampler(model: Any, repeats: int) -> Callable[[], float]:
+    """A sample of every ``nn.Linear`` of ``model`` run once on one token, as a decode step runs them.
+
+    The part of a decode step the pack changes: the fused variant has fewer, wider
+    linears reading the same weights.  A sample is the median of ``repeats`` passes.
+    """
+    import torch
+
+    inputs = [
+        (module, torch.randn(1, 1, module.in_features))
+        for module in model.modules()
+        if isinstance(module, torch.nn.Linear)
+    ]
+
+    def run_all() -> None:
+        for module, x in inputs:
+            module(x)
+
+    def sample() -> float:
+        with torch.inference_mode():
+            return median(repeat(run_all, repeats))
+
+    return sample
+
+
+def memory_bound(runners: dict[str, Runner], decode: list[float], rounds: int, repeats: int) -> list[str]:
+    """How much faster the pack could make a decode step at most, measured on this machine.
+
+    The pack changes only the projections, so a step can get at most faster by the time
+    the vanilla projections take beyond the fused ones (every linear once, interleaved
+    like the phases).  For scale: the time reading the weights once takes, at the best
+    ``tensor.sum()`` rate over 1 GiB of fp32 (larger than any cache here).
+    """
+    import torch
+
+    samples = interleaved(
+        {name: projections_sampler(runner.model, repeats) for name, runner in runners.items()}, rounds
+    )
+    vanilla, fused = median(samples["vanilla"]), median(samples["fused"])
+    counts = {
+        name: sum(isinstance(m, torch.nn.Linear) for m in runner.model.modules()) for name, runner in runners.items()
+    }
+    step = median(decode)
+    saved = vanilla - fused
+    buffer = torch.ones(256 * 1024 * 1024)
+    buffer.sum()  # first touch
+    rate = buffer.nbytes / min(repeat(buffer.sum, 5))
+    del buffer
+    weights = weight_bytes_per_decode_step(runners["vanilla"].model)
+    return [
+        f"every linear once, 1 token: vanilla {vanilla * 1e3:.2f} ms ({counts['vanilla']} calls), "
+        f"fused {fused * 1e3:.2f} ms ({counts['fused']} calls): the pack can save {saved * 1e3:.2f} ms of a "
+        f"{step * 1e3:.2f} ms decode step, at most {step / max(step - saved, 1e-12):.3f}x faster (goal {GOAL}x)",
+        f"weights read per decode step: {weights / 1e6:.1f} MB; memory read rate (tensor.sum, 1 GiB) "
+        f"{rate / 1e9:.1f} GB/s, so reading them takes {weights / rate * 1e3:.2f} ms; the vanilla linears read "
+        f"them at {weights / vanilla / 1e9:.1f} GB/s",
+    ]
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model-type", default="llama", choices=["llama", "mistral", "qwen2", "qwen3"])
@@ -314,11 +385,14 @@ def main(argv: list[str] | None = None) -> None:
         "decode, layers only (model.model)": lambda runner: lambda: runner.decode_layers(args.decode_repeats),
     }
     rows = []
+    decode_samples: list[float] = []
     for phase, sampler in phases.items():
         for runner in runners.values():
             sampler(runner)()  # warm-up, untimed
         samples = interleaved({name: sampler(runner) for name, runner in runners.items()}, args.rounds)
         a, b = samples["vanilla"], samples["fused"]
+        if phase.startswith("decode ("):
+            decode_samples = a
         low, high = ratio_interval(a, b)
         goal = speedup_verdict(a, b, GOAL) if phase.startswith("decode (") else "-"
         rows.append(
@@ -336,6 +410,10 @@ def main(argv: list[str] | None = None) -> None:
     header = ["phase", "vanilla ms", "IQR ms", "fused ms", "IQR ms", "speedup (95% CI)", f"goal >= {GOAL}"]
     print(table(header, rows))
     print(f"load average at end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+
+    print("\nthe most the pack can save per decode step (its projections alone, measured side by side)")
+    for line in memory_bound(runners, decode_samples, args.rounds, args.decode_repeats):
+        print(f"  {line}")
 
     print("\nper-load cost of the pack's hooks (structural detection on the meta device + patches + converters)")
     print(table(["config", "cold ms (cache cleared)", "warm ms (cached)"], detection_cost(config)))

@@ -1,7 +1,7 @@
 """hfpatch-core: installable patch packs for 🤗 Transformers.
 
 Packs are distributions that declare an entry point in the ``hfpatch.packs`` group and
-implement the hooks in :mod:`hfpatch_core.hookspecs`.  ``enable()`` makes every model
+implement the hooks in ``hfpatch_core.hookspecs``.  ``enable()`` makes every model
 load gather the packs ``HF_PATCH_PACKS`` selects, resolve their claims and apply the
 winners for that load only.
 

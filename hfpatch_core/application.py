@@ -2,11 +2,11 @@
 
 Two pieces:
 
-* :func:`registered` adds a plan's winners to transformers' patch registry
+* ``registered`` adds a plan's winners to transformers' patch registry
   (``transformers.monkey_patching``) and afterwards undoes exactly what it did:
   its own keys are removed, keys it overwrote get their old value back, and keys
   that transformers or user code registered meanwhile stay.
-* :func:`apply_registered_patches` is what transformers' model construction runs
+* ``apply_registered_patches`` is what transformers' model construction runs
   (it stands in for ``transformers.modeling_utils.apply_patches`` while hfpatch is
   enabled).  It replaces the same module attributes as transformers' own
   ``apply_patches``, by the same rule, but restores them in a ``finally`` (the

@@ -119,7 +119,7 @@ def _sizes(sizes: Sequence[int], what: str) -> tuple[int, ...]:
 
 
 class SizedConcatenate(ConversionOps):
-    """Concatenate the source tensors along ``dim``; reverses to :class:`SizedSplit`.
+    """Concatenate the source tensors along ``dim``; reverses to ``SizedSplit``.
 
     transformers' ``Concatenate`` reverses to ``Chunk``, which splits into equal parts:
     a grouped-query ``qkv_proj`` (query wider than key and value) would be saved with
@@ -166,7 +166,7 @@ class SizedConcatenate(ConversionOps):
 
 
 class SizedSplit(ConversionOps):
-    """Split one tensor along ``dim`` into parts of the given sizes; reverses to :class:`SizedConcatenate`."""
+    """Split one tensor along ``dim`` into parts of the given sizes; reverses to ``SizedConcatenate``."""
 
     def __init__(self, dim: int = 0, sizes: Sequence[int] = ()) -> None:
         self.dim = dim

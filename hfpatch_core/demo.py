@@ -55,7 +55,7 @@ def _default_pack() -> str | None:
 
 
 def run_demo(model_dir: str | None = None, packs: str | None = None, *, out: TextIO | None = None) -> Any:
-    """Run the demo and print it; returns the :class:`~hfpatch_core.testing.Report`."""
+    """Run the demo and print it; returns the ``Report``."""
     from transformers import monkey_patching
 
     from .conversion import describe_transform

@@ -11,7 +11,7 @@ class HfPatchError(Exception):
 
 
 class InvalidPatchError(HfPatchError, ValueError):
-    """A :class:`~hfpatch_core.Patch` or :class:`~hfpatch_core.Converter` was built from bad input."""
+    """A ``Patch`` or ``Converter`` was built from bad input."""
 
 
 class SelectionError(HfPatchError, ValueError):
@@ -25,7 +25,7 @@ class DuplicatePackError(HfPatchError):
 class PackError(HfPatchError):
     """A pack could not be used: its import failed, a hook raised or returned the wrong type.
 
-    In the default mode this is reported as a :class:`PackWarning` and the pack is skipped;
+    In the default mode this is reported as a ``PackWarning`` and the pack is skipped;
     in strict mode it is raised before anything is registered.
     """
 

@@ -2,16 +2,16 @@
 
 A pack that fuses ``q_proj`` / ``k_proj`` / ``v_proj`` into one ``qkv_proj`` (one matmul
 instead of three, one ``nn.Linear`` for a quantizer or adapter to handle) subclasses the
-installed attention class with :class:`FusedQKVAttentionBase` first among the bases and
-sets its forward with :func:`forward_for`; the checkpoint keeps its three tensors, which
-the pack's converter concatenates with :class:`~hfpatch_core.conversion.SizedConcatenate`.
+installed attention class with ``FusedQKVAttentionBase`` first among the bases and
+sets its forward with ``forward_for``; the checkpoint keeps its three tensors, which
+the pack's converter concatenates with ``SizedConcatenate``.
 
 The fused forward is the llama-style attention forward (as in llama, mistral, qwen2,
 qwen3 and their MoE variants) with the three projections replaced by one projection and
 a split; what differs between families (the q/k norms, what ``sliding_window=`` the
 attention function gets) is set by the subclass.  transformers changed the attention's
 cache arguments after 5.3 (``past_key_values`` + ``cache_position`` -> ``cache``), so
-:func:`forward_for` picks the convention of the class being replaced.
+``forward_for`` picks the convention of the class being replaced.
 
 Imported by its full name (``hfpatch_core.fusion``): it imports torch.
 """
@@ -108,7 +108,7 @@ class FusedQKVAttentionBase(nn.Module):
     """Mixin for a llama-style attention class: fuses ``q_proj`` / ``k_proj`` / ``v_proj`` into ``qkv_proj``.
 
     Put it (or a pack's subclass of it) first among the bases, before the installed
-    attention class, and set ``forward`` with :func:`forward_for`.  ``__init__`` builds
+    attention class, and set ``forward`` with ``forward_for``.  ``__init__`` builds
     the original module, so that every other attribute (norms, sliding window, scaling,
     sizes from the config) is exactly what the installed transformers builds, then
     replaces the three projections by one ``nn.Linear``.  Under ``from_pretrained`` this

@@ -1,7 +1,7 @@
 """Importing the selected packs and calling their hooks for one load.
 
 A pack that fails (its import raises, a hook raises, a hook returns the wrong type)
-becomes a :class:`~hfpatch_core.errors.PackError`; the caller decides whether that is
+becomes a ``PackError``; the caller decides whether that is
 a warning (the pack is skipped, the others still apply) or, in strict mode, an error.
 """
 

@@ -1,6 +1,6 @@
 """The hooks a patch pack implements.
 
-A pack is a module (or any object) whose functions are marked with :data:`hookimpl`
+A pack is a module (or any object) whose functions are marked with ``hookimpl``
 and named like the specifications below.  A pack implements only the hooks it needs::
 
     from hfpatch_core import Patch, hookimpl
@@ -44,11 +44,13 @@ def provide_patches(context: LoadContext) -> Iterable[Patch]:
     installed transformers, and before anything is registered.  Also called by
     ``hfpatch explain`` and ``hfpatch check`` with a context built from a config alone.
 
-    :param context: what is being loaded: model type, model class name, the config
-        (``None`` when unknown) and the transformers version.
-    :return: an iterable (list, tuple, generator) of :class:`~hfpatch_core.Patch`;
-        an empty one when the pack has nothing for this model.  ``None`` or any other
-        type is a pack error.
+    Args:
+        context: what is being loaded: model type, model class name, the config
+            (``None`` when unknown) and the transformers version.
+
+    Returns:
+        An iterable (list, tuple, generator) of ``Patch``; an empty one when the pack
+        has nothing for this model.  ``None`` or any other type is a pack error.
     """
     raise NotImplementedError
 
@@ -57,12 +59,15 @@ def provide_patches(context: LoadContext) -> Iterable[Patch]:
 def provide_converters(context: LoadContext) -> Iterable[Converter]:
     """Return the checkpoint conversions this pack's patches need for one model load.
 
-    Called with the same context and at the same moment as :func:`provide_patches`.
+    Called with the same context and at the same moment as ``provide_patches``.
     A converter maps checkpoint tensors onto the layout a replacement class expects
     (and back, when the model is saved).
 
-    :param context: see :func:`provide_patches`.
-    :return: an iterable of :class:`~hfpatch_core.Converter`; an empty one when the
-        pack's patches keep the original weight layout.
+    Args:
+        context: see ``provide_patches``.
+
+    Returns:
+        An iterable of ``Converter``; an empty one when the pack's patches keep the
+        original weight layout.
     """
     raise NotImplementedError

@@ -4,7 +4,7 @@ The ``hfpatch`` console script enters here.  ``hfpatch run -- CMD`` is on the st
 path of every training job, so it imports nothing beyond what Python has already
 loaded at start: it checks what can be checked cheaply, sets ``HFPATCH_AUTORUN`` and
 replaces itself with ``CMD`` (the start-up hook then enables hfpatch in ``CMD`` and
-every process it starts).  Every other command goes to :mod:`hfpatch_core.cli`.
+every process it starts).  Every other command goes to ``hfpatch_core.cli``.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from collections.abc import Sequence
     from typing import NoReturn
 
-#: Exit status of a usage error (the same as :data:`hfpatch_core.cli.EXIT_USAGE`).
+#: Exit status of a usage error (the same as ``hfpatch_core.cli.EXIT_USAGE``).
 EXIT_USAGE = 2
 
 _HOOK_MODULE = "_hfpatch_autorun.py"

@@ -1,7 +1,7 @@
 """Making sure a patched model loads every weight and saves the original layout.
 
 After a patched load, any missing, unexpected or mismatched key under a module a pack
-touched is a :class:`~hfpatch_core.errors.WeightLayoutError` (transformers would only
+touched is a ``WeightLayoutError`` (transformers would only
 warn, leaving randomly initialised weights).  Before a patched model is saved, the
 reversed conversions are run on meta tensors and the result compared with the layout
 vanilla transformers gives the same config: a difference is an error instead of a
@@ -80,7 +80,7 @@ def _past_a_container(key: str, modules: Mapping[str, nn.Module], prefix: str) -
 
 
 def check_loading_info(model: nn.Module, plan: Plan, info: Mapping[str, Any]) -> None:
-    """Raise :class:`WeightLayoutError` for every reported key a pack is responsible for."""
+    """Raise ``WeightLayoutError`` for every reported key a pack is responsible for."""
     kinds = ("missing_keys", "unexpected_keys", "mismatched_keys")
     if not any(info.get(kind) for kind in kinds):
         return  # the usual case: nothing to attribute, so no walk over the model
@@ -165,7 +165,7 @@ def layout_differences(written: Mapping[str, tuple[int, ...]], expected: Mapping
 
 
 def verify_save_layout(model: nn.Module, plan: Plan) -> None:
-    """Raise :class:`WeightLayoutError` if saving ``model`` would not write the original layout."""
+    """Raise ``WeightLayoutError`` if saving ``model`` would not write the original layout."""
     try:
         written = planned_save_layout(model)
         expected = vanilla_layout(model, plan)

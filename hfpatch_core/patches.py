@@ -24,12 +24,12 @@ class Patch:
 
     ``target`` follows transformers' registry rules: a class name equal to ``target``
     matches first; otherwise ``target`` is a regular expression matched with
-    :func:`re.search` (so ``"Attention$"`` matches ``LlamaAttention``, and a plain name
+    ``re.search`` (so ``"Attention$"`` matches ``LlamaAttention``, and a plain name
     also matches longer names that contain it).
 
     Args:
         target: a class name (``"LlamaMLP"``) or a regular expression (``".*RMSNorm$"``).
-        replacement: a class deriving from :class:`torch.nn.Module`, built with the
+        replacement: a class deriving from ``torch.nn.Module``, built with the
             same ``__init__`` arguments as the classes it replaces.
         priority: higher wins when several packs claim the same target, and is
             matched first among regular expressions.

@@ -113,7 +113,7 @@ def hfpatch_isolation(monkeypatch: pytest.MonkeyPatch) -> Iterator[HfPatchIsolat
 
 
 def _environment_names() -> list[str]:
-    """Every environment variable :mod:`hfpatch_core.settings` names (its ``*_ENV`` constants)."""
+    """Every environment variable ``hfpatch_core.settings`` names (its ``*_ENV`` constants)."""
     return [value for name, value in vars(settings).items() if name.endswith("_ENV") and isinstance(value, str)]
 
 

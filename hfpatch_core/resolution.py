@@ -1,6 +1,6 @@
 """Deciding, from the gathered claims alone, which replacement wins each target.
 
-:func:`resolve` is a pure function: the same claims give the same plan whatever order
+``resolve`` is a pure function: the same claims give the same plan whatever order
 the packs were discovered in.
 """
 
@@ -31,7 +31,7 @@ def find_replacement(class_name: str, mapping: Mapping[str, T]) -> T | None:
     """The value ``mapping`` assigns to ``class_name`` under transformers' registry rule.
 
     An exact key wins; otherwise the first key, in insertion order, that matches
-    ``class_name`` with :func:`re.search`.  (The same rule as
+    ``class_name`` with ``re.search``.  (The same rule as
     ``transformers.monkey_patching._find_replacement_class``.)
     """
     if class_name in mapping:
@@ -90,7 +90,7 @@ def resolve(
     class_names: Iterable[str] = (),
     packs: Iterable[tuple[str, str]] = (),
 ) -> Plan:
-    """Resolve claims to a :class:`~hfpatch_core.plan.Plan`.
+    """Resolve claims to a ``Plan``.
 
     Args:
         claims: every claim gathered for the load.

@@ -3,7 +3,7 @@
 The template ships inside the package (``hfpatch_core/_template``); in a source checkout
 it is ``cookiecutter-template/`` next to the package.  Its ``pre_gen_project`` hook checks
 the answers (pack and module names, model type, target class, transformers range) and
-:func:`new_pack` turns a rejection into one :class:`ScaffoldError`.  The project is
+``new_pack`` turns a rejection into one ``ScaffoldError``.  The project is
 generated in a hidden staging directory inside ``output_dir`` and moved into place only
 when it is complete, so a failure leaves nothing behind.
 

@@ -37,7 +37,7 @@ from .settings import strict_from_env
 
 logger = logging.getLogger("hfpatch")
 
-#: The attribute of a loaded model that holds its :class:`~hfpatch_core.plan.Plan`.
+#: The attribute of a loaded model that holds its ``Plan``.
 PLAN_ATTRIBUTE = "hfpatch_plan"
 
 
@@ -160,7 +160,7 @@ class Session:
                 frames.pop()
 
     def resolve_pending(self) -> None:
-        """Plan the innermost load on this thread if it waits for its loader's config (see :meth:`applied`)."""
+        """Plan the innermost load on this thread if it waits for its loader's config (see ``applied``)."""
         frames = self._frames()
         frame = frames[-1] if frames else None
         if frame is None or frame.plan is not None or frame.loader is None:
@@ -292,7 +292,7 @@ def _managed(cls: type, load: Callable[[], Any], code: types.CodeType, *, loadin
     """Run transformers' loader ``load`` for ``cls`` with the session's plan registered.
 
     The plan is made when the loader enters ``apply_patches`` (see
-    :meth:`Session.applied`); ``code`` is the loader function's code, whose frame holds
+    ``Session.applied``); ``code`` is the loader function's code, whose frame holds
     the config.  ``loading_info``: ``load`` returns ``(model, info)`` (``from_pretrained``
     asked for ``output_loading_info``), used to check that every weight a pack touches
     was loaded.
@@ -463,7 +463,7 @@ def patched(config_or_model_type: Any, *, model_class: type | None = None) -> It
         model_class: the class about to be built, when the config does not name it.
 
     Each model built in the block (and not loaded by ``from_pretrained`` /
-    ``from_config``, which do this themselves) gets the plan (:func:`plan_of`), and, when
+    ``from_config``, which do this themselves) gets the plan (``plan_of``), and, when
     the packs convert weights, saves through the reversed conversions with the layout
     check, as a model loaded from a config does.
 

@@ -16,7 +16,7 @@ A pack that changes outputs on purpose passes ``expect="different"`` (or a large
 message names the first decoder layer and module whose output diverges.
 
 The same checks back ``hfpatch verify``; the pytest fixtures live in
-:mod:`hfpatch_core.pytest_plugin`.
+``hfpatch_core.pytest_plugin``.
 """
 
 from __future__ import annotations
@@ -137,7 +137,7 @@ def install_pack(
     Writes ``<module>.py`` and a ``*.dist-info`` whose ``hfpatch.packs`` entry point is
     ``name``, then puts ``site`` first on ``sys.path``: discovery finds the pack
     through ``importlib.metadata`` exactly as it finds a pip-installed one.  Quicker
-    than :func:`install_wheel` (no build), for rival or helper packs a test defines
+    than ``install_wheel`` (no build), for rival or helper packs a test defines
     inline, e.g. one that wins a class of the pack under test.
 
     Args:
@@ -362,7 +362,7 @@ def check_pack_equivalence(
     generate_tokens: int = 20,
     expected_replacements: Sequence[str] | None = None,
 ) -> Report:
-    """Run every check of :func:`assert_pack_equivalent` and return the report."""
+    """Run every check of ``assert_pack_equivalent`` and return the report."""
     from transformers import AutoModelForCausalLM
 
     from .session import plan_of

@@ -88,4 +88,5 @@ def test_markers_are_created_once_and_exported() -> None:
     for name in ("provide_patches", "provide_converters"):
         spec = getattr(manager.hook, name).spec
         assert spec is not None and spec.argnames == ("context",)
-        assert "Called" in (spec.function.__doc__ or "") and ":return:" in (spec.function.__doc__ or "")
+        doc = spec.function.__doc__ or ""
+        assert "Called" in doc and "Args:" in doc and "Returns:" in doc

@@ -10,13 +10,13 @@ qwen2_moe / qwen3_moe) this pack replaces
 
 Which classes, at which module paths and with which sizes, is found **structurally**:
 for each load, the family's decoder layers are built on the meta device from the
-load's config and inspected (:mod:`hfpatch_pack_fused_dense.detection`); only classes
+load's config and inspected (``hfpatch_pack_fused_dense.detection``); only classes
 whose every instance has the expected projection layout are patched.  The family table
-(:data:`FAMILIES`) says which decoder layer to build and which attention forward each
+(``FAMILIES``) says which decoder layer to build and which attention forward each
 family has, since a fused forward must reproduce the original one.
 
 The converters concatenate the checkpoint's q/k/v (and gate/up) tensors with
-:class:`hfpatch_core.conversion.SizedConcatenate`, which ``save_pretrained`` reverses to
+``hfpatch_core.conversion.SizedConcatenate``, which ``save_pretrained`` reverses to
 an exact split: checkpoints load as published and save back with the same tensor names,
 shapes and values.
 
@@ -153,8 +153,8 @@ def detect_for(model_type: str, config: Any) -> Detection:
     """The structural detection for ``config`` of a covered ``model_type`` (cached).
 
     Raises:
-        KeyError: ``model_type`` is not in :data:`FAMILIES`.
-        ValueError: see :func:`hfpatch_pack_fused_dense.detection.detect`.
+        KeyError: ``model_type`` is not in ``FAMILIES``.
+        ValueError: see ``hfpatch_pack_fused_dense.detection.detect``.
     """
     return detect(config, getattr(_modeling(model_type), FAMILIES[model_type].decoder_layer))
 
@@ -166,7 +166,7 @@ def _modeling(model_type: str) -> Any:
 def fusions_for(context: LoadContext) -> list[Fusion]:
     """What the pack replaces for one load, in target-name order; empty when it has nothing to do.
 
-    Nothing for a model type outside :data:`FAMILIES`, for a context without a config
+    Nothing for a model type outside ``FAMILIES``, for a context without a config
     (the sizes are unknown, and a fused class would not load a checkpoint without its
     sized converter), and for a sub-model (a composite model's text model) on a
     transformers release that cannot run a sub-model's conversions (5.3).
@@ -193,7 +193,7 @@ def fusions_for(context: LoadContext) -> list[Fusion]:
 
 @hfpatch_core.hookimpl
 def provide_patches(context: LoadContext) -> list[Patch]:
-    """The fused attention and MLP classes for a load of a covered family (see :func:`fusions_for`)."""
+    """The fused attention and MLP classes for a load of a covered family (see ``fusions_for``)."""
     return [fusion.patch for fusion in fusions_for(context)]
 
 

@@ -65,7 +65,7 @@ class Site:
 
 @dataclasses.dataclass(frozen=True)
 class Detection:
-    """What :func:`detect` found in a model's decoder layers.
+    """What ``detect`` found in a model's decoder layers.
 
     Attributes:
         sites: one per (class, path) that is fusable in every layer it occurs in.
@@ -181,7 +181,7 @@ def inspect_layer(layer: nn.Module) -> tuple[list[Site], dict[str, str]]:
 
 
 def consolidate(layers: Iterable[tuple[list[Site], dict[str, str]]]) -> Detection:
-    """Merge the :func:`inspect_layer` results of every layer of one model.
+    """Merge the ``inspect_layer`` results of every layer of one model.
 
     A class is fusable only if every one of its modules is, and if a path holds the same
     sizes in every layer (a converter's pattern names the path, not the layer).
@@ -226,7 +226,7 @@ def detect(config: Any, layer_class: type[nn.Module]) -> Detection:
         layer_class: the family's decoder-layer class.
 
     Returns:
-        The consolidated :class:`Detection`, cached by ``layer_class`` and the config's content.
+        The consolidated ``Detection``, cached by ``layer_class`` and the config's content.
 
     Raises:
         ValueError: the config has no positive ``num_hidden_layers``; pass the text

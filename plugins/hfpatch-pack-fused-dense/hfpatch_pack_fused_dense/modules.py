@@ -12,8 +12,8 @@ The forwards are the originals' with the projections fused:
 * attention: the q/k/v states are three splits of one matmul; rotary, the q/k norms
   (qwen3), the KV cache, the attention interface, the sliding window and ``o_proj`` are
   as in the original.  The fusion and the forward are shared with the other packs
-  (:mod:`hfpatch_core.fusion`, which also picks the installed class's cache
-  convention); a family's :class:`AttentionFlavor` sets what differs.
+  (``hfpatch_core.fusion``, which also picks the installed class's cache
+  convention); a family's ``AttentionFlavor`` sets what differs.
 """
 
 from __future__ import annotations
@@ -92,10 +92,10 @@ class FusedQKVAttention(FusedQKVAttentionBase):
     """Mixin for an attention class: fuses ``q_proj`` / ``k_proj`` / ``v_proj`` into ``qkv_proj``.
 
     First among the bases, before the original attention class; the fusion and the
-    forward are :class:`hfpatch_core.fusion.FusedQKVAttentionBase`'s, with the q/k norms
+    forward are ``hfpatch_core.fusion.FusedQKVAttentionBase``'s, with the q/k norms
     and the ``sliding_window=`` argument as ``flavor`` says.
 
-    Class attributes set by :func:`fused_attention_class`:
+    Class attributes set by ``fused_attention_class``:
         flavor: what the original forward does besides the projections.
         qk_norm: ``flavor.qk_norm``, which the base class reads.
         family_module: the original's modeling module (see the base class).
@@ -141,7 +141,7 @@ def fused_attention_class(original: type[nn.Module], flavor: AttentionFlavor) ->
 
     Raises:
         TypeError: the installed class takes neither ``cache`` nor ``past_key_values``
-            (see :func:`hfpatch_core.fusion.forward_for`).
+            (see ``hfpatch_core.fusion.forward_for``).
     """
     with _CLASSES_LOCK:
         key = (original, f"attention/{flavor.name}")

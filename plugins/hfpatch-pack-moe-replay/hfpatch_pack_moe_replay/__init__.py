@@ -8,8 +8,8 @@ the routing scores still come from the live router weights, so the router keeps
 training.
 
 While a model of a covered family loads, this pack replaces its ``*TopKRouter`` with a
-subclass (:class:`~hfpatch_pack_moe_replay.routing.ReplayableRouter`) that behaves as the
-original unless :func:`replay_routing` is active. The API::
+subclass (``ReplayableRouter``) that behaves as the
+original unless ``replay_routing`` is active. The API::
 
     from hfpatch_pack_moe_replay import Routing, record_routing, replay_routing
 
@@ -81,7 +81,7 @@ FAMILIES: dict[str, Family] = {
 
 @hfpatch_core.hookimpl
 def provide_patches(context: LoadContext) -> list[Patch]:
-    """The router patch for a load of a covered model type (see :data:`FAMILIES`), else nothing.
+    """The router patch for a load of a covered model type (see ``FAMILIES``), else nothing.
 
     The replacement keeps the router's parameter (``weight``, ``(num_experts, hidden)``),
     so checkpoints load and save unchanged: this pack has no weight-layout change and

@@ -1,13 +1,13 @@
 """Recording the experts an MoE model routes each token to, and replaying that routing.
 
-* :class:`Routing` is the value: one ``LongTensor`` of shape ``(tokens, top_k)`` per
+* ``Routing`` is the value: one ``LongTensor`` of shape ``(tokens, top_k)`` per
   router (MoE layer), tokens ordered as the routers see them, ``batch × sequence``
   flattened row by row (``hidden_states.reshape(-1, hidden)``).
-* :func:`record_routing` collects a :class:`Routing` from any model of a covered family,
+* ``record_routing`` collects a ``Routing`` from any model of a covered family,
   patched or not (forward hooks on its routers, removed when the block ends).
-* :func:`replay_routing` makes the pack's routers select the recorded experts, while
+* ``replay_routing`` makes the pack's routers select the recorded experts, while
   their scores are recomputed from the live router weights, so gradients reach them.
-* :meth:`Routing.from_vllm` / :meth:`Routing.to_vllm` convert vLLM's ``routed_experts``
+* ``Routing.from_vllm`` / ``Routing.to_vllm`` convert vLLM's ``routed_experts``
   layout ``(seq_len, num_layers, top_k)``.
 """
 
@@ -44,8 +44,8 @@ __all__ = [
     "replay_routing",
 ]
 
-#: The expert id that marks a token "route live" in a :class:`Routing`: a row of
-#: ``LIVE`` (padding added by :meth:`Routing.padded` / :meth:`Routing.stack`) makes the
+#: The expert id that marks a token "route live" in a ``Routing``: a row of
+#: ``LIVE`` (padding added by ``Routing.padded`` / ``Routing.stack``) makes the
 #: router keep its own top-k for that token during a replay.
 LIVE = -1
 
@@ -71,7 +71,7 @@ class Routing:
         layers: one ``torch.long`` tensor of shape ``(tokens, top_k)`` per router, in the
             model's module order (dense layers have no router and no entry). Row ``t`` is
             the ``t``-th token the router saw: ``batch × sequence`` flattened row by row,
-            padding included. A row of :data:`LIVE` (``-1``) means "keep the live top-k".
+            padding included. A row of ``LIVE`` (``-1``) means "keep the live top-k".
         batch_size: how many sequences the tokens are (``tokens == batch_size * seq_len``).
 
     The tensors are copied (detached, ``torch.long``) at construction, so later in-place
@@ -80,7 +80,7 @@ class Routing:
 
     Raises:
         RoutingError: no layer; a layer that is not a 2-D integer tensor; layers of
-            different shapes; an id below ``-1``; a row mixing :data:`LIVE` and expert ids;
+            different shapes; an id below ``-1``; a row mixing ``LIVE`` and expert ids;
             the same expert twice in a row; ``batch_size`` not dividing the token count.
     """
 
@@ -166,7 +166,7 @@ class Routing:
                 ``(batch, seq_len, num_layers, top_k)`` (sequences of one length).
 
         Returns:
-            a :class:`Routing` with ``batch_size`` 1 (or ``batch``), token ``t`` of layer
+            a ``Routing`` with ``batch_size`` 1 (or ``batch``), token ``t`` of layer
             ``l`` being ``routed_experts[t, l]``.
 
         Raises:
@@ -191,12 +191,12 @@ class Routing:
         return cls(tuple(tensor[:, layer, :] for layer in range(tensor.shape[1])), batch_size=batch_size)
 
     def to_vllm(self) -> torch.Tensor:
-        """This routing in vLLM's ``routed_experts`` layout: the inverse of :meth:`from_vllm`.
+        """This routing in vLLM's ``routed_experts`` layout: the inverse of ``from_vllm``.
 
         Returns:
             a CPU ``torch.long`` tensor of shape ``(seq_len, num_layers, top_k)`` when
             ``batch_size`` is 1, else ``(batch_size, seq_len, num_layers, top_k)``
-            (``.numpy()`` for an array). :data:`LIVE` rows stay ``-1``.
+            (``.numpy()`` for an array). ``LIVE`` rows stay ``-1``.
         """
         stacked = torch.stack([layer.cpu() for layer in self.layers], dim=1)
         if self.batch_size == 1:
@@ -206,18 +206,18 @@ class Routing:
     # --- padding and batching ----------------------------------------------------------
 
     def padded(self, seq_len: int, *, side: Literal["left", "right"] = "right") -> Routing:
-        """Each sequence extended to ``seq_len`` tokens with :data:`LIVE` rows.
+        """Each sequence extended to ``seq_len`` tokens with ``LIVE`` rows.
 
         Use it where the forward pass routes tokens the routing does not cover: the padding
         of a batch, or the last generated token (which ``generate`` never feeds back, so a
         routing recorded during ``generate`` has ``prompt + new_tokens - 1`` positions).
 
         Args:
-            seq_len: the padded length, at least :attr:`seq_len`.
+            seq_len: the padded length, at least ``seq_len``.
             side: ``"right"`` appends, ``"left"`` prepends (for a left-padded batch).
 
         Returns:
-            a new :class:`Routing` with the same ``batch_size``.
+            a new ``Routing`` with the same ``batch_size``.
         """
         if side not in ("left", "right"):
             raise RoutingError(f"Routing.padded(side={side!r}): side must be 'left' or 'right'.")
@@ -243,7 +243,7 @@ class Routing:
         padding_side: Literal["left", "right"] = "right",
         seq_len: int | None = None,
     ) -> Routing:
-        """One routing for a batch of sequences, padded to one length with :data:`LIVE` rows.
+        """One routing for a batch of sequences, padded to one length with ``LIVE`` rows.
 
         Args:
             routings: the routings of the batch's sequences (or sub-batches), in batch order,
@@ -252,7 +252,7 @@ class Routing:
             seq_len: the padded length (default: the longest routing's).
 
         Returns:
-            a :class:`Routing` whose ``batch_size`` is the sum of theirs.
+            a ``Routing`` whose ``batch_size`` is the sum of theirs.
 
         Raises:
             RoutingError: no routing, or routings of different layer counts or top-k.
@@ -330,10 +330,10 @@ class ReplayableRouter(nn.Module):
 
     A subclass derives from this class and one transformers ``*TopKRouter``, keeping its
     constructor, parameters and forward contract ``(router_logits, router_scores,
-    router_indices)``. Outside :func:`replay_routing` the forward is the parent's, so
+    router_indices)``. Outside ``replay_routing`` the forward is the parent's, so
     the outputs are bit-identical. During a replay the parent runs as usual, then:
 
-    * ``router_indices`` are the replayed ones (the live ones for :data:`LIVE` rows);
+    * ``router_indices`` are the replayed ones (the live ones for ``LIVE`` rows);
     * ``router_scores`` are the softmax of the live logits gathered at those indices,
       renormalised over the top-k as the family does, in the parent's score dtype: what
       the parent returns when its own top-k picks those experts, with gradients flowing
@@ -537,15 +537,15 @@ def replay_routing(model: nn.Module, routing: Routing) -> Iterator[None]:
 
     Only ``model``'s routers and only the current thread (and context) are affected; the
     block leaves nothing behind, also when it raises. Each router's scores are recomputed
-    from its live weights (see :class:`ReplayableRouter`), so ``loss.backward()`` trains
+    from its live weights (see ``ReplayableRouter``), so ``loss.backward()`` trains
     them. With gradient checkpointing, call ``backward()`` inside the block: the
     recomputed forward must replay too (it does, also on autograd's GPU threads).
 
     Args:
         model: a model loaded with the ``moe-replay`` pack (``hfpatch_core.enable("moe-replay")``
             or ``HF_PATCH_PACKS``), or any module containing one.
-        routing: from :func:`record_routing`, :meth:`Routing.from_vllm` or
-            :meth:`Routing.stack`, one layer per router of ``model``.
+        routing: from ``record_routing``, ``Routing.from_vllm`` or
+            ``Routing.stack``, one layer per router of ``model``.
 
     Raises:
         RoutingError: here, when ``model`` has no replayable router or the routing's layer
@@ -622,7 +622,7 @@ _RECORDING: contextvars.ContextVar[tuple[RoutingRecording, ...]] = contextvars.C
 
 
 class RoutingRecording:
-    """What :func:`record_routing` collected: every router call of every forward pass in the block.
+    """What ``record_routing`` collected: every router call of every forward pass in the block.
 
     Attributes:
         layer_names: the routers' module names, one per layer of the routing.
@@ -666,7 +666,7 @@ class RoutingRecording:
 
     @property
     def steps(self) -> tuple[Routing, ...]:
-        """One :class:`Routing` per forward pass, in call order (for ``generate``: the prompt,
+        """One ``Routing`` per forward pass, in call order (for ``generate``: the prompt,
         then one token per sequence per step)."""
         return tuple(
             Routing(tuple(calls[step].indices for calls in self._calls), batch_size=self._calls[0][step].batch_size)
@@ -685,7 +685,7 @@ class RoutingRecording:
         back); ``routing.padded(sequences.shape[1])`` covers a training forward over
         ``generate``'s output. A single forward pass gives its own routing. Generation
         without a KV cache, beam search or assisted decoding re-route tokens and do not
-        concatenate like this: use :attr:`steps` there.
+        concatenate like this: use ``steps`` there.
 
         Raises:
             RoutingError: nothing was recorded, or the passes have different batch sizes.
@@ -718,7 +718,7 @@ def record_routing(model: nn.Module) -> Iterator[RoutingRecording]:
     Works on any model of a covered family, loaded with the pack or not. Hooks are
     installed on the routers (and their MoE blocks, for the batch shape) for the block
     only, and record only calls made from the current thread and context. Indices stay on
-    the routers' device. Recording inside :func:`replay_routing` records the replayed
+    the routers' device. Recording inside ``replay_routing`` records the replayed
     selection.
 
     Example::
@@ -730,8 +730,8 @@ def record_routing(model: nn.Module) -> Iterator[RoutingRecording]:
             model(sequences, attention_mask=mask).logits ...
 
     Yields:
-        a :class:`RoutingRecording`; read its :attr:`~RoutingRecording.routing` (or
-        :attr:`~RoutingRecording.steps`) after the forward passes.
+        a ``RoutingRecording``; read its ``routing`` (or
+        ``steps``) after the forward passes.
 
     Raises:
         RoutingError: ``model`` has no router of a covered family.

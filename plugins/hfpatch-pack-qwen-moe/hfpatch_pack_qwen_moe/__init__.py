@@ -3,7 +3,7 @@
 For ``qwen2_moe`` and ``qwen3_moe`` models this pack replaces
 
 * ``Qwen2MoeExperts`` / ``Qwen3MoeExperts`` (two 3-D expert parameters) with
-  :class:`~hfpatch_pack_qwen_moe.experts.PerExpertExperts`, one ``nn.Linear`` triple per
+  ``PerExpertExperts``, one ``nn.Linear`` triple per
   expert, so that quantizers and adapters that swap ``nn.Linear`` reach every expert;
 * ``Qwen2MoeAttention`` / ``Qwen3MoeAttention`` with a subclass holding one fused
   ``qkv_proj``.
@@ -124,10 +124,10 @@ def provide_converters(context: LoadContext) -> list[Converter]:
 
     * experts: no transform of its own; it ``replaces`` transformers' built-in fusion
       of ``mlp.experts.*.{gate,up,down}_proj.weight`` so that those checkpoint tensors
-      load, unchanged, into :class:`PerExpertExperts` (and save unchanged);
+      load, unchanged, into ``PerExpertExperts`` (and save unchanged);
     * attention (only with a config, which gives the sizes): q/k/v weights, and biases
       where the config gives them, concatenated into ``qkv_proj`` by
-      :class:`~hfpatch_core.conversion.SizedConcatenate`, which ``save_pretrained``
+      ``SizedConcatenate``, which ``save_pretrained``
       reverses to an exact split.
     """
     model_type = context.model_type or ""

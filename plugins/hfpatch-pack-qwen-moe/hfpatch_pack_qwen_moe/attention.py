@@ -3,10 +3,10 @@
 One matmul instead of three for the input projections, and one ``nn.Linear`` for a
 quantizer or adapter to handle.  The checkpoint keeps its three tensors: the pack's
 converter concatenates them on load with an exactly reversible operation
-(:class:`hfpatch_core.conversion.SizedConcatenate`) and ``save_pretrained`` splits them
+(``hfpatch_core.conversion.SizedConcatenate``) and ``save_pretrained`` splits them
 back (grouped-query attention makes the three parts of different sizes).
 
-The fusion and the forward are :mod:`hfpatch_core.fusion`'s, shared with the other
+The fusion and the forward are ``hfpatch_core.fusion``'s, shared with the other
 packs: the original forward with the three projections replaced by one projection and
 a split, in whichever cache convention the installed class has (transformers changed
 it after 5.3), so both behave exactly like the original.
@@ -29,7 +29,7 @@ class FusedQKVAttention(FusedQKVAttentionBase):
     """Mixin for a family's attention class: fuses its q/k/v projections into ``qkv_proj``.
 
     Put it first among the bases, before the family's attention class (see
-    :class:`hfpatch_core.fusion.FusedQKVAttentionBase`, which also defines
+    ``hfpatch_core.fusion.FusedQKVAttentionBase``, which also defines
     ``family_module`` and ``qk_norm``, the q/k norms of qwen3_moe).
 
     Class attributes a family sets:

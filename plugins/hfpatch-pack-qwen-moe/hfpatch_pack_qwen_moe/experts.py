@@ -5,7 +5,7 @@ two fused parameters (``gate_up_proj``: ``[E, 2 * I, H]``, ``down_proj``: ``[E, 
 and fuses the per-expert checkpoint tensors into them while loading.  Tools that work
 module by module (quantizers and LoRA/PEFT adapters that replace ``nn.Linear``, hooks
 that observe ``nn.Linear`` inputs for calibration) never see those experts.
-:class:`PerExpertExperts` keeps the checkpoint's own per-expert layout
+``PerExpertExperts`` keeps the checkpoint's own per-expert layout
 (``mlp.experts.<e>.{gate,up,down}_proj.weight``) as real ``nn.Linear`` modules, so the
 checkpoint loads into it without renaming and every expert is reachable.
 """
@@ -40,7 +40,7 @@ class ExpertMLP(nn.Module):
 
 
 class PerExpertExperts(nn.ModuleList):
-    """Drop-in for ``Qwen2MoeExperts`` / ``Qwen3MoeExperts``, one :class:`ExpertMLP` per expert.
+    """Drop-in for ``Qwen2MoeExperts`` / ``Qwen3MoeExperts``, one ``ExpertMLP`` per expert.
 
     It *is* the ``nn.ModuleList`` (rather than holding one under another name) so that
     its children are called ``0 .. num_experts - 1``, exactly the checkpoint's

@@ -93,7 +93,8 @@ def _example(pattern: str) -> str:
     return pattern.replace("*", "0").replace("\\", "").strip("^$")
 
 
-def _regex(pattern: str) -> re.Pattern[str] | None:
+def pattern_regex(pattern: str) -> re.Pattern[str] | None:
+    """A transform's source or target pattern as a regular expression (``*`` stands for an index), or None."""
     try:
         return re.compile(pattern.replace("*", r"\d+"))
     except re.error:
@@ -105,7 +106,7 @@ def patterns_overlap(first: str, second: str) -> bool:
     if first == second:
         return True
     for pattern, other in ((first, second), (second, first)):
-        compiled = _regex(pattern)
+        compiled = pattern_regex(pattern)
         if compiled is not None and compiled.search(_example(other)):
             return True
     return False

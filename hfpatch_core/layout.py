@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import copy
 import functools
-import re
 import sys
 import warnings
 from collections.abc import Mapping
@@ -21,7 +20,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from .composition import BUILTIN
+from .composition import BUILTIN, pattern_regex
 from .conversion import source_patterns_of, target_patterns_of
 from .errors import PackWarning, WeightLayoutError
 from .plan import Plan
@@ -48,11 +47,9 @@ def _converter_owner(key: str, plan: Plan) -> str | None:
             if entry.origin == BUILTIN:
                 continue
             for pattern in (*source_patterns_of(entry.transform), *target_patterns_of(entry.transform)):
-                try:
-                    if re.search(pattern.replace("*", r"\d+"), key):
-                        return str(entry.origin)
-                except re.error:
-                    continue
+                compiled = pattern_regex(pattern)
+                if compiled is not None and compiled.search(key):
+                    return str(entry.origin)
     return None
 
 

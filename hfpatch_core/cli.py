@@ -69,6 +69,9 @@ def cmd_list(args: argparse.Namespace) -> int:
             ["pack", "distribution", "version", "status", "transformers", "description"],
         )
     )
+    if any(r["enabled"] for r in rows):
+        # list reads metadata only: importing every pack would cost seconds
+        print("\n'enabled' packs are selected; hfpatch check imports them and calls their hooks.")
     return EXIT_OK
 
 

@@ -41,6 +41,7 @@ def test_list_shows_every_pack_and_why(install) -> None:
     assert rows["exploding"]["status"] == "disabled: excluded by HF_PATCH_PACKS='all,-exploding'"
     text = run(HFPATCH, "list", site=site).stdout
     assert "mlp" in text and "Faster MLP" in text and "skipped: needs transformers>=6" in text
+    assert "'enabled' packs are selected; hfpatch check imports them" in text
 
 
 def test_bad_selection_is_one_line_and_exit_2(install) -> None:

@@ -267,3 +267,26 @@ def test_no_selected_pack_means_plain_transformers(install, llama_checkpoint, mo
     hfpatch_core.enable()
     model = AutoModelForCausalLM.from_pretrained(llama_checkpoint)
     assert mlp_class(model) == "LlamaMLP" and plan_of(model) is None
+
+
+def test_a_loader_that_skips_apply_patches_loads_vanilla_and_says_so(
+    install, llama_checkpoint, monkeypatch, caplog
+) -> None:
+    # A from_pretrained that builds its model without transformers' apply_patches (as a
+    # remote-code or third-party loader may) never asks for a plan: nothing is applied,
+    # and the log says so instead of attaching a plan the model does not have.
+    import contextlib
+
+    from transformers import modeling_utils
+
+    install(PackSpec("mlp", MLP_PACK))
+    hfpatch_core.enable()
+    monkeypatch.setattr(modeling_utils, "apply_patches", contextlib.nullcontext)
+    with caplog.at_level(logging.WARNING, logger="hfpatch"):
+        model = AutoModelForCausalLM.from_pretrained(llama_checkpoint)
+    assert mlp_class(model) == "LlamaMLP" and plan_of(model) is None
+    assert "LlamaForCausalLM was built without transformers' apply_patches; no pack applied" in caplog.text
+    assert monkey_patching.get_patch_mapping() == {}
+    monkeypatch.undo()  # before disable(), which puts transformers' own apply_patches back
+    hfpatch_core.disable()
+    assert modeling_utils.apply_patches is monkey_patching.apply_patches

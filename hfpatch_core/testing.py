@@ -15,6 +15,11 @@ A pack that changes outputs on purpose passes ``expect="different"`` (or a large
 ``atol``) and keeps the structural and round-trip checks.  When outputs differ, the
 message names the first decoder layer and module whose output diverges.
 
+For a pack's own tests: ``load_model`` (a load with the pack enabled, or a vanilla one),
+``padded_batch`` and ``logits_of`` (a left-padded batch and its logits),
+``safetensors_of`` (the tensors a checkpoint directory holds), ``install_pack`` (a rival
+pack from source) and ``discover_from_wheel`` (the pack as ``pip install`` gives it).
+
 The same checks back ``hfpatch verify``; the pytest fixtures live in
 ``hfpatch_core.pytest_plugin``.
 """
@@ -23,6 +28,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
+import subprocess
 import tempfile
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
@@ -206,7 +213,6 @@ def install_wheel(project: str | Path, site: str | Path, *, timeout: float = 120
         subprocess.CalledProcessError: pip could not build or install the wheel.
     """
     import importlib.util
-    import subprocess
     import sys
 
     site = Path(site)
@@ -221,6 +227,115 @@ def install_wheel(project: str | Path, site: str | Path, *, timeout: float = 120
         [*pip, "install", "--no-deps", "--quiet", "--target", str(site), str(wheel)], check=True, timeout=timeout
     )
     return wheel
+
+
+def _run_python(
+    args: Sequence[str | os.PathLike[str]], *, env: Mapping[str, str], cwd: Path, timeout: float, what: str
+) -> subprocess.CompletedProcess[str]:
+    """``python *args`` in a subprocess; an ``AssertionError`` with its output when it fails."""
+    import sys
+
+    command = [sys.executable, *(os.fspath(arg) for arg in args)]
+    try:
+        return subprocess.run(
+            command, env=dict(env), cwd=cwd, capture_output=True, text=True, check=True, timeout=timeout
+        )
+    except subprocess.CalledProcessError as exc:
+        raise AssertionError(
+            f"{what} exited with status {exc.returncode}\nstdout:\n{exc.stdout}\nstderr:\n{exc.stderr}"
+        ) from exc
+    except subprocess.TimeoutExpired as exc:
+        raise AssertionError(f"{what} did not finish within {timeout:g} s") from exc
+
+
+@dataclasses.dataclass(frozen=True)
+class DiscoveredWheel:
+    """What ``discover_from_wheel`` installed and listed, and how to run more probes there.
+
+    Attributes:
+        wheel: the wheel file built from the project.
+        site: the directory the wheel is installed into (the subprocesses' ``PYTHONPATH``).
+        row: the pack's row of ``hfpatch list --json`` (``name``, ``distribution``,
+            ``version``, ``enabled``, ``status``, ``transformers``, ``description``).
+        env: the environment the listing ran in: this process's, with ``PYTHONPATH`` set
+            to ``site`` alone, ``HF_PATCH_PACKS`` to the pack and ``HF_PATCH_STRICT`` unset.
+        cwd: the working directory the listing ran in (outside the project).
+    """
+
+    wheel: Path
+    site: Path
+    row: dict[str, Any]
+    env: dict[str, str]
+    cwd: Path
+
+    def run_python(self, *args: str | os.PathLike[str], timeout: float = 120) -> subprocess.CompletedProcess[str]:
+        """Run ``python *args`` (``"-c", PROBE, ...``) as the listing ran: same environment and directory.
+
+        Returns:
+            The finished process, its output captured as text.
+
+        Raises:
+            AssertionError: the process exited with a non-zero status (the message holds its
+                stdout and stderr) or ran past ``timeout`` seconds.
+        """
+        shown = [str(arg) for arg in args]
+        if len(shown) > 1 and shown[0] == "-c":
+            shown[1] = "<code>"
+        return _run_python(args, env=self.env, cwd=self.cwd, timeout=timeout, what=f"python {' '.join(shown)}")
+
+
+def discover_from_wheel(
+    project: str | Path, pack: str, directory: str | Path, *, timeout: float = 120
+) -> DiscoveredWheel:
+    """Install ``project``'s wheel into ``directory/site`` and list the pack from it in a fresh process.
+
+    The body of a pack's "discovered from an installed wheel" test: ``install_wheel``,
+    then ``python -m hfpatch_core list --json`` in a subprocess whose ``PYTHONPATH`` is the
+    site alone, started in ``directory`` (not the project's source directory, which would
+    shadow the wheel), with ``HF_PATCH_PACKS=pack``.  The test then asserts on the row
+    and runs its own probe with ``DiscoveredWheel.run_python``.
+
+    Args:
+        project: the pack's project directory (holding its ``pyproject.toml``).
+        pack: the pack's entry-point name.
+        directory: an empty working directory outside the project (pytest's ``tmp_path``).
+        timeout: seconds each build, install and listing may take.
+
+    Returns:
+        The wheel, the site, the pack's listed row and the environment of the listing.
+
+    Raises:
+        ValueError: ``directory`` is inside ``project``.
+        FileExistsError: ``directory/site`` already exists.
+        subprocess.CalledProcessError: pip could not build or install the wheel.
+        AssertionError: the listing failed, or does not list ``pack`` exactly once.
+    """
+    import json
+
+    project, directory = Path(project).resolve(), Path(directory).resolve()
+    if directory.is_relative_to(project):
+        raise ValueError(
+            f"{directory} is inside the project {project}: the source there would shadow the installed wheel; "
+            "pass a directory outside it (tmp_path)"
+        )
+    site = directory / "site"
+    if site.exists():
+        raise FileExistsError(f"{site} already exists: pass a fresh directory for each installed wheel")
+    wheel = install_wheel(project, site, timeout=timeout)
+    env = {**os.environ, "PYTHONPATH": str(site), "HF_PATCH_PACKS": pack}
+    env.pop("HF_PATCH_STRICT", None)
+    listing = _run_python(
+        ["-m", "hfpatch_core", "list", "--json"], env=env, cwd=directory, timeout=timeout, what="hfpatch list --json"
+    )
+    packs = json.loads(listing.stdout)["packs"]
+    rows = [row for row in packs if row["name"] == pack]
+    if len(rows) != 1:
+        listed = sorted(row["name"] for row in packs)
+        raise AssertionError(
+            f"hfpatch list (PYTHONPATH={site}) lists pack {pack!r} {len(rows)} times, expected once; "
+            f"it lists {listed} (is {pack!r} the entry-point name in {project / 'pyproject.toml'}?)"
+        )
+    return DiscoveredWheel(wheel=wheel, site=site, row=rows[0], env=env, cwd=directory)
 
 
 def tiny_checkpoint(
@@ -283,17 +398,96 @@ class Report:
 
 
 @contextlib.contextmanager
-def _enabled(pack: str) -> Iterator[None]:
+def _enabled(packs: str, strict: bool = True) -> Iterator[None]:
+    """hfpatch enabled for ``packs`` inside the block; afterwards as it was before."""
     from .session import active_session, disable, enable
 
     previous = active_session()
-    enable(pack, strict=True)
+    enable(packs, strict=strict)
     try:
         yield
     finally:
         disable()
         if previous is not None:
-            enable(previous.selection.spec.source if previous.selection.spec.source != "<unset>" else None)
+            source = previous.selection.spec.source
+            enable(source if source != "<unset>" else None, strict=previous.strict)
+
+
+def load_model(
+    path: str | Path, packs: str | None = None, *, strict: bool = True, model_class: Any = None, **kwargs: Any
+) -> Any:
+    """``from_pretrained`` as a user would call it, with hfpatch enabled for ``packs`` or not at all.
+
+    hfpatch is enabled only for the load: afterwards it is as before the call (disabled,
+    in a test that starts disabled), also when the load raises.  With ``packs=None`` the
+    model is vanilla transformers, also where hfpatch is enabled (``hfpatch run -- pytest``).
+
+    Args:
+        path: the checkpoint directory (or hub id).
+        packs: which packs to enable, in ``HF_PATCH_PACKS`` syntax (``"my-pack"``,
+            ``"qwen-moe,fused-dense@+2"``); ``None`` for a vanilla load.
+        strict: make every pack failure an error (not a ``PackWarning``).
+        model_class: the class whose ``from_pretrained`` loads (default
+            ``AutoModelForCausalLM``).
+        kwargs: passed on to ``from_pretrained`` (``dtype=``, ``attn_implementation=``, ...).
+
+    Returns:
+        The model, in eval mode.
+
+    Raises:
+        SelectionError: ``packs`` is malformed or names a pack that is not installed.
+        PackError: strict mode, and a selected pack failed.
+        Exception: whatever ``from_pretrained`` raises.
+    """
+    from .session import suspended
+
+    if model_class is None:
+        from transformers import AutoModelForCausalLM
+
+        model_class = AutoModelForCausalLM
+    with _enabled(packs, strict) if packs is not None else suspended():
+        model = model_class.from_pretrained(path, **kwargs)
+    return model.eval()
+
+
+def padded_batch(vocab_size: int, *, pad_token_id: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Three random prompts of 12, 8 and 5 tokens, left-padded to 12: ``(input_ids, attention_mask)``.
+
+    The tokens are drawn from ``3 .. vocab_size - 1`` (clear of the usual special ids 0-2),
+    deterministic from ``seed``; padded positions hold ``pad_token_id`` and a 0 in the mask.
+
+    Args:
+        vocab_size: the model's vocabulary size.
+        pad_token_id: the token id of the padding.
+        seed: the random seed of the tokens.
+
+    Returns:
+        ``input_ids`` and ``attention_mask``, both ``int64`` of shape ``(3, 12)``.
+
+    Raises:
+        ValueError: ``vocab_size`` is 3 or less, or ``pad_token_id`` is not in ``0 .. vocab_size - 1``.
+    """
+    if vocab_size <= 3:
+        raise ValueError(f"vocab_size must be above 3 (tokens are drawn from 3 .. vocab_size - 1), got {vocab_size}")
+    if not 0 <= pad_token_id < vocab_size:
+        raise ValueError(f"pad_token_id {pad_token_id} is not a token of a vocabulary of {vocab_size}")
+    ids = torch.randint(3, vocab_size, (3, 12), generator=torch.Generator().manual_seed(seed))
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0
+    mask[2, :7] = 0
+    ids[mask == 0] = pad_token_id
+    return ids, mask
+
+
+def logits_of(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """The model's logits for a batch, computed without gradients, as float32.
+
+    Returns:
+        A tensor of shape ``(batch, seq_len, vocab_size)``.
+    """
+    with torch.no_grad():
+        result: torch.Tensor = model(input_ids=input_ids, attention_mask=attention_mask).logits.float()
+    return result
 
 
 def _inputs(vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -341,11 +535,26 @@ def _first_divergence(
     return "no single module diverges beyond atol (the difference builds up across modules)"
 
 
-def _tensors(directory: Path) -> dict[str, torch.Tensor]:
+def safetensors_of(directory: str | Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the ``*.safetensors`` files in ``directory`` (a saved checkpoint), by name.
+
+    Compare a ``save_pretrained`` output with its source: names, shapes, dtypes, values.
+
+    Returns:
+        Tensor name -> tensor, read from all the files (sharded checkpoints included).
+
+    Raises:
+        FileNotFoundError: ``directory`` holds no ``*.safetensors`` file (or does not exist).
+    """
     from safetensors import safe_open
 
+    directory = Path(directory)
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        state = "does not exist" if not directory.exists() else "holds no *.safetensors file"
+        raise FileNotFoundError(f"{directory} {state}: is it a checkpoint saved with safetensors?")
     found: dict[str, torch.Tensor] = {}
-    for file in sorted(directory.glob("*.safetensors")):
+    for file in files:
         with safe_open(str(file), framework="pt") as handle:
             for key in handle.keys():  # noqa: SIM118 - safe_open is not a mapping
                 found[key] = handle.get_tensor(key)
@@ -411,9 +620,7 @@ def check_pack_equivalence(
         fail(f"pack {pack!r} replaced no class of this {model_type} model")
 
     ids, mask = _inputs(int(vanilla.config.vocab_size))
-    with torch.no_grad():
-        reference = vanilla(input_ids=ids, attention_mask=mask).logits.float()
-        logits = patched(input_ids=ids, attention_mask=mask).logits.float()
+    reference, logits = logits_of(vanilla, ids, mask), logits_of(patched, ids, mask)
     report.max_abs_diff = (reference - logits).abs().max().item()
     if expect == "same" and report.max_abs_diff > tolerance:
         where = _first_divergence(vanilla, patched, ids, mask, tolerance)
@@ -435,7 +642,13 @@ def check_pack_equivalence(
             report.round_trip = False
             fail(f"save_pretrained failed: {type(exc).__name__}: {exc}")
         else:
-            original, written = _tensors(source), _tensors(Path(saved))
+            written = safetensors_of(saved)
+            try:
+                original = safetensors_of(source)
+            except FileNotFoundError as exc:  # a checkpoint in another format: no layout to compare
+                original = {}
+                report.round_trip = False
+                fail(f"the saved layout cannot be compared with the source: {exc}")
             layout = [
                 key
                 for key in sorted(set(original) | set(written))
@@ -444,13 +657,13 @@ def check_pack_equivalence(
                 or original[key].shape != written[key].shape
                 or not torch.equal(original[key].to(written[key].dtype), written[key])
             ]
-            report.round_trip = not layout
-            if layout:
-                fail(f"save_pretrained does not restore the source layout: {', '.join(layout[:10])}")
+            if original:
+                report.round_trip = not layout
+                if layout:
+                    fail(f"save_pretrained does not restore the source layout: {', '.join(layout[:10])}")
             with suspended():
                 reloaded = AutoModelForCausalLM.from_pretrained(saved, dtype=dtype)
-            with torch.no_grad():
-                again = reloaded(input_ids=ids, attention_mask=mask).logits.float()
+            again = logits_of(reloaded, ids, mask)
             if expect == "same" and (again - reference).abs().max().item() > tolerance:
                 report.round_trip = False
                 fail("a vanilla reload of the saved checkpoint gives different logits")

@@ -1,12 +1,22 @@
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
+from transformers import LlamaForCausalLM
 
+import hfpatch_core
 from hfpatch_core.testing import (
     EquivalenceError,
     TinyCheckpointError,
     assert_pack_equivalent,
+    discover_from_wheel,
+    load_model,
+    logits_of,
+    padded_batch,
+    safetensors_of,
     tiny_checkpoint,
     tiny_config,
 )
@@ -32,9 +42,7 @@ def test_tiny_checkpoint_shrinks_each_family(model_type: str, tmp_path) -> None:
     config = tiny_config(model_type)
     assert (path / "model.safetensors").exists() and config.hidden_size <= 64 and config.num_hidden_layers == 2
     again = tiny_checkpoint(model_type, tmp_path / "again")
-    from hfpatch_core.testing import _tensors
-
-    first, second = _tensors(path), _tensors(again)
+    first, second = safetensors_of(path), safetensors_of(again)
     assert first.keys() == second.keys() and all(torch.equal(first[k], second[k]) for k in first)  # seeded
 
 
@@ -106,3 +114,93 @@ def test_bf16_is_compared_within_the_documented_tolerance(install, llama_checkpo
     install(PackSpec("mlp", MLP_PACK))
     report = assert_pack_equivalent("mlp", llama_checkpoint, dtype=torch.bfloat16, generate_tokens=0)
     assert report.max_abs_diff is not None and report.max_abs_diff <= 5e-2
+
+
+# --- helpers for a pack's own tests ------------------------------------------------------
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_padded_batch_is_three_left_padded_prompts() -> None:
+    ids, mask = padded_batch(160, pad_token_id=0, seed=4)
+    assert ids.shape == mask.shape == (3, 12) and ids.dtype == mask.dtype == torch.int64
+    assert mask.sum(dim=1).tolist() == [12, 8, 5]
+    for row, length in zip(mask, (12, 8, 5), strict=True):
+        assert row.tolist() == [0] * (12 - length) + [1] * length  # padded on the left
+    assert ids[mask == 0].eq(0).all()
+    assert ids[mask == 1].ge(3).all() and ids.lt(160).all()
+    again, _ = padded_batch(160, pad_token_id=0, seed=4)
+    other, _ = padded_batch(160, pad_token_id=0, seed=5)
+    assert torch.equal(ids, again) and not torch.equal(ids, other)
+    padded, _ = padded_batch(160, pad_token_id=159, seed=4)
+    assert padded[mask == 0].eq(159).all() and torch.equal(padded[mask == 1], ids[mask == 1])
+    with pytest.raises(ValueError, match="pad_token_id 160 is not a token of a vocabulary of 160"):
+        padded_batch(160, pad_token_id=160)
+    with pytest.raises(ValueError, match="vocab_size must be above 3"):
+        padded_batch(3, pad_token_id=0)
+
+
+def test_safetensors_of_reads_a_checkpoint_and_names_a_directory_without_one(llama_checkpoint, tmp_path) -> None:
+    tensors = safetensors_of(llama_checkpoint)
+    model = LlamaForCausalLM.from_pretrained(llama_checkpoint)
+    state = model.state_dict()
+    assert set(tensors) <= set(state) and "model.layers.1.mlp.down_proj.weight" in tensors
+    assert all(torch.equal(tensor, state[name]) for name, tensor in tensors.items())
+    with pytest.raises(FileNotFoundError, match=r"holds no \*\.safetensors file"):
+        safetensors_of(tmp_path)
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        safetensors_of(tmp_path / "missing")
+
+
+def test_load_model_enables_the_pack_for_the_load_only(install, llama_checkpoint) -> None:
+    install(PackSpec("mlp", MLP_PACK))
+    patched = load_model(llama_checkpoint, "mlp")
+    assert not hfpatch_core.is_enabled()
+    assert type(patched.model.layers[0].mlp).__name__ == "PackMLP" and not patched.training
+    plan = hfpatch_core.plan_of(patched)
+    assert plan is not None and plan.replaced["LlamaMLP"].pack == "mlp"
+    vanilla = load_model(llama_checkpoint)
+    assert type(vanilla.model.layers[0].mlp).__name__ == "LlamaMLP" and hfpatch_core.plan_of(vanilla) is None
+    ids, mask = padded_batch(vanilla.config.vocab_size, pad_token_id=0)
+    logits = logits_of(patched, ids, mask)
+    assert logits.shape == (3, 12, vanilla.config.vocab_size) and logits.dtype == torch.float32
+    assert not logits.requires_grad
+    torch.testing.assert_close(logits, logits_of(vanilla, ids, mask), rtol=0, atol=1e-5)
+
+
+def test_load_model_leaves_hfpatch_as_it_found_it_when_the_load_raises(install, tmp_path) -> None:
+    install(PackSpec("mlp", MLP_PACK))
+    with pytest.raises(OSError):
+        load_model(tmp_path / "no-checkpoint", "mlp")
+    assert not hfpatch_core.is_enabled()
+    with pytest.raises(hfpatch_core.SelectionError):
+        load_model(tmp_path / "no-checkpoint", "no-such-pack")
+    assert not hfpatch_core.is_enabled()
+
+
+def test_load_model_is_vanilla_and_restores_a_session_that_was_enabled(install, llama_checkpoint) -> None:
+    install(PackSpec("mlp", MLP_PACK))
+    hfpatch_core.enable("mlp", strict=False)
+    vanilla = load_model(llama_checkpoint)
+    assert type(vanilla.model.layers[0].mlp).__name__ == "LlamaMLP"
+    patched = load_model(llama_checkpoint, "mlp")
+    assert type(patched.model.layers[0].mlp).__name__ == "PackMLP"
+    session = hfpatch_core.session.active_session()
+    assert session is not None and session.selection.packs and not session.strict
+
+
+def test_discover_from_wheel_lists_a_first_party_pack_from_its_wheel(tmp_path) -> None:
+    project = ROOT / "plugins" / "hfpatch-pack-qwen-moe"
+    with pytest.raises(ValueError, match="would shadow the installed wheel"):
+        discover_from_wheel(project, "qwen-moe", project / "tests")
+    installed = discover_from_wheel(project, "qwen-moe", tmp_path)
+    assert installed.wheel.name.startswith("hfpatch_pack_qwen_moe-") and installed.site == tmp_path.resolve() / "site"
+    assert installed.row["distribution"] == "hfpatch-pack-qwen-moe" and installed.row["enabled"] is True
+    assert installed.env["PYTHONPATH"] == str(installed.site) and installed.env["HF_PATCH_PACKS"] == "qwen-moe"
+    probe = "import json, hfpatch_core; print(json.dumps(hfpatch_core.discover().packs['qwen-moe'].load().__file__))"
+    module_file = Path(json.loads(installed.run_python("-c", probe).stdout))
+    assert module_file.resolve().is_relative_to(installed.site)
+    with pytest.raises(AssertionError, match=r"python -c <code> exited with status 3\nstdout:\nout\n"):
+        installed.run_python("-c", "print('out'); raise SystemExit(3)")
+    with pytest.raises(FileExistsError, match="pass a fresh directory"):
+        discover_from_wheel(project, "qwen-moe", tmp_path)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import inspect
 import json
-import os
 import re
 import subprocess
 import sys
@@ -21,55 +20,25 @@ import pytest
 import torch
 from hfpatch_pack_fused_dense import FAMILIES, FusedGateUpMLP, FusedQKVAttention
 from hfpatch_pack_fused_dense.modules import LLAMA, MISTRAL, QWEN2, QWEN3
-from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import hfpatch_core
 from conftest import CASES, MODELING, PACK, PAD, VOCAB, Case, expected_sites
 from hfpatch_core import LoadContext
 from hfpatch_core.conversion import SizedConcatenate, source_patterns_of
-from hfpatch_core.testing import assert_pack_equivalent, install_pack, install_wheel
+from hfpatch_core.testing import (
+    assert_pack_equivalent,
+    discover_from_wheel,
+    install_pack,
+    load_model,
+    logits_of,
+    padded_batch,
+    safetensors_of,
+)
 
 PACK_DIR = Path(__file__).resolve().parents[1]
 
 # --- helpers ----------------------------------------------------------------------------
-
-
-def load(path: Path, *, packs: str | None = PACK, **kwargs: Any) -> Any:
-    """``from_pretrained`` as a user would, with hfpatch enabled for ``packs`` or (None) not at all."""
-    if packs is not None:
-        hfpatch_core.enable(packs, strict=True)
-    try:
-        model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
-    finally:
-        hfpatch_core.disable()
-    return model.eval()
-
-
-def padded_batch(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Three prompts of 12, 8 and 5 tokens, left-padded to 12."""
-    ids = torch.randint(3, VOCAB, (3, 12), generator=torch.Generator().manual_seed(seed))
-    mask = torch.ones_like(ids)
-    mask[1, :4] = 0
-    mask[2, :7] = 0
-    ids[mask == 0] = PAD
-    return ids, mask
-
-
-def logits(model: Any, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    with torch.no_grad():
-        result: torch.Tensor = model(input_ids=ids, attention_mask=mask).logits.float()
-    return result
-
-
-def safetensors_of(path: Path) -> dict[str, torch.Tensor]:
-    tensors = {}
-    for file in sorted(path.glob("*.safetensors")):
-        with safe_open(str(file), framework="pt") as handle:
-            for key in handle.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                tensors[key] = handle.get_tensor(key)
-    assert tensors, f"no safetensors under {path}"
-    return tensors
 
 
 def owners(model: Any) -> dict[str, str]:
@@ -99,8 +68,8 @@ def test_assert_pack_equivalent(checkpoints: dict[str, Path], case: Case) -> Non
 
 
 def test_every_layer_is_fused_and_logits_match(checkpoints: dict[str, Path], case: Case) -> None:
-    vanilla = load(checkpoints[case.name], packs=None)
-    patched = load(checkpoints[case.name])
+    vanilla = load_model(checkpoints[case.name])
+    patched = load_model(checkpoints[case.name], PACK)
     assert owners(patched) == dict.fromkeys(case.replaced, PACK)
     vanilla_types = {name: type(module).__name__ for name, module in vanilla.named_modules()}
     replaced = {name for name, cls in vanilla_types.items() if cls in case.replaced}
@@ -111,19 +80,19 @@ def test_every_layer_is_fused_and_logits_match(checkpoints: dict[str, Path], cas
             fused = "qkv_proj" if isinstance(module, FusedQKVAttention) else "gate_up_proj"
             assert hasattr(module, fused), name
             assert not any(hasattr(module, p) for p in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")), name
-    ids, mask = padded_batch()
-    expected, actual = logits(vanilla, ids, mask), logits(patched, ids, mask)
+    ids, mask = padded_batch(VOCAB, pad_token_id=PAD)
+    expected, actual = logits_of(vanilla, ids, mask), logits_of(patched, ids, mask)
     assert torch.isfinite(expected[mask.bool()]).all()
     torch.testing.assert_close(actual, expected, rtol=0, atol=1e-5)
     # The mask matters here (so that the comparison above covers it).
-    unmasked = logits(patched, ids, torch.ones_like(mask))
+    unmasked = logits_of(patched, ids, torch.ones_like(mask))
     assert (unmasked[2, -1] - actual[2, -1]).abs().max() > 1e-3
 
 
 def test_greedy_generation_with_kv_cache_matches_vanilla(checkpoints: dict[str, Path], case: Case) -> None:
-    vanilla = load(checkpoints[case.name], packs=None)
-    patched = load(checkpoints[case.name])
-    ids, mask = padded_batch(seed=1)
+    vanilla = load_model(checkpoints[case.name])
+    patched = load_model(checkpoints[case.name], PACK)
+    ids, mask = padded_batch(VOCAB, pad_token_id=PAD, seed=1)
     settings: dict[str, Any] = dict(
         attention_mask=mask,
         max_new_tokens=20,
@@ -150,7 +119,7 @@ def test_greedy_generation_with_kv_cache_matches_vanilla(checkpoints: dict[str, 
 
 def test_save_pretrained_writes_the_original_layout(checkpoints: dict[str, Path], case: Case, tmp_path: Path) -> None:
     source = checkpoints[case.name]
-    patched = load(source)
+    patched = load_model(source, PACK)
     patched.save_pretrained(tmp_path)
     written, original = safetensors_of(tmp_path), safetensors_of(source)
     assert sorted(written) == sorted(original)
@@ -178,9 +147,9 @@ def test_from_config_initialises_and_saves_the_original_layout(
     model.save_pretrained(tmp_path)
     expected = {key: tuple(value.shape) for key, value in safetensors_of(checkpoints[name]).items()}
     assert {key: tuple(value.shape) for key, value in safetensors_of(tmp_path).items()} == expected
-    reloaded = load(tmp_path, packs=None)
-    ids, mask = padded_batch(seed=3)
-    torch.testing.assert_close(logits(reloaded, ids, mask), logits(model, ids, mask), rtol=0, atol=1e-5)
+    reloaded = load_model(tmp_path)
+    ids, mask = padded_batch(VOCAB, pad_token_id=PAD, seed=3)
+    torch.testing.assert_close(logits_of(reloaded, ids, mask), logits_of(model, ids, mask), rtol=0, atol=1e-5)
 
 
 @pytest.mark.parametrize("name", ["mistral-sliding", "qwen2-sliding"])
@@ -189,11 +158,11 @@ def test_the_sliding_window_cases_exercise_the_window(checkpoints: dict[str, Pat
     path = checkpoints[name]
     config = AutoConfig.from_pretrained(path)
     assert config.sliding_window == 4
-    windowed = load(path)
+    windowed = load_model(path, PACK)
     config.sliding_window = 1000
-    widened = load(path, config=config)
+    widened = load_model(path, PACK, config=config)
     ids, mask = torch.randint(3, VOCAB, (1, 12), generator=torch.Generator().manual_seed(6)), torch.ones(1, 12)
-    inside, outside = logits(windowed, ids, mask), logits(widened, ids, mask)
+    inside, outside = logits_of(windowed, ids, mask), logits_of(widened, ids, mask)
     torch.testing.assert_close(inside[:, :4], outside[:, :4], rtol=0, atol=1e-5)
     assert (inside[:, 4:] - outside[:, 4:]).abs().max() > 1e-2
 
@@ -217,12 +186,12 @@ def test_the_attention_function_gets_what_the_original_passes(
         return sdpa(module, query, *args, **kwargs)
 
     monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS._global_mapping, "sdpa", capture)
-    ids, mask = padded_batch(seed=9)
+    ids, mask = padded_batch(VOCAB, pad_token_id=PAD, seed=9)
     seen = []
     for packs in (None, PACK):
-        model = load(checkpoints[case.name], packs=packs, attn_implementation="sdpa")
+        model = load_model(checkpoints[case.name], packs, attn_implementation="sdpa")
         calls.clear()
-        logits(model, ids, mask)
+        logits_of(model, ids, mask)
         seen.append(list(calls))
     vanilla, patched = seen
     assert len(vanilla) == case.config.num_hidden_layers
@@ -236,9 +205,9 @@ def test_attention_outputs_are_recorded(checkpoints: dict[str, Path]) -> None:
     """``output_attentions`` works on the patched model (its attention subclasses the
     original, which the output recorders look for) and gives vanilla's weights."""
     path = checkpoints["qwen3"]
-    ids, mask = padded_batch(seed=5)
-    patched = load(path, attn_implementation="eager")
-    vanilla = load(path, packs=None, attn_implementation="eager")
+    ids, mask = padded_batch(VOCAB, pad_token_id=PAD, seed=5)
+    patched = load_model(path, PACK, attn_implementation="eager")
+    vanilla = load_model(path, attn_implementation="eager")
     with torch.no_grad():
         expected = vanilla(input_ids=ids, attention_mask=mask, output_attentions=True).attentions
         actual = patched(input_ids=ids, attention_mask=mask, output_attentions=True).attentions
@@ -254,11 +223,11 @@ def test_a_patched_load_leaves_transformers_unpatched(checkpoints: dict[str, Pat
         for name in (family.attention, family.mlp)
     }
     for name in ("llama", "qwen3", "qwen2_moe"):
-        load(checkpoints[name])
+        load_model(checkpoints[name], PACK)
     for (model_type, name), cls in originals.items():
         assert getattr(MODELING[model_type], name) is cls
         assert not issubclass(cls, (FusedQKVAttention, FusedGateUpMLP))
-    vanilla = load(checkpoints["llama"], packs=None)
+    vanilla = load_model(checkpoints["llama"])
     assert type(vanilla.model.layers[0].self_attn) is MODELING["llama"].LlamaAttention
     assert type(vanilla.model.layers[0].mlp) is MODELING["llama"].LlamaMLP
 
@@ -268,7 +237,7 @@ def test_the_fused_classes_unpickle_in_a_fresh_process(checkpoints: dict[str, Pa
     in a process that has not built them yet (``torch.load`` of a whole model, a worker)."""
     import pickle
 
-    model = load(checkpoints["qwen2_moe"])
+    model = load_model(checkpoints["qwen2_moe"], PACK)
     classes = sorted({type(m) for m in model.modules() if isinstance(m, (FusedQKVAttention, FusedGateUpMLP))}, key=str)
     assert len(classes) == 2
     # each class with the transformers class it derives from (the first in its MRO)
@@ -289,7 +258,7 @@ def test_a_whole_patched_model_round_trips_through_torch_save(checkpoints: dict[
     """``torch.save(model)`` in this process, ``torch.load`` + ``save_pretrained`` in a fresh
     one: the fused classes and the save guard unpickle, and the original layout is written."""
     source = checkpoints["llama"]
-    torch.save(load(source), tmp_path / "model.pt")
+    torch.save(load_model(source, PACK), tmp_path / "model.pt")
     probe = (
         "import sys, torch; "
         "model = torch.load(sys.argv[1], weights_only=False); "
@@ -411,7 +380,7 @@ def test_composes_with_qwen_moe(checkpoints: dict[str, Path], name: str, tmp_pat
     assert "qwen-moe" in hfpatch_core.discover().packs, "install plugins/hfpatch-pack-qwen-moe too"
     family = FAMILIES[name]
     source = checkpoints[name]
-    both = load(source, packs="qwen-moe,fused-dense")
+    both = load_model(source, "qwen-moe,fused-dense")
     experts = "Qwen2MoeExperts" if name == "qwen2_moe" else "Qwen3MoeExperts"
     assert owners(both) == {family.attention: "qwen-moe", experts: "qwen-moe", family.mlp: PACK}
     plan = hfpatch_core.plan_of(both)
@@ -423,9 +392,9 @@ def test_composes_with_qwen_moe(checkpoints: dict[str, Path], name: str, tmp_pat
     assert lost_converter[0].pack == PACK and lost_converter[0].priority == -1
     assert {c.pack for c in plan.conversions.claims} == {"qwen-moe", PACK}
 
-    vanilla = load(source, packs=None)
-    ids, mask = padded_batch(seed=7)
-    torch.testing.assert_close(logits(both, ids, mask), logits(vanilla, ids, mask), rtol=0, atol=1e-5)
+    vanilla = load_model(source)
+    ids, mask = padded_batch(VOCAB, pad_token_id=PAD, seed=7)
+    torch.testing.assert_close(logits_of(both, ids, mask), logits_of(vanilla, ids, mask), rtol=0, atol=1e-5)
     both.save_pretrained(tmp_path)
     written, original = safetensors_of(tmp_path), safetensors_of(source)
     assert sorted(written) == sorted(original)
@@ -438,17 +407,17 @@ def test_raising_fused_dense_priority_makes_it_win_the_attention(checkpoints: di
     hfpatch refuses with an error naming both packs."""
     source = checkpoints["qwen2_moe"]
     with pytest.raises(hfpatch_core.PatchConflictError, match="'fused-dense' and 'qwen-moe' both replace"):
-        load(source, packs="qwen-moe,fused-dense@+1")
-    flipped = load(source, packs="qwen-moe,fused-dense@+2")
+        load_model(source, "qwen-moe,fused-dense@+1")
+    flipped = load_model(source, "qwen-moe,fused-dense@+2")
     assert owners(flipped) == {"Qwen2MoeAttention": PACK, "Qwen2MoeExperts": "qwen-moe", "Qwen2MoeMLP": PACK}
     assert type(flipped.model.layers[0].self_attn).__module__ == "hfpatch_pack_fused_dense.modules"
     plan = hfpatch_core.plan_of(flipped)
     assert plan is not None
     assert [lost.claim.pack for lost in plan.lost] == ["qwen-moe"]
     assert [claim.pack for claim, _ in plan.conversions.lost] == ["qwen-moe"]
-    ids, mask = padded_batch(seed=8)
-    vanilla = load(source, packs=None)
-    torch.testing.assert_close(logits(flipped, ids, mask), logits(vanilla, ids, mask), rtol=0, atol=1e-5)
+    ids, mask = padded_batch(VOCAB, pad_token_id=PAD, seed=8)
+    vanilla = load_model(source)
+    torch.testing.assert_close(logits_of(flipped, ids, mask), logits_of(vanilla, ids, mask), rtol=0, atol=1e-5)
 
 
 _RIVAL_ATTENTION = """
@@ -473,7 +442,7 @@ def test_a_pack_winning_one_class_without_a_converter_leaves_that_class_unconver
     monkeypatch.setattr(sys, "path", list(sys.path))  # the rival is installed for this test only
     install_pack(tmp_path / "site", "rival-attention", _RIVAL_ATTENTION)
     source = checkpoints["llama"]
-    model = load(source, packs=f"{PACK},rival-attention")
+    model = load_model(source, f"{PACK},rival-attention")
     assert owners(model) == {"LlamaAttention": "rival-attention", "LlamaMLP": PACK}
     plan = hfpatch_core.plan_of(model)
     assert plan is not None
@@ -482,9 +451,9 @@ def test_a_pack_winning_one_class_without_a_converter_leaves_that_class_unconver
     assert reason.startswith("its patch 'LlamaAttention' is not applied: priority 0 < 1 of pack 'rival-attention'")
     assert {origin for entries in plan.conversions.lists.values() for origin in (e.origin for e in entries)} == {PACK}
 
-    vanilla = load(source, packs=None)
-    ids, mask = padded_batch(seed=9)
-    torch.testing.assert_close(logits(model, ids, mask), logits(vanilla, ids, mask), rtol=0, atol=1e-5)
+    vanilla = load_model(source)
+    ids, mask = padded_batch(VOCAB, pad_token_id=PAD, seed=9)
+    torch.testing.assert_close(logits_of(model, ids, mask), logits_of(vanilla, ids, mask), rtol=0, atol=1e-5)
     model.save_pretrained(tmp_path / "saved")
     written, original = safetensors_of(tmp_path / "saved"), safetensors_of(source)
     assert sorted(written) == sorted(original)
@@ -515,24 +484,16 @@ _PROBE = textwrap.dedent(
 
 
 def test_the_pack_is_discovered_from_an_installed_wheel(checkpoints: dict[str, Path], tmp_path: Path) -> None:
-    site = tmp_path / "site"
-    wheel = install_wheel(PACK_DIR, site)
-    assert wheel.name.startswith("hfpatch_pack_fused_dense-0.1.0-"), wheel
-    # The wheel's copy comes first on the path, ahead of any other install of the pack.
-    env = {**os.environ, "PYTHONPATH": str(site), "HF_PATCH_PACKS": PACK}
-    env.pop("HF_PATCH_STRICT", None)
-    run = dict(env=env, cwd=tmp_path, capture_output=True, text=True, check=True, timeout=120)
-
-    listing = subprocess.run([sys.executable, "-m", "hfpatch_core", "list", "--json"], **run)  # type: ignore[call-overload]
-    rows = [row for row in json.loads(listing.stdout)["packs"] if row["name"] == PACK]
-    assert len(rows) == 1, listing.stdout
-    (row,) = rows
+    # The wheel's copy is alone on the path, ahead of any other install of the pack.
+    installed = discover_from_wheel(PACK_DIR, PACK, tmp_path)
+    assert installed.wheel.name.startswith("hfpatch_pack_fused_dense-0.1.0-"), installed.wheel
+    row = installed.row
     assert (row["distribution"], row["version"], row["enabled"]) == ("hfpatch-pack-fused-dense", "0.1.0", True)
     assert row["transformers"] == "<6,>=5.3" and row["description"]
 
-    probe = subprocess.run([sys.executable, "-c", _PROBE, str(checkpoints["qwen2-sliding"])], **run)  # type: ignore[call-overload]
+    probe = installed.run_python("-c", _PROBE, checkpoints["qwen2-sliding"])
     found = json.loads(probe.stdout.strip().splitlines()[-1])
-    assert Path(found["distribution_files"]).resolve() == site.resolve()
-    assert Path(found["module_file"]).resolve().is_relative_to(site.resolve())
+    assert Path(found["distribution_files"]).resolve() == installed.site.resolve()
+    assert Path(found["module_file"]).resolve().is_relative_to(installed.site.resolve())
     assert found["replaced"] == {"Qwen2Attention": PACK, "Qwen2MLP": PACK}
     assert found["attention"] == "hfpatch_pack_fused_dense.modules"

@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import re
-import subprocess
 import sys
 import textwrap
 import threading
@@ -40,33 +38,12 @@ from transformers import AutoModelForCausalLM, Qwen2MoeConfig
 import hfpatch_core
 from conftest import CASES, COMMON, PACK, PAD, VOCAB
 from hfpatch_core import LoadContext, PackWarning, Patch
-from hfpatch_core.testing import assert_pack_equivalent, install_wheel
+from hfpatch_core.testing import assert_pack_equivalent, discover_from_wheel, load_model, padded_batch
 
 PACK_DIR = Path(__file__).resolve().parents[1]
 
 
 # --- helpers ----------------------------------------------------------------------------
-
-
-def load(path: Path, *, patched: bool = True, **kwargs: Any) -> Any:
-    """``from_pretrained`` as a user would, with hfpatch enabled for the pack or not at all."""
-    if patched:
-        hfpatch_core.enable(PACK)
-    try:
-        model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
-    finally:
-        hfpatch_core.disable()
-    return model.eval()
-
-
-def padded_batch(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Three prompts of 12, 8 and 5 tokens, left-padded to 12."""
-    ids = torch.randint(3, VOCAB, (3, 12), generator=torch.Generator().manual_seed(seed))
-    mask = torch.ones_like(ids)
-    mask[1, :4] = 0
-    mask[2, :7] = 0
-    ids[mask == 0] = PAD
-    return ids, mask
 
 
 def routers(model: nn.Module) -> list[nn.Module]:
@@ -151,10 +128,10 @@ def test_without_replay_the_patched_model_is_vanilla_bit_for_bit(checkpoints: di
     # which the save-layout check once passed to remove_tied_weights_from_state_dict
     assert not [str(warning.message) for warning in caught if issubclass(warning.category, PackWarning)]
 
-    vanilla, patched = load(checkpoints[family], patched=False), load(checkpoints[family])
+    vanilla, patched = load_model(checkpoints[family]), load_model(checkpoints[family], PACK)
     assert {type(router) for router in routers(patched)} == {FAMILIES[family].replayable}
     assert type(routers(vanilla)[0]) is FAMILIES[family].replayable.original
-    ids, mask = padded_batch()
+    ids, mask = padded_batch(VOCAB, pad_token_id=PAD)
     with torch.no_grad():
         expected = vanilla(input_ids=ids, attention_mask=mask, output_router_logits=True)
         actual = patched(input_ids=ids, attention_mask=mask, output_router_logits=True)
@@ -175,8 +152,8 @@ def test_replaying_a_models_own_routing_changes_nothing(
 ) -> None:
     """Same logits, router outputs (dtypes included) and router gradients, bit for bit: the
     replayed scores are exactly what the family computes when its own top-k picks those experts."""
-    model = load(checkpoints[family], dtype=dtype)
-    ids, mask = padded_batch(seed=1)
+    model = load_model(checkpoints[family], PACK, dtype=dtype)
+    ids, mask = padded_batch(VOCAB, pad_token_id=PAD, seed=1)
     routing = record(model, ids, mask)
     assert (routing.num_layers, routing.batch_size, routing.seq_len, routing.top_k) == (2, 3, 12, 2)
 
@@ -208,8 +185,8 @@ def test_replay_on_perturbed_router_weights_selects_the_recorded_experts(
     """The rollout policy routed; the trained policy's routers moved; replay forces the
     rollout's experts and scores them with the trained policy's router weights."""
     case = CASES[family]
-    rollout, trained = load(checkpoints[family]), load(checkpoints[family])
-    ids, mask = padded_batch(seed=2)
+    rollout, trained = load_model(checkpoints[family], PACK), load_model(checkpoints[family], PACK)
+    ids, mask = padded_batch(VOCAB, pad_token_id=PAD, seed=2)
     recorded = record(rollout, ids, mask)
     perturb(trained)
 
@@ -245,8 +222,8 @@ def test_replay_on_perturbed_router_weights_selects_the_recorded_experts(
 def test_routing_recorded_during_generate_replays_on_the_full_sequence(checkpoints: dict[str, Path], name: str) -> None:
     """``generate`` with a KV cache runs the prompt, then one token per step: the
     recording concatenates them per sequence, in order, for one training forward."""
-    model = load(checkpoints[name])
-    ids, mask = padded_batch(seed=3)
+    model = load_model(checkpoints[name], PACK)
+    ids, mask = padded_batch(VOCAB, pad_token_id=PAD, seed=3)
     new = 6
     with torch.no_grad(), record_routing(model) as recording:
         sequences = model.generate(
@@ -293,10 +270,10 @@ def test_routing_recorded_during_generate_replays_on_the_full_sequence(checkpoin
 
 def test_live_rows_keep_the_routers_own_selection_for_padding(checkpoints: dict[str, Path]) -> None:
     """Sequences routed one by one (as vLLM returns them), stacked into a left-padded batch."""
-    model = load(checkpoints["qwen2_moe"])
-    trained = load(checkpoints["qwen2_moe"])
+    model = load_model(checkpoints["qwen2_moe"], PACK)
+    trained = load_model(checkpoints["qwen2_moe"], PACK)
     perturb(trained)
-    ids, mask = padded_batch(seed=4)
+    ids, mask = padded_batch(VOCAB, pad_token_id=PAD, seed=4)
     lengths = mask.sum(dim=1).tolist()
     singles = [record(model, ids[i : i + 1, 12 - n :], mask[i : i + 1, 12 - n :]) for i, n in enumerate(lengths)]
     assert [single.seq_len for single in singles] == lengths
@@ -322,9 +299,9 @@ def test_only_moe_layers_have_routing(tmp_path: Path) -> None:
     )
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
-    model = load(tmp_path)
+    model = load_model(tmp_path, PACK)
     assert [name for name, _ in routers_of(model)] == ["model.layers.0.mlp.gate", "model.layers.2.mlp.gate"]
-    ids, mask = padded_batch(seed=5)
+    ids, mask = padded_batch(VOCAB, pad_token_id=PAD, seed=5)
     routing = record(model, ids, mask)
     assert routing.num_layers == 2
     three = Routing((*routing.layers, routing.layers[0]), batch_size=3)
@@ -357,7 +334,7 @@ def test_vllm_routed_experts_convert_both_ways(checkpoints: dict[str, Path]) -> 
     assert batched == Routing.stack([routing, Routing.from_vllm(array[::-1].copy())])
 
     # a model's routing through vLLM's layout replays as the original
-    model = load(checkpoints["olmoe"])
+    model = load_model(checkpoints["olmoe"], PACK)
     ids = torch.randint(3, VOCAB, (1, 9), generator=torch.Generator().manual_seed(6))
     mask = torch.ones_like(ids)
     recorded = record(model, ids, mask)
@@ -428,8 +405,8 @@ def rejected(model: nn.Module, routing: Any) -> str:
 def test_a_routing_that_does_not_fit_the_model_is_rejected_before_or_at_the_forward(
     checkpoints: dict[str, Path],
 ) -> None:
-    model = load(checkpoints["qwen3_moe"])
-    ids, mask = padded_batch(seed=7)
+    model = load_model(checkpoints["qwen3_moe"], PACK)
+    ids, mask = padded_batch(VOCAB, pad_token_id=PAD, seed=7)
     routing = record(model, ids, mask)
 
     message = rejected(model, Routing(routing.layers[:1], batch_size=3))
@@ -443,7 +420,7 @@ def test_a_routing_that_does_not_fit_the_model_is_rejected_before_or_at_the_forw
     assert "has 4 experts (ids 0..3), the routing names expert 4" in rejected(model, too_high)
     assert "routing must be a Routing, got Tensor" in rejected(model, routing.to_vllm())
     assert re.search(r"has no MoE router of a family .*mixtral", rejected(nn.Linear(2, 2), routing))
-    vanilla = load(checkpoints["qwen3_moe"], patched=False)
+    vanilla = load_model(checkpoints["qwen3_moe"])
     assert "loaded without the moe-replay pack" in rejected(vanilla, routing)
     assert "hfpatch_core.enable('moe-replay')" in rejected(vanilla, routing)
 
@@ -463,10 +440,10 @@ def test_a_routing_that_does_not_fit_the_model_is_rejected_before_or_at_the_forw
 
 def test_a_replay_is_scoped_to_its_block_model_and_thread(checkpoints: dict[str, Path]) -> None:
     path = checkpoints["mixtral"]
-    source, model, other = load(path), load(path), load(path)
+    source, model, other = load_model(path, PACK), load_model(path, PACK), load_model(path, PACK)
     perturb(model)
     perturb(other)
-    ids, mask = padded_batch(seed=8)
+    ids, mask = padded_batch(VOCAB, pad_token_id=PAD, seed=8)
     recorded = record(source, ids, mask)
     live = record(model, ids, mask)
     assert live != recorded
@@ -495,8 +472,8 @@ def test_a_replay_is_scoped_to_its_block_model_and_thread(checkpoints: dict[str,
 
 
 def test_a_recording_sees_only_its_thread_and_is_removed_afterwards(checkpoints: dict[str, Path]) -> None:
-    model = load(checkpoints["flex_olmo"])
-    ids, mask = padded_batch(seed=9)
+    model = load_model(checkpoints["flex_olmo"], PACK)
+    ids, mask = padded_batch(VOCAB, pad_token_id=PAD, seed=9)
     with torch.no_grad(), record_routing(model) as recording:
         worker = threading.Thread(target=lambda: model(input_ids=ids, attention_mask=mask))
         worker.start()
@@ -523,9 +500,9 @@ def test_gradient_checkpointing_recomputes_with_the_replayed_routing(
 ) -> None:
     """The recomputation in ``backward()`` replays too, also on a thread that is not the
     one that opened the block (autograd runs GPU backward on its own threads)."""
-    source, model = load(checkpoints["qwen3_moe"]), load(checkpoints["qwen3_moe"])
+    source, model = load_model(checkpoints["qwen3_moe"], PACK), load_model(checkpoints["qwen3_moe"], PACK)
     perturb(model)
-    ids, mask = padded_batch(seed=10)
+    ids, mask = padded_batch(VOCAB, pad_token_id=PAD, seed=10)
     recorded = record(source, ids, mask)
     model.train()
     with replay_routing(model, recorded):
@@ -560,9 +537,9 @@ def test_gradient_checkpointing_recomputes_with_the_replayed_routing(
 def test_a_patched_load_leaves_transformers_unpatched(checkpoints: dict[str, Path], family: str) -> None:
     original = FAMILIES[family].replayable.original
     module = sys.modules[original.__module__]
-    load(checkpoints[family])
+    load_model(checkpoints[family], PACK)
     assert getattr(module, original.__name__) is original
-    assert type(routers(load(checkpoints[family], patched=False))[0]) is original
+    assert type(routers(load_model(checkpoints[family]))[0]) is original
 
 
 def test_the_replay_reads_the_routers_first_output_as_the_installed_transformers_returns_it(
@@ -618,40 +595,17 @@ _PROBE = textwrap.dedent(
 
 
 def test_the_pack_is_discovered_from_an_installed_wheel(checkpoints: dict[str, Path], tmp_path: Path) -> None:
-    site = tmp_path / "site"
-    wheel = install_wheel(PACK_DIR, site)
-    assert wheel.name.startswith("hfpatch_pack_moe_replay-0.1.0-"), wheel
-    # The wheel's copy comes first on the path, ahead of any other install of the pack.
-    env = {**os.environ, "PYTHONPATH": str(site), "HF_PATCH_PACKS": PACK}
-    env.pop("HF_PATCH_STRICT", None)
-
-    listing = subprocess.run(
-        [sys.executable, "-m", "hfpatch_core", "list", "--json"],
-        env=env,
-        cwd=tmp_path,  # not the pack's source directory, which would shadow the wheel
-        capture_output=True,
-        text=True,
-        check=True,
-        timeout=60,
-    )
-    rows = [row for row in json.loads(listing.stdout)["packs"] if row["name"] == PACK]
-    assert len(rows) == 1, listing.stdout
-    (row,) = rows
+    # The wheel's copy is alone on the path, ahead of any other install of the pack.
+    installed = discover_from_wheel(PACK_DIR, PACK, tmp_path)
+    assert installed.wheel.name.startswith("hfpatch_pack_moe_replay-0.1.0-"), installed.wheel
+    row = installed.row
     assert (row["distribution"], row["version"], row["enabled"]) == ("hfpatch-pack-moe-replay", "0.1.0", True)
     assert row["transformers"] == "<6,>=5.3" and row["description"]
 
-    probe = subprocess.run(
-        [sys.executable, "-c", _PROBE, str(checkpoints["qwen3_moe"])],
-        env=env,
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        check=True,
-        timeout=120,
-    )
+    probe = installed.run_python("-c", _PROBE, checkpoints["qwen3_moe"])
     found = json.loads(probe.stdout.strip().splitlines()[-1])
-    assert Path(found["distribution_files"]).resolve() == site.resolve()
-    assert Path(found["module_file"]).resolve().is_relative_to(site.resolve())
+    assert Path(found["distribution_files"]).resolve() == installed.site.resolve()
+    assert Path(found["module_file"]).resolve().is_relative_to(installed.site.resolve())
     assert found["replaced"] == {"Qwen3MoeTopKRouter": PACK}
     assert found["router"] == "hfpatch_pack_moe_replay.routing"
     assert found["replayed"] is True

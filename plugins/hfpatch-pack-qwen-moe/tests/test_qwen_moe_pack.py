@@ -7,10 +7,7 @@ the pack must change the module structure and nothing else.
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 from typing import Any
@@ -22,7 +19,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 from hfpatch_pack_qwen_moe import BUILTIN_EXPERT_FUSION, FAMILIES, PerExpertExperts, qkv_sizes
 from hfpatch_pack_qwen_moe.attention import FusedQKVAttention
-from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.conversion_mapping import get_checkpoint_conversion_mapping
 from transformers.models.qwen2_moe import modeling_qwen2_moe
@@ -32,7 +28,7 @@ import hfpatch_core
 from conftest import CASES, PACK, PAD, VOCAB
 from hfpatch_core import LoadContext
 from hfpatch_core.conversion import SizedConcatenate, source_patterns_of
-from hfpatch_core.testing import install_wheel
+from hfpatch_core.testing import discover_from_wheel, load_model, logits_of, padded_batch, safetensors_of
 
 PACK_DIR = Path(__file__).resolve().parents[1]
 
@@ -54,33 +50,6 @@ ORIGINAL_CLASSES = {
 # --- helpers ----------------------------------------------------------------------------
 
 
-def load(path: Path, *, patched: bool, **kwargs: Any) -> Any:
-    """``from_pretrained`` as a user would, with hfpatch enabled for the pack or not at all."""
-    if patched:
-        hfpatch_core.enable(PACK)
-    try:
-        model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
-    finally:
-        hfpatch_core.disable()
-    return model.eval()
-
-
-def padded_batch(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Three prompts of 12, 8 and 5 tokens, left-padded to 12."""
-    ids = torch.randint(3, VOCAB, (3, 12), generator=torch.Generator().manual_seed(seed))
-    mask = torch.ones_like(ids)
-    mask[1, :4] = 0
-    mask[2, :7] = 0
-    ids[mask == 0] = PAD
-    return ids, mask
-
-
-def logits(model: Any, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    with torch.no_grad():
-        result: torch.Tensor = model(input_ids=ids, attention_mask=mask).logits.float()
-    return result
-
-
 def assert_patched(model: Any) -> None:
     """Every layer's experts and attention are the pack's classes, under the plan's names."""
     family = FAMILIES[model.config.model_type]
@@ -94,16 +63,6 @@ def assert_patched(model: Any) -> None:
         assert type(layer.mlp.experts) is PerExpertExperts
         assert type(layer.self_attn) is family.fused_attention
         assert not hasattr(layer.self_attn, "q_proj")
-
-
-def safetensors_of(path: Path) -> dict[str, torch.Tensor]:
-    tensors = {}
-    for file in sorted(path.glob("*.safetensors")):
-        with safe_open(str(file), framework="pt") as handle:
-            for key in handle.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                tensors[key] = handle.get_tensor(key)
-    assert tensors, f"no safetensors under {path}"
-    return tensors
 
 
 # --- the pack's hooks -------------------------------------------------------------------
@@ -153,7 +112,7 @@ def test_qkv_converter_sizes_follow_the_config(name: str) -> None:
 
 
 def test_plan_records_the_replaced_builtin_fusion(checkpoints: dict[str, Path], case: str) -> None:
-    model = load(checkpoints[case], patched=True)
+    model = load_model(checkpoints[case], PACK)
     assert_patched(model)
     plan = hfpatch_core.plan_of(model)
     assert plan is not None and plan.conversions
@@ -174,24 +133,24 @@ def test_plan_records_the_replaced_builtin_fusion(checkpoints: dict[str, Path], 
 
 
 def test_logits_match_vanilla_fp32_on_a_left_padded_batch(checkpoints: dict[str, Path], case: str) -> None:
-    vanilla = load(checkpoints[case], patched=False)
-    patched = load(checkpoints[case], patched=True)
+    vanilla = load_model(checkpoints[case])
+    patched = load_model(checkpoints[case], PACK)
     assert_patched(patched)
-    ids, mask = padded_batch()
-    expected, actual = logits(vanilla, ids, mask), logits(patched, ids, mask)
+    ids, mask = padded_batch(VOCAB, pad_token_id=PAD)
+    expected, actual = logits_of(vanilla, ids, mask), logits_of(patched, ids, mask)
     real = mask.bool()
     assert torch.isfinite(expected[real]).all()
     torch.testing.assert_close(actual, expected, rtol=0, atol=1e-5)
     # The mask matters here (so that the comparison above covers it): the padded prompt's
     # logits differ from those of the same tokens without a mask.
-    unmasked = logits(patched, ids, torch.ones_like(mask))
+    unmasked = logits_of(patched, ids, torch.ones_like(mask))
     assert (unmasked[2, -1] - actual[2, -1]).abs().max() > 1e-3
 
 
 def test_greedy_generation_with_kv_cache_matches_vanilla(checkpoints: dict[str, Path], case: str) -> None:
-    vanilla = load(checkpoints[case], patched=False)
-    patched = load(checkpoints[case], patched=True)
-    ids, mask = padded_batch(seed=1)
+    vanilla = load_model(checkpoints[case])
+    patched = load_model(checkpoints[case], PACK)
+    ids, mask = padded_batch(VOCAB, pad_token_id=PAD, seed=1)
     settings: dict[str, Any] = dict(
         attention_mask=mask,
         max_new_tokens=20,
@@ -222,13 +181,13 @@ def test_greedy_generation_with_kv_cache_matches_vanilla(checkpoints: dict[str, 
 def test_the_sliding_window_cases_exercise_the_window(checkpoints: dict[str, Path], name: str) -> None:
     """On the patched model, widening the 4-token window changes the logits past it and only there."""
     path = checkpoints[name]
-    windowed = load(path, patched=True)
+    windowed = load_model(path, PACK)
     config = AutoConfig.from_pretrained(path)
     assert config.sliding_window == 4
     config.sliding_window = 1000
-    widened = load(path, patched=True, config=config)
+    widened = load_model(path, PACK, config=config)
     ids, mask = torch.randint(3, VOCAB, (1, 12), generator=torch.Generator().manual_seed(6)), torch.ones(1, 12)
-    inside, outside = logits(windowed, ids, mask), logits(widened, ids, mask)
+    inside, outside = logits_of(windowed, ids, mask), logits_of(widened, ids, mask)
     torch.testing.assert_close(inside[:, :4], outside[:, :4], rtol=0, atol=1e-5)
     assert (inside[:, 4:] - outside[:, 4:]).abs().max() > 1e-2
 
@@ -242,19 +201,19 @@ def test_bf16_logits_match_vanilla_within_the_measured_tolerance(checkpoints: di
     routing flips); the pack's per-expert modules run the eager loop.
     """
     source = checkpoints[case]
-    default = load(source, patched=False, dtype=torch.bfloat16)
-    eager = load(source, patched=False, dtype=torch.bfloat16, experts_implementation="eager")
-    patched = load(source, patched=True, dtype=torch.bfloat16)
+    default = load_model(source, dtype=torch.bfloat16)
+    eager = load_model(source, dtype=torch.bfloat16, experts_implementation="eager")
+    patched = load_model(source, PACK, dtype=torch.bfloat16)
     assert patched.model.layers[0].self_attn.qkv_proj.weight.dtype == torch.bfloat16
     assert patched.model.layers[0].mlp.experts[0].gate_proj.weight.dtype == torch.bfloat16
-    ids, mask = padded_batch(seed=2)
+    ids, mask = padded_batch(VOCAB, pad_token_id=PAD, seed=2)
     real = mask.bool()
-    actual = logits(patched, ids, mask)[real]
-    from_eager = (actual - logits(eager, ids, mask)[real]).abs().max().item()
+    actual = logits_of(patched, ids, mask)[real]
+    from_eager = (actual - logits_of(eager, ids, mask)[real]).abs().max().item()
     assert from_eager <= BF16_ATOL, f"bf16 max abs difference from vanilla (eager experts): {from_eager}"
-    expected = logits(default, ids, mask)[real]
+    expected = logits_of(default, ids, mask)[real]
     from_default = (actual - expected).abs().max().item()
-    transformers_own = (logits(eager, ids, mask)[real] - expected).abs().max().item()
+    transformers_own = (logits_of(eager, ids, mask)[real] - expected).abs().max().item()
     assert from_default <= transformers_own + BF16_ATOL, (from_default, transformers_own)
 
 
@@ -263,7 +222,7 @@ def test_bf16_logits_match_vanilla_within_the_measured_tolerance(checkpoints: di
 
 def test_save_pretrained_writes_the_original_layout(checkpoints: dict[str, Path], case: str, tmp_path: Path) -> None:
     source = checkpoints[case]
-    patched = load(source, patched=True)
+    patched = load_model(source, PACK)
     patched.save_pretrained(tmp_path)
     written, original = safetensors_of(tmp_path), safetensors_of(source)
     assert sorted(written) == sorted(original)
@@ -273,12 +232,12 @@ def test_save_pretrained_writes_the_original_layout(checkpoints: dict[str, Path]
         assert written[key].shape == tensor.shape and written[key].dtype == tensor.dtype, key
         assert torch.equal(written[key], tensor), key
 
-    reloaded = load(tmp_path, patched=False)
+    reloaded = load_model(tmp_path)
     assert hfpatch_core.plan_of(reloaded) is None
     assert type(reloaded.model.layers[0].mlp.experts) is ORIGINAL_CLASSES[FAMILIES[reloaded.config.model_type].experts]
-    ids, mask = padded_batch(seed=3)
+    ids, mask = padded_batch(VOCAB, pad_token_id=PAD, seed=3)
     torch.testing.assert_close(
-        logits(reloaded, ids, mask), logits(load(source, patched=False), ids, mask), rtol=0, atol=1e-5
+        logits_of(reloaded, ids, mask), logits_of(load_model(source), ids, mask), rtol=0, atol=1e-5
     )
 
 
@@ -341,11 +300,11 @@ def test_a_linear_swapping_quantizer_reaches_every_expert(checkpoints: dict[str,
     expert_linear = re.compile(r"\.mlp\.experts\.(\d+)\.(gate|up|down)_proj$")
     fused_qkv = re.compile(r"\.self_attn\.qkv_proj$")
 
-    vanilla = load(checkpoints[name], patched=False)
+    vanilla = load_model(checkpoints[name])
     vanilla_converted = quantize(vanilla)
     assert not [n for n in vanilla_converted if expert_linear.search(n)], "vanilla experts are 3-D parameters"
 
-    patched = load(checkpoints[name], patched=True)
+    patched = load_model(checkpoints[name], PACK)
     converted = quantize(patched)
     experts = [n for n in converted if expert_linear.search(n)]
     assert len(experts) == config.num_hidden_layers * config.num_experts * 3
@@ -354,8 +313,8 @@ def test_a_linear_swapping_quantizer_reaches_every_expert(checkpoints: dict[str,
     leftovers = [n for n, m in patched.named_modules() if type(m) is nn.Linear]
     assert leftovers == []
 
-    ids, mask = padded_batch(seed=4)
-    logits(patched, ids, mask)
+    ids, mask = padded_batch(VOCAB, pad_token_id=PAD, seed=4)
+    logits_of(patched, ids, mask)
     modules = dict(patched.named_modules())
     assert all(modules[n].calls == 1 for n in converted if fused_qkv.search(n))
     expert_calls = [modules[n].calls for n in experts]
@@ -371,13 +330,13 @@ def test_a_linear_swapping_quantizer_reaches_every_expert(checkpoints: dict[str,
 
 def test_a_patched_load_leaves_transformers_unpatched(checkpoints: dict[str, Path]) -> None:
     for name in ("qwen2_moe", "qwen3_moe"):
-        load(checkpoints[name], patched=True)
+        load_model(checkpoints[name], PACK)
     assert modeling_qwen2_moe.Qwen2MoeExperts is ORIGINAL_CLASSES["Qwen2MoeExperts"]
     assert modeling_qwen2_moe.Qwen2MoeAttention is ORIGINAL_CLASSES["Qwen2MoeAttention"]
     assert modeling_qwen3_moe.Qwen3MoeExperts is ORIGINAL_CLASSES["Qwen3MoeExperts"]
     assert modeling_qwen3_moe.Qwen3MoeAttention is ORIGINAL_CLASSES["Qwen3MoeAttention"]
     for name in ("qwen2_moe", "qwen3_moe"):
-        vanilla = load(checkpoints[name], patched=False)
+        vanilla = load_model(checkpoints[name])
         family = FAMILIES[vanilla.config.model_type]
         assert type(vanilla.model.layers[0].mlp.experts) is ORIGINAL_CLASSES[family.experts]
         assert type(vanilla.model.layers[0].self_attn) is ORIGINAL_CLASSES[family.attention]
@@ -392,9 +351,9 @@ def test_attention_outputs_are_recorded_and_nothing_leaks_into_later_vanilla_loa
     afterwards still records its own attentions (transformers' ``patch_output_recorders``
     rewrites class-level recorders during a patched load; hfpatch must put them back)."""
     path = checkpoints["qwen3_moe"]
-    ids, mask = padded_batch(seed=5)
-    patched = load(path, patched=True, attn_implementation="eager")
-    vanilla = load(path, patched=False, attn_implementation="eager")
+    ids, mask = padded_batch(VOCAB, pad_token_id=PAD, seed=5)
+    patched = load_model(path, PACK, attn_implementation="eager")
+    vanilla = load_model(path, attn_implementation="eager")
     with torch.no_grad():
         expected = vanilla(input_ids=ids, attention_mask=mask, output_attentions=True).attentions
         actual = patched(input_ids=ids, attention_mask=mask, output_attentions=True).attentions
@@ -428,40 +387,17 @@ _PROBE = textwrap.dedent(
 
 
 def test_the_pack_is_discovered_from_an_installed_wheel(checkpoints: dict[str, Path], tmp_path: Path) -> None:
-    site = tmp_path / "site"
-    wheel = install_wheel(PACK_DIR, site)
-    assert wheel.name.startswith("hfpatch_pack_qwen_moe-0.1.0-"), wheel
-    # The wheel's copy comes first on the path, ahead of any other install of the pack.
-    env = {**os.environ, "PYTHONPATH": str(site), "HF_PATCH_PACKS": PACK}
-    env.pop("HF_PATCH_STRICT", None)
-
-    listing = subprocess.run(
-        [sys.executable, "-m", "hfpatch_core", "list", "--json"],
-        env=env,
-        cwd=tmp_path,  # not the pack's source directory, which would shadow the wheel
-        capture_output=True,
-        text=True,
-        check=True,
-        timeout=60,
-    )
-    rows = [row for row in json.loads(listing.stdout)["packs"] if row["name"] == PACK]
-    assert len(rows) == 1, listing.stdout
-    (row,) = rows
+    # The wheel's copy is alone on the path, ahead of any other install of the pack.
+    installed = discover_from_wheel(PACK_DIR, PACK, tmp_path)
+    assert installed.wheel.name.startswith("hfpatch_pack_qwen_moe-0.1.0-"), installed.wheel
+    row = installed.row
     assert (row["distribution"], row["version"], row["enabled"]) == ("hfpatch-pack-qwen-moe", "0.1.0", True)
     assert row["transformers"] == "<6,>=5.3" and row["description"]
 
-    probe = subprocess.run(
-        [sys.executable, "-c", _PROBE, str(checkpoints["qwen3_moe"])],
-        env=env,
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        check=True,
-        timeout=120,
-    )
+    probe = installed.run_python("-c", _PROBE, checkpoints["qwen3_moe"])
     found = json.loads(probe.stdout.strip().splitlines()[-1])
-    assert Path(found["distribution_files"]).resolve() == site.resolve()
-    assert Path(found["module_file"]).resolve().is_relative_to(site.resolve())
+    assert Path(found["distribution_files"]).resolve() == installed.site.resolve()
+    assert Path(found["module_file"]).resolve().is_relative_to(installed.site.resolve())
     assert found["replaced"] == {"Qwen3MoeExperts": PACK, "Qwen3MoeAttention": PACK}
     assert found["experts"] == "hfpatch_pack_qwen_moe.experts"
 

@@ -140,17 +140,20 @@ def provide_patches(context):
 """
 
 
-def test_check_with_model_types_checks_a_pack_that_needs_a_config(install) -> None:
-    site = install(PackSpec("sized", CONFIG_ONLY_PACK))
-    found = run(HFPATCH, "check", "sized", site=site)
-    assert found.returncode == 0 and "ok    sized 1.0.0: targets no model type" in found.stdout
-    assert "if it decides from the config, pass --model-type TYPE" in found.stdout
-    given = run(HFPATCH, "check", "sized", "--model-type", "llama", site=site)
-    assert given.returncode == 0 and "ok    sized 1.0.0: targets llama" in given.stdout, given.stdout
-    wrong = run(HFPATCH, "check", "sized", "--model-type", "mistral", "--model-type", "lama", site=site)
-    assert wrong.returncode == 1
-    assert "pack 'sized' returns no patch and no converter for mistral (default config)" in wrong.stdout
-    assert "'lama' is not a model type of transformers" in wrong.stdout and "did you mean 'llama'" in wrong.stdout
+def test_check_with_model_types_checks_a_pack_that_needs_a_config(install, capsys) -> None:
+    from hfpatch_core.cli import main  # in-process: three runs of check in subprocesses cost ~20 s
+
+    install(PackSpec("sized", CONFIG_ONLY_PACK))
+    assert main(["check", "sized"]) == 0
+    found = capsys.readouterr().out
+    assert "ok    sized 1.0.0: targets no model type" in found
+    assert "if it decides from the config, pass --model-type TYPE" in found
+    assert main(["check", "sized", "--model-type", "llama"]) == 0
+    assert "ok    sized 1.0.0: targets llama" in capsys.readouterr().out
+    assert main(["check", "sized", "--model-type", "mistral", "--model-type", "lama"]) == 1
+    wrong = capsys.readouterr().out
+    assert "pack 'sized' returns no patch and no converter for mistral (default config)" in wrong
+    assert "'lama' is not a model type of transformers" in wrong and "did you mean 'llama'" in wrong
 
 
 PROGRAM = """

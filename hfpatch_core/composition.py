@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from .conversion import Converter, describe_transform, source_patterns_of
-from .errors import ConverterConflictError, PackError
+from .errors import ConverterConflictError
 from .plan import Claim, Plan
 from .settings import PACKS_ENV
 
@@ -234,14 +234,16 @@ def compose(
 
 def unused_converters(
     converters: Sequence[tuple[Any, Converter]], claims: Iterable[Claim], plan: Plan, *, classes_known: bool
-) -> tuple[dict[int, str], list[PackError]]:
+) -> dict[int, str]:
     """Which gathered converters must not apply because their patches are not applied.
 
-    A converter with ``patch_targets`` applies while one of the pack's patches on those
-    targets replaces a class of the model (or, when the model's classes are not known,
-    won its target); one without applies unless every patch of its pack lost.  A
-    converter would otherwise reshape checkpoint tensors for modules that are not in the
-    model, and the load would fail or, worse, load them under the wrong names.
+    A patch is applied when it replaces a class of the model (or, when the model's
+    classes are not known, when it won its target).  A converter with
+    ``patch_targets`` applies while one of the pack's patches on those targets is
+    applied; one without, while any patch of its pack is (a pack without patches keeps
+    its converters).  A converter would otherwise reshape checkpoint tensors for modules
+    that are not in the model, and the load would fail or load them under wrong names.
+    (Gathering already refused a converter naming a patch its pack did not return.)
 
     Args:
         converters: ``(pack, converter)`` pairs as gathered.
@@ -250,38 +252,20 @@ def unused_converters(
         classes_known: whether ``plan`` was resolved against the model's class names.
 
     Returns:
-        The reason each unused converter (by position) does not apply, and an error for
-        each ``patch_targets`` entry the pack returned no patch for.
+        The reason each unused converter (by position) does not apply.
     """
-    claims = list(claims)
     applied = list(plan.replaced.values()) if classes_known else list(plan.entries)
     in_effect = {(claim.pack, claim.target) for claim in applied}
-    won = {claim.pack for claim in plan.entries}
-    offered = {(claim.pack, claim.target) for claim in claims}
+    with_patches = {claim.pack for claim in claims}
     unused: dict[int, str] = {}
-    errors: list[PackError] = []
     for index, (info, converter) in enumerate(converters):
         pack = info.name
         if not converter.patch_targets:
-            if pack in {claim.pack for claim in claims} and pack not in won:
-                unused[index] = f"every patch of pack {pack!r} lost"
-            continue
-        missing = [target for target in converter.patch_targets if (pack, target) not in offered]
-        for target in missing:
-            errors.append(
-                PackError(
-                    pack,
-                    f"pack {pack!r}: converter for {converter.key!r} names patch target {target!r}, but the pack "
-                    "returned no patch for it for this model; list the targets of its own patches in patch_targets.",
-                )
-            )
-        if any((pack, target) in in_effect for target in converter.patch_targets):
-            continue
-        reasons = [
-            _not_applied(pack, target, plan) for target in converter.patch_targets if (pack, target) in offered
-        ] or [f"the pack returned no patch for {list(missing)}"]
-        unused[index] = "; ".join(reasons)
-    return unused, errors
+            if pack in with_patches and not any(claim.pack == pack for claim in applied):
+                unused[index] = f"no patch of pack {pack!r} is applied"
+        elif not any((pack, target) in in_effect for target in converter.patch_targets):
+            unused[index] = "; ".join(_not_applied(pack, target, plan) for target in converter.patch_targets)
+    return unused
 
 
 def _not_applied(pack: str, target: str, plan: Plan) -> str:

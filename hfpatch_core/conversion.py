@@ -27,9 +27,12 @@ class Converter:
         patch_targets: the targets of the pack's own patches whose modules these
             transforms load (``("LlamaAttention",)``).  The converter applies only while
             one of those patches replaces a class of the model, so a pack that wins one
-            class and loses another converts the checkpoint for the winner alone.  Left
+            class and loses another converts the checkpoint for the winner alone.  (A
+            pattern patch that replaces one class and is shadowed on another counts as
+            applied: tie converters to exact-name patches, one per class.)  Left
             empty, the converter applies while any patch of the pack is applied (or
-            always, for a pack without patches).
+            always, for a pack without patches).  A target the pack returned no patch
+            for makes the pack fail for that load.
 
     Raises:
         InvalidPatchError: an argument has the wrong type.

@@ -62,6 +62,20 @@ def _check_result(pack: str, hook: str, result: object, expected: type, example:
     return items
 
 
+def _check_patch_targets(pack: str, patches: list[Any], converters: list[Any]) -> None:
+    """A converter whose ``patch_targets`` name a patch the pack did not return would never apply."""
+    targets = {patch.target for patch in patches}
+    for converter in converters:
+        for target in converter.patch_targets:
+            if target not in targets:
+                raise PackError(
+                    pack,
+                    f"pack {pack!r}: converter for {converter.key!r} names patch target {target!r}, but the pack "
+                    f"returned no patch for it for this model (its patches: {sorted(targets)}); list the targets "
+                    "of its own patches in patch_targets.",
+                )
+
+
 class PackSet:
     """The selected packs of one session: imported on first use, once each."""
 
@@ -145,6 +159,7 @@ class PackSet:
             try:
                 patches = self._call(info, "provide_patches", context)
                 pack_converters = self._call(info, "provide_converters", context)
+                _check_patch_targets(name, patches, pack_converters)
             except PackError as exc:
                 failures.append(exc)
                 continue

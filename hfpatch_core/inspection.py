@@ -307,13 +307,6 @@ def check_pack(session: Session, name: str, model_types: Sequence[str] = ()) -> 
                     f"pack {name!r}: converter for {key!r} but no patch of the pack is active for {model_type}; "
                     "the checkpoint would be converted for modules that were not replaced."
                 )
-            targets = {claim.target for claim in gathered.claims}
-            for target in converter.patch_targets:
-                if target not in targets:
-                    note(
-                        f"pack {name!r}: converter for {key!r} names patch target {target!r}, but the pack "
-                        f"returns no patch for it for {model_type}; the converter would never apply."
-                    )
         try:
             resolve(gathered.claims)
         except PatchConflictError as exc:

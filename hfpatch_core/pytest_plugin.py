@@ -58,51 +58,44 @@ class HfPatchIsolation:
         self.changes_allowed = True
 
 
-@pytest.fixture
-def hfpatch_isolation(monkeypatch: pytest.MonkeyPatch) -> Iterator[HfPatchIsolation]:
-    """Run the test from a clean global state, and error at its teardown if it leaves that state changed.
+@dataclasses.dataclass
+class _Isolation:
+    """What ``hfpatch_isolation`` recorded before the test's fixtures were set up."""
 
-    Before the test: hfpatch is disabled and every hfpatch environment variable
-    (``HF_PATCH_PACKS``, ``HF_PATCH_STRICT``, ``HFPATCH_AUTORUN``) is unset.  Then it
-    records the global state a patched load changes and must put back: transformers'
-    patch registry (``transformers.monkey_patching``), its checkpoint conversion
-    registry (``transformers.conversion_mapping``), the classes bound in every loaded
-    ``transformers*`` module, and the class-level ``_can_record_outputs`` tables of
-    those classes (with the ``target_class`` of each ``OutputRecorder`` in them).
+    state: _GlobalState
+    handle: HfPatchIsolation
+    session: Any
 
-    After the test (and after ``monkeypatch`` is undone, so that what a test patched
-    with it is not counted): hfpatch is disabled, the environment is as before, and
-    everything recorded is restored.  Choosing packs and enabling hfpatch is what
-    tests do, so neither is reported; if anything recorded had changed, the test
-    errors at teardown with a message naming each change.  A recorder table of a class first
-    imported during the test cannot be restored, but one that points at a class
-    defined outside transformers is reported.  A test that changes this state on
-    purpose calls ``hfpatch_isolation.allow_changes()``: the state is then restored
-    without a report.
 
-    Yields:
-        The handle with ``allow_changes()``.
-    """
-    from .session import disable
+_ISOLATION = pytest.StashKey[_Isolation]()
 
-    environment = {name: os.environ.get(name) for name in _environment_names()}
-    for name in environment:
-        monkeypatch.delenv(name, raising=False)
-    disable()
-    saved = _GlobalState.capture()
-    handle = HfPatchIsolation()
-    yield handle
-    # undone first: disabling before would let undo put back a hook that hfpatch had installed
-    monkeypatch.undo()
-    # delenv records nothing for a variable that was unset, so one the test set directly is removed here
-    for name, value in environment.items():
-        if value is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = value
-    disable()
-    leaks = saved.restore()
-    if leaks and not handle.changes_allowed:
+
+def _isolate(item: pytest.Item) -> _Isolation:
+    from . import session
+
+    isolation = _Isolation(_GlobalState.capture(), HfPatchIsolation(), session._active)
+    item.stash[_ISOLATION] = isolation
+    return isolation
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item: pytest.Item) -> Iterator[None]:
+    # Recorded before any fixture is set up, and compared after every fixture is torn
+    # down (below): what a fixture changes with monkeypatch, in whatever order the test
+    # requests them, is undone by then and neither reported nor "restored" into place.
+    if "hfpatch_isolation" in getattr(item, "fixturenames", ()):
+        _isolate(item)
+    return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    try:
+        result = yield
+    finally:
+        isolation = item.stash.get(_ISOLATION, None)
+        leaks = _finish(isolation) if isolation is not None else []
+    if leaks:
         pytest.fail(
             "hfpatch_isolation: the test left global state changed (restored now; left as it was, it "
             "would change every later load in this process):\n"
@@ -110,6 +103,63 @@ def hfpatch_isolation(monkeypatch: pytest.MonkeyPatch) -> Iterator[HfPatchIsolat
             + "\nIf the test changes it on purpose, call hfpatch_isolation.allow_changes().",
             pytrace=False,
         )
+    return result
+
+
+def _finish(isolation: _Isolation) -> list[str]:
+    """Restore what was recorded; the changes to report."""
+    from . import session
+
+    session.disable()
+    leaks = isolation.state.restore()
+    if isolation.session is not None:
+        session._install(isolation.session)  # enabled before the test (hfpatch run -- pytest)
+    return [] if isolation.handle.changes_allowed else leaks
+
+
+@pytest.fixture
+def hfpatch_isolation(request: pytest.FixtureRequest) -> Iterator[HfPatchIsolation]:
+    """Run the test from a clean global state, and fail it if it leaves that state changed.
+
+    Before the test: hfpatch is disabled and every hfpatch environment variable
+    (``HF_PATCH_PACKS``, ``HF_PATCH_STRICT``, ``HFPATCH_AUTORUN``) is unset.  The global
+    state a patched load changes and must put back is recorded before any of the
+    test's fixtures is set up: transformers' patch registry
+    (``transformers.monkey_patching``), its checkpoint conversion registry
+    (``transformers.conversion_mapping``), the classes bound in every loaded
+    ``transformers*`` module, and the class-level ``_can_record_outputs`` tables of
+    those classes (with the ``target_class`` of each ``OutputRecorder`` in them).
+
+    After every fixture of the test is torn down (so what a test or fixture patched with
+    ``monkeypatch`` is undone and not counted): the environment is as before, everything
+    recorded is restored, and hfpatch is disabled, or enabled again with the session it
+    had before the test.  Choosing packs and enabling hfpatch is what tests do, so
+    neither is reported; if anything recorded had changed, the test errors at teardown
+    with a message naming each change.  A recorder table of a class first imported
+    during the test cannot be restored, but one that points at a class defined outside
+    transformers is reported.  A test that changes this state on purpose calls
+    ``hfpatch_isolation.allow_changes()``: the state is then restored without a report.
+
+    Yields:
+        The handle with ``allow_changes()``.
+    """
+    from .session import disable
+
+    isolation = request.node.stash.get(_ISOLATION, None)
+    if isolation is None:  # requested with getfixturevalue: record from here
+        isolation = _isolate(request.node)
+    environment = {name: os.environ.get(name) for name in _environment_names()}
+    for name in environment:
+        os.environ.pop(name, None)
+    disable()
+    try:
+        yield isolation.handle
+    finally:
+        for name, value in environment.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def _environment_names() -> list[str]:

@@ -116,8 +116,7 @@ class Session:
             class_names=class_names,
             packs=gathered.packs,
         )
-        unused, errors = unused_converters(gathered.converters, gathered.claims, plan, classes_known=bool(class_names))
-        self._report(errors)
+        unused = unused_converters(gathered.converters, gathered.claims, plan, classes_known=bool(class_names))
         offsets = self.selection.spec.priority_offsets
         conversions = compose_for(context, gathered.converters, offsets, unused)
         self._report(
@@ -318,7 +317,8 @@ def _managed(cls: type, load: Callable[[], Any], code: types.CodeType, *, loadin
             # the loader never entered apply_patches (a custom from_pretrained): nothing was applied
             logger.warning("hfpatch: %s was built without transformers' apply_patches; no pack applied", cls.__name__)
             return result
-        is_root = len(session._frames()) == 1  # sub-models are checked with the model holding them
+        # sub-models are checked with the model holding them; a load inside patched() is a root
+        is_root = all(outer.loader is None for outer in session._frames()[:-1])
         if isinstance(model, nn.Module) and is_root:
             if info is not None and plan.touches_weights:
                 check_loading_info(model, plan, info)
@@ -390,9 +390,15 @@ def enable(packs: str | Iterable[str] | None = None, strict: bool | None = None)
         SelectionError: the choice is malformed or names a pack that is not installed.
         PackError: strict mode, and a selected pack is incompatible or ambiguous.
     """
-    global _active
     session = new_session(packs, strict)
     session._report(session.selection.problems)
+    _install(session)
+    return session.selection
+
+
+def _install(session: Session) -> None:
+    """Make ``session`` the active one, hooking into transformers if not already."""
+    global _active
     with _state_lock:
         if not _originals:
             for owner, name, wrap in _hooked():
@@ -400,7 +406,6 @@ def enable(packs: str | Iterable[str] | None = None, strict: bool | None = None)
                 _originals[name] = (owner, original)
                 setattr(owner, name, wrap(original))
         _active = session
-    return session.selection
 
 
 def _hooked() -> list[tuple[Any, str, Callable[[Any], Any]]]:
@@ -470,9 +475,14 @@ def patched(config_or_model_type: Any, *, model_class: type | None = None) -> It
     Yields:
         The plan in force inside the block.
     """
-    session = _active or new_session()
+    # a nested patched() without enable() shares the outer block's session, so that the
+    # outer block's registrations count as hfpatch's own (overridable), not the user's
+    outer_session = getattr(_manual, "session", None)
+    session = _active or outer_session or new_session()
+    _manual.session = session
     context, class_names = _context_for_manual(config_or_model_type, model_class)
     with (
+        _manual_session_restored(outer_session),
         session.applied(context, class_names) as frame,
         recorders.RecorderLog(),
         apply_mapping(monkey_patching.get_patch_mapping()),
@@ -490,6 +500,18 @@ def patched(config_or_model_type: Any, *, model_class: type | None = None) -> It
                 object.__setattr__(model, "_weight_conversions", reversible_conversions(model))
             guard_saving(model, plan)
             _attach(model, plan)
+
+
+#: The session of the innermost ``patched()`` block on this thread made without ``enable()``.
+_manual = threading.local()
+
+
+@contextmanager
+def _manual_session_restored(outer: Session | None) -> Iterator[None]:
+    try:
+        yield
+    finally:
+        _manual.session = outer
 
 
 @contextmanager

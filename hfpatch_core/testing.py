@@ -179,6 +179,8 @@ def install_pack(
         module_file = site / f"{module}.py"
         if not module_file.exists():
             module_file.write_text(textwrap.dedent(source))
+        # a module of that name imported from an earlier install would shadow this source
+        sys.modules.pop(module, None)
     dist_info = site / f"{distribution.replace('-', '_')}-{version}.dist-info"
     dist_info.mkdir()
     metadata = [
@@ -432,7 +434,7 @@ def load_model(
         kwargs: passed on to ``from_pretrained`` (``dtype=``, ``attn_implementation=``, ...).
 
     Returns:
-        The model, in eval mode.
+        The model, in eval mode (with ``output_loading_info=True``, ``(model, info)``).
 
     Raises:
         SelectionError: ``packs`` is malformed or names a pack that is not installed.
@@ -446,8 +448,10 @@ def load_model(
 
         model_class = AutoModelForCausalLM
     with _enabled(packs, strict) if packs is not None else suspended():
-        model = model_class.from_pretrained(path, **kwargs)
-    return model.eval()
+        result = model_class.from_pretrained(path, **kwargs)
+    # output_loading_info=True gives (model, info)
+    (result[0] if isinstance(result, tuple) else result).eval()
+    return result
 
 
 def padded_batch(vocab_size: int, *, pad_token_id: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

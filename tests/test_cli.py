@@ -121,7 +121,7 @@ def test_check_passes_a_good_pack_and_fails_a_bad_target(install) -> None:
     assert bad.returncode == 1
     assert "patch target 'LlamaFeedForward' matches no module class of transformers.models.llama" in bad.stdout
     assert "failed to import 'hfpatch_test_pack_broken': ImportError: missing kernel" in bad.stdout
-    assert "converter for 'llama' names patch target 'LlamaMlp', but the pack returns no patch for it" in bad.stdout
+    assert "converter for 'llama' names patch target 'LlamaMlp', but the pack returned no patch for it" in bad.stdout
 
 
 CONFIG_ONLY_PACK = """

@@ -147,7 +147,7 @@ def test_a_pack_whose_patches_all_lose_keeps_its_converters_out(install, llama_c
     ]
     assert not plan.conversions
     assert [(claim.pack, reason) for claim, reason in plan.conversions.lost] == [
-        ("gateup", "every patch of pack 'gateup' lost")
+        ("gateup", "no patch of pack 'gateup' is applied")
     ]
     torch.testing.assert_close(logits(model), logits(vanilla), rtol=0, atol=0)
     hfpatch_core.enable("all,gateup@+1")
@@ -196,16 +196,19 @@ def fused_qkv_transform(conversions) -> object:
     return next(t for claim in conversions.claims for t in claim.converter.transforms if "qkv" in describe_transform(t))
 
 
-def test_a_patch_target_the_pack_does_not_return_is_reported_and_drops_the_converter(install, llama_checkpoint) -> None:
+def test_a_patch_target_the_pack_does_not_return_is_a_pack_error(install, llama_checkpoint) -> None:
+    # A misspelt patch target would leave the pack's MLP without its converter: the pack
+    # is skipped as a failing pack is, and the model loads vanilla.
     install(PackSpec("fused", fused_attention_and_mlp_pack(mlp_targets="('LlamaMlp',)")))
+    vanilla = AutoModelForCausalLM.from_pretrained(llama_checkpoint)
     hfpatch_core.enable()
-    with (
-        pytest.warns(PackWarning, match=r"names patch target 'LlamaMlp', but the pack returned no patch for it"),
-        pytest.raises(WeightLayoutError, match=r"mlp.gate_up_proj.weight: missing from the checkpoint"),
-    ):
-        AutoModelForCausalLM.from_pretrained(llama_checkpoint)
+    with pytest.warns(PackWarning, match=r"names patch target 'LlamaMlp', but the pack returned no patch for it"):
+        model = AutoModelForCausalLM.from_pretrained(llama_checkpoint)
+    layer = model.model.layers[0]
+    assert (type(layer.self_attn).__name__, type(layer.mlp).__name__) == ("LlamaAttention", "LlamaMLP")
+    torch.testing.assert_close(logits(model), logits(vanilla), rtol=0, atol=0)
     hfpatch_core.enable(strict=True)
-    with pytest.raises(hfpatch_core.PackError, match=r"converter for 'llama' names patch target 'LlamaMlp'"):
+    with pytest.raises(hfpatch_core.PackError, match=r"its patches: \['LlamaAttention', 'LlamaMLP'\]"):
         AutoModelForCausalLM.from_pretrained(llama_checkpoint)
 
 
@@ -316,6 +319,28 @@ def test_models_built_in_patched_save_through_the_packs_conversions(install, tmp
     assert not any("qkv_proj" in key for key in written)
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "saved")
     torch.testing.assert_close(logits(reloaded), logits(model), rtol=0, atol=1e-5)
+
+
+def test_nested_patched_blocks_and_loads_inside_one_save_the_original_layout(
+    install, llama_checkpoint, tmp_path
+) -> None:
+    install(PackSpec("qkv", fused_qkv_pack()))
+    config = tiny_llama_config()
+    with (
+        hfpatch_core.patched(config, model_class=LlamaForCausalLM),  # hfpatch not enabled
+        hfpatch_core.patched(config, model_class=LlamaForCausalLM) as inner,
+    ):
+        model = LlamaForCausalLM(config)
+    assert plan_of(model) is inner and inner.replaced["LlamaAttention"].pack == "qkv" and not inner.lost
+    model.save_pretrained(tmp_path / "nested")
+    assert not any("qkv_proj" in key for key in tensors(tmp_path / "nested"))
+
+    hfpatch_core.enable()
+    with hfpatch_core.patched(config, model_class=LlamaForCausalLM):
+        loaded = AutoModelForCausalLM.from_pretrained(llama_checkpoint)
+    assert type(loaded.model.layers[0].self_attn).__name__ == "FusedQKVAttention"
+    loaded.save_pretrained(tmp_path / "loaded")
+    assert set(tensors(tmp_path / "loaded")) == set(tensors(llama_checkpoint))
 
 
 def test_explain_shows_composed_lists_with_their_origins(install) -> None:

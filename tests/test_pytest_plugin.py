@@ -72,6 +72,7 @@ def test_the_test_starts_clean_and_the_environment_comes_back(
     monkeypatch.setenv("HF_PATCH_STRICT", "1")
     monkeypatch.delenv("HFPATCH_AUTORUN", raising=False)
     hfpatch_core.enable("none")
+    outer = hfpatch_core.session._active
     result = run_inner(
         pytester,
         """
@@ -88,7 +89,7 @@ def test_the_test_starts_clean_and_the_environment_comes_back(
     result.assert_outcomes(passed=1)
     assert (os.environ["HF_PATCH_PACKS"], os.environ["HF_PATCH_STRICT"]) == ("outer", "1")
     assert "HFPATCH_AUTORUN" not in os.environ
-    assert not hfpatch_core.is_enabled()
+    assert hfpatch_core.session._active is outer  # enabled before the inner test: enabled again after it
 
 
 def test_a_registered_patch_and_the_recorders_it_repointed_are_reported_and_restored(
@@ -148,9 +149,19 @@ def test_what_monkeypatch_undoes_and_changes_allowed_on_purpose_are_not_reported
     result = run_inner(
         pytester,
         """
+        import pytest
+
+        @pytest.fixture
+        def stranger_mlp(monkeypatch):
+            monkeypatch.setattr(modeling_llama, "LlamaMLP", Stranger)
+            monkeypatch.setenv("HF_PATCH_PACKS", "none")
+
         def test_monkeypatched(monkeypatch, hfpatch_isolation):
             monkeypatch.setattr(modeling_llama, "LlamaMLP", Stranger)
             monkeypatch.setitem(modeling_llama.LlamaPreTrainedModel._can_record_outputs, "attentions", Stranger)
+
+        def test_a_fixture_set_up_first_monkeypatched(stranger_mlp, hfpatch_isolation):
+            assert modeling_llama.LlamaMLP is Stranger and "HF_PATCH_PACKS" not in os.environ
 
         def test_on_purpose(hfpatch_isolation):
             hfpatch_isolation.allow_changes()
@@ -158,9 +169,10 @@ def test_what_monkeypatch_undoes_and_changes_allowed_on_purpose_are_not_reported
 
         def test_after():
             assert_clean()
+            assert "HF_PATCH_PACKS" not in os.environ
         """,
     )
-    result.assert_outcomes(passed=3)
+    result.assert_outcomes(passed=4)
     assert_outer_state_clean()
 
 

@@ -28,6 +28,7 @@ from typing import Any
 from transformers import monkey_patching
 from transformers.utils.import_utils import _LazyModule
 
+from . import _compat
 from .plan import Plan
 from .resolution import find_replacement
 
@@ -249,23 +250,6 @@ def apply_registered_patches() -> Iterator[None]:
 # --- conversion lists -----------------------------------------------------------------
 
 
-def _conversion_cache() -> dict[str, Any]:
-    from transformers import conversion_mapping
-
-    if conversion_mapping._checkpoint_conversion_mapping_cache is None:
-        conversion_mapping.get_checkpoint_conversion_mapping("llama")  # builds the cache
-    cache: dict[str, Any] | None = conversion_mapping._checkpoint_conversion_mapping_cache
-    assert cache is not None
-    return cache
-
-
-def class_keys_supported() -> bool:
-    """Whether the installed transformers looks conversion lists up by class name (5.24 does, 5.3 does not)."""
-    from transformers import conversion_mapping
-
-    return hasattr(conversion_mapping, "extract_weight_conversions_for_model")
-
-
 @contextmanager
 def registered_conversions(conversions: Any) -> Iterator[None]:
     """Register composed conversion lists for the block, then put transformers' registry
@@ -276,8 +260,8 @@ def registered_conversions(conversions: Any) -> Iterator[None]:
     from transformers import conversion_mapping
 
     with LOAD_LOCK:
-        cache = _conversion_cache()
-        user_keys: set[str] | None = getattr(conversion_mapping, "USER_REGISTERED_MAPPINGS", None)
+        cache = _compat.conversion_cache()
+        user_keys = _compat.user_registered_conversions()
         ours: dict[str, list[Any]] = {key: conversions.transforms(key) for key in conversions.lists}
         before = {key: cache.get(key, _MISSING) for key in ours}
         user_before = {key: key in user_keys for key in ours} if user_keys is not None else {}

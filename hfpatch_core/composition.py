@@ -14,6 +14,7 @@ import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
+from . import _compat
 from .conversion import Converter, describe_transform, source_patterns_of
 from .errors import ConverterConflictError
 from .plan import Claim, Plan
@@ -305,8 +306,6 @@ def compose_for(
     from transformers import conversion_mapping
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 
-    from .application import class_keys_supported
-
     class_types: dict[str, str] = {}
     if context.model_type:
         class_types[context.model_class_name] = context.model_type
@@ -320,6 +319,6 @@ def compose_for(
         builtin=conversion_mapping.get_checkpoint_conversion_mapping,
         model_types=CONFIG_MAPPING_NAMES,
         class_model_types=class_types,
-        class_keys_supported=class_keys_supported(),
+        class_keys_supported=_compat.class_keys_supported(),
     )
     return dataclasses.replace(composed, lost=dropped + composed.lost)

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from . import _compat
 from .composition import BUILTIN, pattern_regex
 from .conversion import source_patterns_of, target_patterns_of
 from .errors import PackWarning, WeightLayoutError
@@ -210,8 +211,7 @@ def guard_saving(model: nn.Module, plan: Plan) -> None:
 
 def reversible_conversions(model: Any) -> list[Any]:
     """The conversions a model built from a config should save with (``get_model_conversion_mapping``)."""
-    from transformers import core_model_loading
     from transformers.conversion_mapping import get_model_conversion_mapping
 
-    prefix_change = getattr(core_model_loading, "PrefixChange", ())
+    prefix_change = _compat.prefix_change_type()
     return [t for t in get_model_conversion_mapping(model, add_legacy=False) if not isinstance(t, prefix_change)]

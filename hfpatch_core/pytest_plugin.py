@@ -305,12 +305,12 @@ class _GlobalState:
 
     @classmethod
     def capture(cls) -> _GlobalState:
-        from transformers import conversion_mapping, monkey_patching
+        from transformers import monkey_patching
 
-        from .application import _conversion_cache
+        from ._compat import conversion_cache, user_registered_conversions
 
-        conversions = _conversion_cache()  # built now, so that a registration during the test shows
-        user_keys: set[str] | None = getattr(conversion_mapping, "USER_REGISTERED_MAPPINGS", None)  # 5.24, not 5.3
+        conversions = conversion_cache()  # built now, so that a registration during the test shows
+        user_keys = user_registered_conversions()  # 5.24, not 5.3
         classes = _loaded_classes()
         tables = _recorder_tables(cls for _, cls in classes.values())
         return cls(

@@ -7,7 +7,7 @@ from transformers import AutoModelForImageTextToText, CLIPVisionConfig, LlavaCon
 import hfpatch_core
 from conftest import tiny_llama_config
 from hfpatch_core import WeightLayoutError, plan_of
-from hfpatch_core.application import class_keys_supported
+from hfpatch_core._compat import class_keys_supported
 from packs import MLP_PACK, PackSpec, fused_qkv_pack
 
 SPY = """

@@ -35,7 +35,7 @@ from typing import Any
 from transformers.core_model_loading import WeightConverter
 
 import hfpatch_core
-from hfpatch_core import Converter, LoadContext, Patch
+from hfpatch_core import Converter, LoadContext, Patch, _compat
 from hfpatch_core.conversion import SizedConcatenate
 
 from .detection import Detection, Site, detect
@@ -144,9 +144,7 @@ class Fusion:
 
 def _submodel_conversions_supported() -> bool:
     # transformers 5.3 applies the root model type's conversions only (see hfpatch's README)
-    from transformers import conversion_mapping
-
-    return hasattr(conversion_mapping, "extract_weight_conversions_for_model")
+    return _compat.class_keys_supported()
 
 
 def detect_for(model_type: str, config: Any) -> Detection:

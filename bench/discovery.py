@@ -128,6 +128,7 @@ def measure(args: argparse.Namespace, work: Path) -> int:
     from hfpatch_core import session as session_module
     from hfpatch_core.context import LoadContext
     from hfpatch_core.discovery import discover
+    from hfpatch_core.planning import class_names_for
     from hfpatch_core.selection import current_selection
 
     install(work / "site")
@@ -149,7 +150,7 @@ def measure(args: argparse.Namespace, work: Path) -> int:
     torch.manual_seed(0)
     LlamaForCausalLM(config).save_pretrained(checkpoint)
     context = LoadContext.for_model(LlamaForCausalLM, config)
-    class_names = session_module._module_class_names(LlamaForCausalLM)  # what a load passes
+    class_names = class_names_for(LlamaForCausalLM)  # what a load passes
 
     results: list[list[str]] = []
 
@@ -162,7 +163,7 @@ def measure(args: argparse.Namespace, work: Path) -> int:
     # --- (iii) nothing selected ------------------------------------------------------
     set_selection("none")
     hfpatch_core.enable()
-    assert session_module._live_session() is None
+    assert session_module.live_session() is None
     fast_rows, fast_path = fast_path_cost(lambda: LlamaForCausalLM.from_pretrained(checkpoint), args.repeat)
     hfpatch_core.disable()
     fast_path_ms = fast_path * 1e3
@@ -248,13 +249,13 @@ def fast_path_cost(load: Callable[[], Any], count: int) -> tuple[list[list[str]]
     hook that replaces the original outright (hfpatch's ``apply_patches``) is measured
     against the original, both called with the arguments recorded during ``load``.
     """
-    from hfpatch_core import session as session_module
+    from hfpatch_core import hooks
 
     rows: list[list[str]] = []
     total = 0.0
-    for owner, name, wrap in session_module._hooked():
+    for owner, name, wrap in hooks._hooked():
         installed = owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)
-        original = session_module._originals[name][1]
+        original = hooks._originals[name][1]
         is_method = isinstance(installed, (classmethod, staticmethod))
         recorded: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
 

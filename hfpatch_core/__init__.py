@@ -39,14 +39,14 @@ _EXPORTS = {
     "Patch": "patches",
     "Plan": "plan",
     "SelectionError": "errors",
-    "disable": "session",
+    "disable": "hooks",
     "discover": "discovery",
-    "enable": "session",
+    "enable": "hooks",
     "hookimpl": "hookspecs",
     "hookspec": "hookspecs",
-    "is_enabled": "session",
-    "patched": "session",
-    "plan_of": "session",
+    "is_enabled": "hooks",
+    "patched": "manual",
+    "plan_of": "plan",
 }
 
 __all__ = [
@@ -94,10 +94,11 @@ if TYPE_CHECKING:
         SelectionError,
         WeightLayoutError,
     )
+    from .hooks import disable, enable, is_enabled
     from .hookspecs import hookimpl, hookspec
+    from .manual import patched
     from .patches import Patch
-    from .plan import Claim, Lost, Plan
-    from .session import disable, enable, is_enabled, patched, plan_of
+    from .plan import Claim, Lost, Plan, plan_of
 
 
 def __getattr__(name: str) -> Any:

@@ -18,7 +18,6 @@ Two pieces:
 from __future__ import annotations
 
 import sys
-import threading
 import types
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping, Sequence
@@ -29,13 +28,9 @@ from transformers import monkey_patching
 from transformers.utils.import_utils import _LazyModule
 
 from . import _compat
-from .plan import Plan
+from .plan import Conversions, Plan
 from .resolution import find_replacement
-
-#: Serialises every hfpatch-managed load and every application of the registry.
-#: Re-entrant, so that a sub-model built inside a load (a composite model's text
-#: model) can load on the same thread.
-LOAD_LOCK = threading.RLock()
+from .scope import LOAD_LOCK
 
 _MISSING: Any = object()
 
@@ -251,7 +246,7 @@ def apply_registered_patches() -> Iterator[None]:
 
 
 @contextmanager
-def registered_conversions(conversions: Any) -> Iterator[None]:
+def registered_conversions(conversions: Conversions) -> Iterator[None]:
     """Register composed conversion lists for the block, then put transformers' registry
     (its lists and its record of user-registered keys) back as it was."""
     if not conversions:

@@ -111,17 +111,16 @@ def cmd_explain(args: argparse.Namespace) -> int:
         for claim in explanation.unused:
             print(f"  {claim.describe()}")
     conversions = plan.conversions
-    if conversions is not None:
-        for key, entries in conversions.lists.items():
-            print(f"\nConversions for {key!r} (first matching converter wins):")
-            for entry in entries:
-                print(f"  {entry.describe()}")
-        for removal in conversions.removed:
-            print(f"  removed by {removal.pack!r}: {describe_transform(removal.transform)} [transformers]")
-        if conversions.lost and not conversions.lists:
-            print("\nConverters not applied:")
-        for claim, reason in conversions.lost:
-            print(f"  not applied: {claim.describe()}: {reason}")
+    for key, entries in conversions.lists.items():
+        print(f"\nConversions for {key!r} (first matching converter wins):")
+        for entry in entries:
+            print(f"  {entry.describe()}")
+    for removal in conversions.removed:
+        print(f"  removed by {removal.pack!r}: {describe_transform(removal.transform)} [transformers]")
+    if conversions.lost and not conversions.lists:
+        print("\nConverters not applied:")
+    for converter, reason in conversions.lost:
+        print(f"  not applied: {converter.describe()}: {reason}")
     for warning in explanation.warnings:
         print(f"\nwarning: {warning}")
     return EXIT_OK
@@ -135,15 +134,11 @@ _NO_TARGETS = (
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    import transformers
-
-    from .discovery import discover
     from .inspection import check_pack
-    from .selection import parse_selection, select
+    from .selection import current_selection
     from .session import Session
 
-    discovery = discover()
-    selection = select(parse_selection(args.packs or None), discovery, transformers.__version__)
+    selection = current_selection(args.packs or None)
     session = Session(selection, strict=False)
     failed = False
     for error in selection.problems:

@@ -27,11 +27,23 @@ class PackError(HfPatchError):
 
     In the default mode this is reported as a ``PackWarning`` and the pack is skipped;
     in strict mode it is raised before anything is registered.
+
+    Attributes:
+        pack: the pack's name.
+        stage: where it failed: ``"import"`` (its module could not be imported or
+            registered), ``"hook"`` (a hook raised or returned something wrong),
+            ``"selection"`` (incompatible or ambiguous) or ``"load"`` (its code failed
+            while the model was built or loaded).
     """
 
-    def __init__(self, pack: str, message: str) -> None:
+    STAGES = ("import", "hook", "selection", "load")
+
+    def __init__(self, pack: str, message: str, *, stage: str = "hook") -> None:
+        if stage not in self.STAGES:
+            raise ValueError(f"PackError stage must be one of {self.STAGES}, got {stage!r}")
         super().__init__(message)
         self.pack = pack
+        self.stage = stage
 
 
 class PatchConflictError(HfPatchError):

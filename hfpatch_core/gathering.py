@@ -20,7 +20,7 @@ from .context import LoadContext
 from .discovery import PackInfo
 from .errors import InvalidPatchError, PackError
 from .patches import Patch
-from .plan import Claim
+from .plan import Claim, ConverterClaim
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,13 +29,13 @@ class Gathered:
 
     Attributes:
         claims: one per patch, in pack-name order.
-        converters: ``(pack, converter)`` pairs, in pack-name order.
+        converters: one per converter, in pack-name order (``index`` is the position here).
         packs: ``(name, version)`` of each pack whose hooks were called successfully.
         failures: one error per pack that failed; its claims are left out.
     """
 
     claims: tuple[Claim, ...] = ()
-    converters: tuple[tuple[PackInfo, Any], ...] = ()
+    converters: tuple[ConverterClaim, ...] = ()
     packs: tuple[tuple[str, str], ...] = ()
     failures: tuple[PackError, ...] = ()
 
@@ -100,6 +100,7 @@ class PackSet:
                     info.name,
                     f"pack {info.name!r} ({info.distribution} {info.version}) failed to import "
                     f"{info.value!r}: {type(exc).__name__}: {exc}",
+                    stage="import",
                 )
                 error.__cause__ = exc
             self._loaded[info.name] = error
@@ -115,7 +116,9 @@ class PackSet:
                 close = difflib.get_close_matches(name, known, n=1)
                 hint = f"; did you mean {close[0]!r}?" if close else f"; hooks are {', '.join(known)}"
                 self._manager.unregister(name=info.name)
-                return PackError(info.name, f"pack {info.name!r} implements unknown hook {name!r}{hint}")
+                return PackError(
+                    info.name, f"pack {info.name!r} implements unknown hook {name!r}{hint}", stage="import"
+                )
         return None
 
     def _call(self, info: PackInfo, hook: str, context: LoadContext) -> list[Any]:
@@ -147,7 +150,7 @@ class PackSet:
         """Call every selected pack's hooks for ``context``."""
         offsets = priority_offsets or {}
         claims: list[Claim] = []
-        converters: list[tuple[PackInfo, Any]] = []
+        converters: list[ConverterClaim] = []
         packs: list[tuple[str, str]] = []
         failures: list[PackError] = []
         for name in sorted(self.infos):
@@ -168,6 +171,9 @@ class PackSet:
                 Claim(pack=name, version=info.version, patch=patch, priority=patch.priority + offset, index=index)
                 for index, patch in enumerate(patches)
             )
-            converters.extend((info, converter) for converter in pack_converters)
+            converters.extend(
+                ConverterClaim(name, info.version, converter, converter.priority + offset, len(converters) + index)
+                for index, converter in enumerate(pack_converters)
+            )
             packs.append((name, info.version))
         return Gathered(tuple(claims), tuple(converters), tuple(packs), tuple(failures))

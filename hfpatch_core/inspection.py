@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import importlib
 import os
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -12,16 +11,17 @@ from typing import Any
 import torch
 import torch.nn as nn
 import transformers
-from transformers import AutoConfig
+from transformers import AutoConfig, monkey_patching
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
-from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_MAPPING_NAMES
 
 from .context import LoadContext
 from .conversion import describe_transform
-from .errors import HfPatchError, PatchConflictError
+from .errors import ConverterConflictError, HfPatchError, PatchConflictError
+from .gathering import PackSet
 from .plan import Claim, Plan
-from .resolution import find_replacement, matches, resolve
-from .session import Session, module_classes
+from .planning import default_class_names, modeling_module, module_classes, plan_load
+from .resolution import find_replacement, matches
+from .session import Session
 
 
 class ModelNotFoundError(HfPatchError, ValueError):
@@ -42,23 +42,10 @@ def load_config(model: str) -> Any:
     )
 
 
-def _mapped(names: Mapping[str, Any], model_type: str) -> str | None:
-    value = names.get(model_type)
-    if isinstance(value, (tuple, list)):
-        value = value[0] if value else None
-    return value if isinstance(value, str) else None
-
-
 def model_class_for(config: Any) -> type[nn.Module]:
     """The class a checkpoint of ``config`` loads as: its architecture, else a causal LM, else the base model."""
-    candidates = [*(getattr(config, "architectures", None) or ())]
     model_type = getattr(config, "model_type", "")
-    candidates += [
-        name
-        for name in (_mapped(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, model_type), _mapped(MODEL_MAPPING_NAMES, model_type))
-        if name
-    ]
-    for name in candidates:
+    for name in default_class_names(config, model_type):
         model_class = getattr(transformers, name, None)
         if isinstance(model_class, type) and issubclass(model_class, nn.Module):
             return model_class
@@ -67,12 +54,8 @@ def model_class_for(config: Any) -> type[nn.Module]:
 
 def modeling_module_classes(model_type: str) -> dict[str, type]:
     """The ``nn.Module`` classes of ``transformers.models.<type>.modeling_<type>`` (empty if none)."""
-    module_name = model_type.replace("-", "_")
-    try:
-        module = importlib.import_module(f"transformers.models.{module_name}.modeling_{module_name}")
-    except ImportError:
-        return {}
-    return module_classes(module)
+    module = modeling_module(model_type)
+    return module_classes(module) if module is not None else {}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,11 +101,11 @@ class Explanation:
             ],
             "conversions": {
                 key: [{"transform": describe_transform(entry.transform), "from": entry.origin} for entry in entries]
-                for key, entries in (self.plan.conversions.lists.items() if self.plan.conversions else ())
+                for key, entries in self.plan.conversions.lists.items()
             },
             "conversions_removed": [
                 {"key": removal.key, "transform": describe_transform(removal.transform), "by": removal.pack}
-                for removal in (self.plan.conversions.removed if self.plan.conversions else ())
+                for removal in self.plan.conversions.removed
             ],
             "conversions_lost": [
                 {
@@ -131,7 +114,7 @@ class Explanation:
                     "transforms": [describe_transform(transform) for transform in claim.converter.transforms],
                     "reason": reason,
                 }
-                for claim, reason in (self.plan.conversions.lost if self.plan.conversions is not None else ())
+                for claim, reason in self.plan.conversions.lost
             ],
             "warnings": list(self.warnings),
         }
@@ -183,13 +166,15 @@ def explain(model: str, session: Session, *, registered: Mapping[str, type] | No
     for module in instance.modules():
         counts[type(module).__name__] = counts.get(type(module).__name__, 0) + 1
     context = LoadContext.for_model(model_class, config)
-    if registered is not None:
-        gathered = session.packs.gather(context, session.selection.spec.priority_offsets)
-        plan = resolve(
-            gathered.claims, context=context, registered=registered, class_names=counts, packs=gathered.packs
-        )
-    else:
-        plan = session.plan(context, counts)
+    session.report(session.selection.problems)
+    plan = plan_load(
+        context,
+        session.packs,
+        priority_offsets=session.selection.spec.priority_offsets,
+        class_names=counts,
+        registered=monkey_patching.get_patch_mapping() if registered is None else registered,
+        report=session.report,
+    )
     lost_by_class: dict[str, list[str]] = {}
     for lost in plan.lost:
         for name in [lost.class_name] if lost.class_name else _matching(lost.claim, counts):
@@ -229,11 +214,7 @@ class CheckResult:
 
 
 def _default_class_name(model_type: str) -> str:
-    return (
-        _mapped(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, model_type)
-        or _mapped(MODEL_MAPPING_NAMES, model_type)
-        or "PreTrainedModel"
-    )
+    return next(iter(default_class_names(None, model_type)), "PreTrainedModel")
 
 
 def _default_config(model_type: str) -> Any:
@@ -253,8 +234,6 @@ def check_pack(session: Session, name: str, model_types: Sequence[str] = ()) -> 
     ``config=None`` (for a pack that decides from the config, and returns nothing
     without one); each must be targeted.
     """
-    from .gathering import PackSet
-
     info = session.selection.packs[name]
     packs = PackSet({name: info})
     problems: list[str] = []
@@ -277,7 +256,7 @@ def check_pack(session: Session, name: str, model_types: Sequence[str] = ()) -> 
         gathered = packs.gather(context)
         for failure in gathered.failures:
             note(str(failure))
-        if gathered.failures and not gathered.packs and "failed to import" in str(gathered.failures[0]):
+        if any(failure.stage == "import" for failure in gathered.failures):
             break
         if gathered.claims or gathered.converters:
             targeted.append(model_type)
@@ -294,7 +273,7 @@ def check_pack(session: Session, name: str, model_types: Sequence[str] = ()) -> 
         if model_types and not (gathered.claims or gathered.converters or gathered.failures):
             note(f"pack {name!r} returns no patch and no converter for {model_type} (default config)")
         classes = modeling_module_classes(model_type)
-        for _info, converter in gathered.converters:
+        for converter in gathered.converters:
             key = converter.key
             known = key in CONFIG_MAPPING_NAMES or isinstance(getattr(transformers, key, None), type)
             if not known:
@@ -308,8 +287,8 @@ def check_pack(session: Session, name: str, model_types: Sequence[str] = ()) -> 
                     "the checkpoint would be converted for modules that were not replaced."
                 )
         try:
-            resolve(gathered.claims)
-        except PatchConflictError as exc:
+            plan_load(context, packs, class_names=classes, registered={}, report=_ignore)
+        except (PatchConflictError, ConverterConflictError) as exc:
             note(str(exc))
         for claim in gathered.claims:
             if not any(matches(claim.target, class_name) for class_name in classes):
@@ -319,3 +298,7 @@ def check_pack(session: Session, name: str, model_types: Sequence[str] = ()) -> 
                     "check the class name (it may have been renamed)."
                 )
     return CheckResult(name, info.version, tuple(targeted), tuple(problems))
+
+
+def _ignore(errors: Iterable[HfPatchError]) -> None:
+    """check_pack notes failures from its own gathering; planning for a conflict need not report them."""

@@ -21,10 +21,11 @@ import torch
 import torch.nn as nn
 
 from . import _compat
-from .composition import BUILTIN, pattern_regex
+from .composition import pattern_regex
 from .conversion import source_patterns_of, target_patterns_of
 from .errors import PackWarning, WeightLayoutError
-from .plan import Plan
+from .plan import BUILTIN, Plan, plan_of
+from .scope import vanilla
 
 #: The attribute of a patched model holding the unbound ``save_pretrained`` it shadows.
 _SAVE_GUARD = "_hfpatch_save_guard"
@@ -42,7 +43,7 @@ def _module_owners(model: nn.Module, plan: Plan) -> dict[str, str]:
 
 
 def _converter_owner(key: str, plan: Plan) -> str | None:
-    lists = [entries for each in plan.all_plans() if each.conversions for entries in each.conversions.lists.values()]
+    lists = [entries for each in plan.all_plans() for entries in each.conversions.lists.values()]
     for entries in lists:
         for entry in entries:
             if entry.origin == BUILTIN:
@@ -135,11 +136,9 @@ def _original_class(model: nn.Module, plan: Plan) -> type:
 
 def vanilla_layout(model: nn.Module, plan: Plan) -> dict[str, tuple[int, ...]]:
     """Names and shapes vanilla transformers saves for a model of this class and config (on meta tensors)."""
-    from .session import suspended
-
-    with suspended(), torch.device("meta"):
-        vanilla = _original_class(model, plan)(copy.deepcopy(model.config))
-    return planned_save_layout(vanilla)
+    with vanilla(), torch.device("meta"):
+        original = _original_class(model, plan)(copy.deepcopy(model.config))
+    return planned_save_layout(original)
 
 
 def planned_save_layout(model: Any) -> dict[str, tuple[int, ...]]:
@@ -193,7 +192,7 @@ def verify_save_layout(model: nn.Module, plan: Plan) -> None:
 
 
 def _guarded_save_pretrained(self: Any, *args: Any, **kwargs: Any) -> Any:
-    plan = getattr(self, "hfpatch_plan", None)
+    plan = plan_of(self)
     if plan is not None and kwargs.get("save_original_format", True):
         verify_save_layout(self, plan)
     return type(self).save_pretrained(self, *args, **kwargs)
@@ -215,3 +214,14 @@ def reversible_conversions(model: Any) -> list[Any]:
 
     prefix_change = _compat.prefix_change_type()
     return [t for t in get_model_conversion_mapping(model, add_legacy=False) if not isinstance(t, prefix_change)]
+
+
+def secure(model: nn.Module, plan: Plan, loading_info: Mapping[str, Any] | None) -> None:
+    """What a patched root model gets once built: every weight a pack touches checked
+    (``loading_info`` of ``from_pretrained``; ``None`` for a model built from a config,
+    which instead keeps the conversions its save must reverse), and the save guard."""
+    if loading_info is not None and plan.touches_weights:
+        check_loading_info(model, plan, loading_info)
+    if loading_info is None and plan.conversions and getattr(model, "_weight_conversions", None) is None:
+        object.__setattr__(model, "_weight_conversions", reversible_conversions(model))
+    guard_saving(model, plan)

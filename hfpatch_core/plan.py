@@ -1,4 +1,7 @@
-"""What resolution decides: which pack's class replaces which target, and what lost."""
+"""What planning decides for one load: which pack's class replaces which target, which
+conversion lists are registered, and what lost.  Values only: the steps that compute
+them are ``resolution`` (who wins) and ``composition`` (the lists transformers gets).
+"""
 
 from __future__ import annotations
 
@@ -8,8 +11,14 @@ from collections.abc import Mapping
 from typing import Any
 
 from .context import LoadContext
-from .conversion import describe_transform
+from .conversion import Converter, describe_transform, source_patterns_of
 from .patches import Patch
+
+#: The attribute of a loaded model that holds its ``Plan``.
+PLAN_ATTRIBUTE = "hfpatch_plan"
+
+#: The origin recorded for transforms that come from transformers' own lists.
+BUILTIN = "transformers"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +52,85 @@ class Claim:
 
 
 @dataclasses.dataclass(frozen=True)
+class ConverterClaim:
+    """A converter as one pack offered it for one load (ranked like a ``Claim``).
+
+    Attributes:
+        pack: the pack's name.
+        version: the pack's distribution version.
+        converter: the converter itself.
+        priority: the converter's priority plus the pack's offset from ``HF_PATCH_PACKS``.
+        index: the converter's position among everything gathered for the load.
+    """
+
+    pack: str
+    version: str
+    converter: Converter
+    priority: int
+    index: int = 0
+
+    @property
+    def key(self) -> str:
+        return self.converter.key
+
+    @property
+    def overwrite(self) -> bool:
+        return self.converter.overwrite
+
+    def describe(self) -> str:
+        patterns = sorted({p for t in self.converter.transforms for p in source_patterns_of(t)})
+        return f"pack {self.pack!r} (converter for {self.key!r}: {patterns})"
+
+
+@dataclasses.dataclass(frozen=True)
+class ComposedTransform:
+    """One entry of a composed list, and where it came from (a pack name or ``BUILTIN``)."""
+
+    transform: Any
+    origin: str
+
+    def describe(self) -> str:
+        return f"{describe_transform(self.transform)} [{self.origin}]"
+
+
+@dataclasses.dataclass(frozen=True)
+class Removal:
+    """A built-in transform left out because a pack's converter replaces it."""
+
+    key: str
+    transform: Any
+    pack: str
+    pattern: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Conversions:
+    """The conversion lists registered for one load (empty, and false, when no pack converts).
+
+    Attributes:
+        lists: for each key registered, the composed list in lookup order.
+        removed: built-in transforms that converters replaced.
+        lost: converter claims that do not apply (another pack won, or their patches are
+            not applied), with the reason.
+        unmatched: ``(claim, pattern)`` for ``replaces`` entries that matched no built-in transform.
+        claims: every winning claim.
+    """
+
+    lists: Mapping[str, tuple[ComposedTransform, ...]] = dataclasses.field(default_factory=dict)
+    removed: tuple[Removal, ...] = ()
+    lost: tuple[tuple[ConverterClaim, str], ...] = ()
+    unmatched: tuple[tuple[ConverterClaim, str], ...] = ()
+    claims: tuple[ConverterClaim, ...] = ()
+
+    def __bool__(self) -> bool:
+        return bool(self.lists)
+
+    def transforms(self, key: str) -> list[Any]:
+        """The list to register for ``key``."""
+        return [entry.transform for entry in self.lists.get(key, ())]
+
+
+@dataclasses.dataclass(frozen=True)
 class Lost:
     """A claim that is not used, and what beat it.
 
@@ -72,6 +160,8 @@ class Plan:
             registration) or shadowed on a class by a better match.
         replaced: for each class name the plan was resolved against, the claim that
             replaces it.
+        conversions: the conversion lists registered for the load.
+        nested: the plans of sub-models loaded inside this load.
     """
 
     context: LoadContext | None
@@ -79,7 +169,7 @@ class Plan:
     entries: tuple[Claim, ...] = ()
     lost: tuple[Lost, ...] = ()
     replaced: Mapping[str, Claim] = dataclasses.field(default_factory=dict)
-    conversions: Any = None
+    conversions: Conversions = dataclasses.field(default_factory=Conversions)
     nested: tuple[Plan, ...] = ()
 
     def all_plans(self) -> tuple[Plan, ...]:
@@ -114,10 +204,9 @@ class Plan:
         for claim in self.entries:
             line = f"claim {claim.target!r} {claim.patch.replacement_name} {claim.priority} {claim.patch.overwrite}"
             digest.update(f"{line}\n".encode())
-        if self.conversions:
-            for key, entries in sorted(self.conversions.lists.items()):
-                for entry in entries:
-                    digest.update(f"convert {key} {entry.origin} {describe_transform(entry.transform)}\n".encode())
+        for key, entries in sorted(self.conversions.lists.items()):
+            for entry in entries:
+                digest.update(f"convert {key} {entry.origin} {describe_transform(entry.transform)}\n".encode())
         for inner in self.nested:
             where = inner.context.model_class_name if inner.context else "?"
             digest.update(f"nested {where} {inner.fingerprint}\n".encode())
@@ -148,3 +237,9 @@ class Plan:
             f"{claim.target!r} <- {claim.patch.replacement.__qualname__} [{claim.label}]" for claim in self.entries
         )
         return f"hfpatch: {where}: {parts}{converted}{inner} (plan {self.fingerprint})"
+
+
+def plan_of(model: object) -> Plan | None:
+    """The plan a model was loaded with, or ``None`` if hfpatch did not load it."""
+    plan = getattr(model, PLAN_ATTRIBUTE, None)
+    return plan if isinstance(plan, Plan) else None

@@ -35,7 +35,7 @@ def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., P
 @pytest.fixture
 def hfpatch_disabled() -> Iterator[None]:
     """Make sure hfpatch is disabled around the test."""
-    from .session import disable
+    from .hooks import disable
 
     disable()
     yield
@@ -71,9 +71,9 @@ _ISOLATION = pytest.StashKey[_Isolation]()
 
 
 def _isolate(item: pytest.Item) -> _Isolation:
-    from . import session
+    from .session import active_session
 
-    isolation = _Isolation(_GlobalState.capture(), HfPatchIsolation(), session._active)
+    isolation = _Isolation(_GlobalState.capture(), HfPatchIsolation(), active_session())
     item.stash[_ISOLATION] = isolation
     return isolation
 
@@ -108,12 +108,12 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> 
 
 def _finish(isolation: _Isolation) -> list[str]:
     """Restore what was recorded; the changes to report."""
-    from . import session
+    from . import hooks
 
-    session.disable()
+    hooks.disable()
     leaks = isolation.state.restore()
     if isolation.session is not None:
-        session._install(isolation.session)  # enabled before the test (hfpatch run -- pytest)
+        hooks.install(isolation.session)  # enabled before the test (hfpatch run -- pytest)
     return [] if isolation.handle.changes_allowed else leaks
 
 
@@ -143,7 +143,7 @@ def hfpatch_isolation(request: pytest.FixtureRequest) -> Iterator[HfPatchIsolati
     Yields:
         The handle with ``allow_changes()``.
     """
-    from .session import disable
+    from .hooks import disable
 
     isolation = request.node.stash.get(_ISOLATION, None)
     if isolation is None:  # requested with getfixturevalue: record from here

@@ -24,7 +24,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Literal
 
 from .errors import HfPatchError, PackError, SelectionError
-from .settings import PACKS_ENV
+from .settings import PACKS_ENV, UNSET
 
 if TYPE_CHECKING:  # parsing a choice (hfpatch run) must not pay for reading metadata
     from .discovery import Discovery, PackInfo
@@ -53,6 +53,11 @@ class SelectionSpec:
     source: str = ""
 
     @property
+    def text(self) -> str | None:
+        """The choice as ``enable(packs=...)`` takes it again; ``None`` when ``HF_PATCH_PACKS`` was unset."""
+        return None if self.source == UNSET else self.source
+
+    @property
     def named(self) -> tuple[str, ...]:
         """Every pack name the spec mentions."""
         return tuple(dict.fromkeys([*self.included, *self.excluded, *self.priority_offsets]))
@@ -72,7 +77,7 @@ def parse_selection(spec: str | Iterable[str] | None) -> SelectionSpec:
         SelectionError: the text does not follow the grammar in this module's docstring.
     """
     if spec is None:
-        return SelectionSpec(mode="all", source="<unset>")
+        return SelectionSpec(mode="all", source=UNSET)
     source = spec if isinstance(spec, str) else ",".join(spec)
     items = [item.strip() for item in source.split(",") if item.strip()]
     if not items or items == ["none"]:
@@ -186,6 +191,7 @@ def select(spec: SelectionSpec, discovery: Discovery, transformers_version: str)
                     f"{info.transformers_range} but {transformers_version} is installed; it is skipped. "
                     f"Install a release of {info.distribution} made for transformers {transformers_version}, "
                     f"or disable it with {PACKS_ENV}=all,-{name}.",
+                    stage="selection",
                 )
             )
             continue

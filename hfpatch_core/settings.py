@@ -23,6 +23,9 @@ STRICT_ENV = "HF_PATCH_STRICT"
 #: when transformers' modeling code is first imported.
 AUTORUN_ENV = "HFPATCH_AUTORUN"
 
+#: The ``source`` of a selection made while ``HF_PATCH_PACKS`` is unset.
+UNSET = "<unset>"
+
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"", "0", "false", "no", "off"})
 

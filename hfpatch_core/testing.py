@@ -361,7 +361,7 @@ def tiny_checkpoint(
         for name, value in config_overrides.items():
             setattr(config, name, value)
     target = Path(directory) if directory is not None else Path(tempfile.mkdtemp(prefix="hfpatch-tiny-"))
-    from .session import suspended
+    from .scope import vanilla as suspended
 
     try:
         with suspended():
@@ -402,7 +402,8 @@ class Report:
 @contextlib.contextmanager
 def _enabled(packs: str, strict: bool = True) -> Iterator[None]:
     """hfpatch enabled for ``packs`` inside the block; afterwards as it was before."""
-    from .session import active_session, disable, enable
+    from .hooks import disable, enable
+    from .session import active_session
 
     previous = active_session()
     enable(packs, strict=strict)
@@ -411,8 +412,7 @@ def _enabled(packs: str, strict: bool = True) -> Iterator[None]:
     finally:
         disable()
         if previous is not None:
-            source = previous.selection.spec.source
-            enable(source if source != "<unset>" else None, strict=previous.strict)
+            enable(previous.selection.spec.text, strict=previous.strict)
 
 
 def load_model(
@@ -441,7 +441,7 @@ def load_model(
         PackError: strict mode, and a selected pack failed.
         Exception: whatever ``from_pretrained`` raises.
     """
-    from .session import suspended
+    from .scope import vanilla as suspended
 
     if model_class is None:
         from transformers import AutoModelForCausalLM
@@ -578,13 +578,13 @@ def check_pack_equivalence(
     """Run every check of ``assert_pack_equivalent`` and return the report."""
     from transformers import AutoModelForCausalLM
 
-    from .session import plan_of
+    from .plan import plan_of
 
     source = Path(checkpoint_or_model_type)
     if not source.is_dir():
         source = tiny_checkpoint(str(checkpoint_or_model_type))
     tolerance = atol if atol is not None else (BF16_ATOL if dtype == torch.bfloat16 else 1e-5)
-    from .session import suspended
+    from .scope import vanilla as suspended
 
     with suspended():  # the reference is vanilla even where hfpatch is enabled (hfpatch run -- pytest)
         vanilla: Any = AutoModelForCausalLM.from_pretrained(source, dtype=dtype)

@@ -229,10 +229,12 @@ def test_list_does_not_import_torch(install) -> None:
     assert result.stdout.strip().splitlines()[-1] == "False"
 
 
-def test_check_with_nothing_selected_says_so(install) -> None:
+def test_check_follows_the_selection_like_every_other_command(install) -> None:
     site = install(PackSpec("mlp", MLP_PACK))
     result = run(HFPATCH, "check", site=site, env={"HF_PATCH_PACKS": "none"})
-    assert result.returncode == 0 and "ok    mlp" in result.stdout  # check ignores the selection
+    assert result.returncode == 0 and result.stdout == "No pack to check.\n"
+    named = run(HFPATCH, "check", "mlp", site=site, env={"HF_PATCH_PACKS": "none"})
+    assert named.returncode == 0 and "ok    mlp" in named.stdout  # packs named on the command line win
 
 
 def test_verify_prints_a_table_and_fails_a_bad_pack(install) -> None:

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import dataclasses
 import json
 import pickle
 from pathlib import Path
@@ -13,8 +14,10 @@ from transformers.core_model_loading import WeightRenaming
 import hfpatch_core
 from conftest import tiny_llama_config
 from hfpatch_core import ConverterConflictError, PackWarning, WeightLayoutError, plan_of
-from hfpatch_core.composition import BUILTIN, ConverterClaim, compose
+from hfpatch_core.composition import ConversionScope, compose
 from hfpatch_core.conversion import Converter, SizedConcatenate, SizedSplit, describe_transform
+from hfpatch_core.plan import BUILTIN, ConverterClaim
+from hfpatch_core.resolution import resolve_converters
 from packs import FUSED_MLP_PACK, MLP_PACK, PackSpec, fused_attention_and_mlp_pack, fused_qkv_pack
 
 
@@ -223,13 +226,14 @@ def test_two_packs_converting_the_same_tensors_conflict_or_follow_priority(insta
     claims = [
         ConverterClaim(pack, "1", Converter("llama", [WeightRenaming("mlp.fc", "mlp.proj")]), 0) for pack in ("a", "b")
     ]
+    overlap = ConversionScope().overlap
     with pytest.raises(ConverterConflictError) as caught:
-        compose(claims, builtin=lambda key: None)
+        resolve_converters(claims, overlap=overlap)
     assert "packs 'a' and 'b' both convert checkpoint tensors ['mlp.fc'] for 'llama'" in str(caught.value)
     assert "HF_PATCH_PACKS=all,a@+1" in str(caught.value)
     raised = [claims[0], ConverterClaim("b", "1", claims[1].converter, 5)]
-    result = compose(raised, builtin=lambda key: None)
-    assert [claim.pack for claim in result.claims] == ["b"] and "priority 0 < 5" in result.lost[0][1]
+    result = resolve_converters(raised, overlap=overlap)
+    assert [claim.pack for claim in result.winners] == ["b"] and "priority 0 < 5" in result.lost[0][1]
     hfpatch_core.enable("all,two@+1")
     model = AutoModelForCausalLM.from_pretrained(llama_checkpoint)
     assert type(model.model.layers[0].self_attn).__name__ == "TwoAttention"
@@ -259,20 +263,14 @@ def test_class_name_keys_take_precedence_and_keep_the_model_type_list() -> None:
         ConverterClaim("typed", "1", Converter("qwen2_moe", [WeightRenaming("a", "b")]), 0),
         ConverterClaim("classy", "1", Converter("Qwen2MoeForCausalLM", [WeightRenaming("c", "d")]), 1),
     ]
-    result = compose(
-        claims,
-        builtin=conversion_mapping.get_checkpoint_conversion_mapping,
-        model_types=["qwen2_moe"],
-        class_model_types={"Qwen2MoeForCausalLM": "qwen2_moe"},
-    )
+    scope = ConversionScope(frozenset(["qwen2_moe"]), {"Qwen2MoeForCausalLM": "qwen2_moe"})
+    result = compose(claims, builtin=conversion_mapping.get_checkpoint_conversion_mapping, scope=scope)
     assert [entry.origin for entry in result.lists["Qwen2MoeForCausalLM"]] == ["classy", "typed", BUILTIN, BUILTIN]
     assert [entry.origin for entry in result.lists["qwen2_moe"]] == ["typed", BUILTIN, BUILTIN]
     folded = compose(
         claims,
         builtin=conversion_mapping.get_checkpoint_conversion_mapping,
-        model_types=["qwen2_moe"],
-        class_model_types={"Qwen2MoeForCausalLM": "qwen2_moe"},
-        class_keys_supported=False,
+        scope=dataclasses.replace(scope, class_keys_supported=False),
     )
     assert list(folded.lists) == ["qwen2_moe"]
     assert [entry.origin for entry in folded.lists["qwen2_moe"]] == ["classy", "typed", BUILTIN, BUILTIN]

@@ -256,7 +256,7 @@ def test_patched_applies_packs_to_manual_construction(install, snapshot) -> None
     assert mlp_class(model) == "PackMLP" and plan.replaced["LlamaMLP"].pack == "mlp"
     assert mlp_class(LlamaForCausalLM(config)) == "LlamaMLP"
     with hfpatch_core.patched("llama") as plan:
-        assert plan.context.model_class_name == "LlamaModel"
+        assert plan.context.model_class_name == "LlamaForCausalLM"  # what hfpatch check and a causal LM load say
         assert mlp_class(LlamaForCausalLM(config)) == "PackMLP"
     snapshot.assert_unchanged()
 

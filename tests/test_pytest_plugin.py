@@ -72,7 +72,7 @@ def test_the_test_starts_clean_and_the_environment_comes_back(
     monkeypatch.setenv("HF_PATCH_STRICT", "1")
     monkeypatch.delenv("HFPATCH_AUTORUN", raising=False)
     hfpatch_core.enable("none")
-    outer = hfpatch_core.session._active
+    outer = hfpatch_core.session.active_session()
     result = run_inner(
         pytester,
         """
@@ -89,7 +89,7 @@ def test_the_test_starts_clean_and_the_environment_comes_back(
     result.assert_outcomes(passed=1)
     assert (os.environ["HF_PATCH_PACKS"], os.environ["HF_PATCH_STRICT"]) == ("outer", "1")
     assert "HFPATCH_AUTORUN" not in os.environ
-    assert hfpatch_core.session._active is outer  # enabled before the inner test: enabled again after it
+    assert hfpatch_core.session.active_session() is outer  # enabled before the inner test: enabled again after it
 
 
 def test_a_registered_patch_and_the_recorders_it_repointed_are_reported_and_restored(

@@ -1,0 +1,72 @@
+"""What hfpatch reads from Python frames: the config a running loader builds with, and
+which replacement class raised.
+
+Both read frames because transformers gives no other way: the config object the model
+receives exists only as a local of ``from_pretrained`` / ``_from_config`` once keyword
+overrides are applied, and an exception from deep inside model construction names the
+module whose code raised only through the ``self`` of its traceback frames.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import types
+from typing import Any
+
+from .errors import PackError
+from .plan import Claim, Plan
+
+_INTERNAL = ("hfpatch_core", "transformers", "contextlib", "importlib")
+
+
+def caller_stacklevel() -> int:
+    """The stack level of the first frame outside hfpatch, transformers and contextlib,
+    so that a warning points at the user's ``from_pretrained`` line."""
+    frame = sys._getframe(1)
+    level = 1
+    while frame is not None:
+        module = frame.f_globals.get("__name__", "")
+        if not module.startswith(_INTERNAL):
+            return level
+        frame = frame.f_back  # type: ignore[assignment]
+        level += 1
+    return 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Loader:
+    """A transformers loader hfpatch wraps: the class it builds and the code of the loader function."""
+
+    model_class: type
+    code: types.CodeType
+
+    def config(self) -> Any:
+        """The ``config`` local of the running loader (the config it is about to build with)."""
+        frame = sys._getframe(1)
+        while frame is not None:
+            if frame.f_code is self.code:
+                return frame.f_locals.get("config")
+            frame = frame.f_back  # type: ignore[assignment]
+        return None
+
+
+def blame(exc: BaseException, plan: Plan) -> PackError | None:
+    """A PackError naming the replacement class whose code raised ``exc``, if one did."""
+    claims: dict[type, Claim] = {claim.patch.replacement: claim for each in plan.all_plans() for claim in each.entries}
+    culprit = None
+    traceback = exc.__traceback__
+    while traceback is not None:
+        owner = traceback.tb_frame.f_locals.get("self")
+        if type(owner) in claims:
+            culprit = claims[type(owner)]
+        traceback = traceback.tb_next
+    if culprit is None:
+        return None
+    where = plan.context.model_class_name if plan.context else "the model"
+    return PackError(
+        culprit.pack,
+        f"pack {culprit.pack!r}: {culprit.patch.replacement_name} (replacing {culprit.target!r}) raised "
+        f"{type(exc).__name__}: {exc} while building {where}; the load was undone, nothing is left patched.",
+        stage="load",
+    )

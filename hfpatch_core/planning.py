@@ -1,0 +1,168 @@
+"""One load's plan, complete: gather the packs' claims, resolve them, compose the conversions.
+
+``plan_load`` is the one way a plan is made: for a ``from_pretrained`` / ``from_config``
+load, a ``patched()`` block, ``hfpatch explain``, ``check`` and ``verify``.  So every
+caller gives packs the same context for the same model and gets the same plan (and
+fingerprint).  The functions that name a model's classes live here for the same reason.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+import types
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import torch.nn as nn
+
+from .composition import compose, scope_for
+from .context import LoadContext
+from .errors import HfPatchError, PackError
+from .gathering import PackSet
+from .plan import Conversions, Plan
+from .resolution import resolve_converters, resolve_patches, unused_converters
+
+#: How a caller hears of pack failures while a plan is made: a warning each, or raise (strict).
+Report = Callable[[Iterable[HfPatchError]], None]
+
+
+def raise_first(errors: Iterable[HfPatchError]) -> None:
+    """The strict ``Report``: the first failure is raised."""
+    for error in errors:
+        raise error
+
+
+def module_classes(module: types.ModuleType) -> dict[str, type]:
+    """The ``nn.Module`` classes a module holds, by attribute name (what a load resolves claims against)."""
+    return {
+        name: value for name, value in vars(module).items() if isinstance(value, type) and issubclass(value, nn.Module)
+    }
+
+
+def modeling_module(model_type: str, *, load: bool = True) -> types.ModuleType | None:
+    """``transformers.models.<type>.modeling_<type>`` (imported unless ``load=False``), or ``None``."""
+    package = model_type.replace("-", "_")
+    name = f"transformers.models.{package}.modeling_{package}"
+    if not load:
+        return sys.modules.get(name)
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        return None
+
+
+def class_names_for(model_class: type) -> list[str]:
+    """The module classes a load of ``model_class`` resolves claims against: those of its modeling module."""
+    module = sys.modules.get(model_class.__module__)
+    return list(module_classes(module)) if module is not None else [model_class.__name__]
+
+
+def _mapped(names: Mapping[str, Any], model_type: str) -> str | None:
+    value = names.get(model_type)
+    if isinstance(value, tuple | list):
+        value = value[0] if value else None
+    return value if isinstance(value, str) else None
+
+
+def default_class_names(config: Any, model_type: str | None) -> list[str]:
+    """The classes a checkpoint of ``config`` (or a bare ``model_type``) loads as, most likely first:
+    its ``architectures``, then the model type's causal LM, then its base model."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_MAPPING_NAMES
+
+    names = list(getattr(config, "architectures", None) or ())
+    if model_type:
+        names += [name for name in (_mapped(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, model_type),) if name]
+        names += [name for name in (_mapped(MODEL_MAPPING_NAMES, model_type),) if name]
+    return list(dict.fromkeys(names))
+
+
+def context_for(
+    config_or_model_type: Any, model_class: type | None = None, *, load_module: bool = False
+) -> tuple[LoadContext, list[str]]:
+    """The context (and class names) of building a model of a config or ``model_type`` string.
+
+    ``model_class``: the class about to be built, when known.  Otherwise the model is
+    taken to be the first of ``default_class_names``.  ``load_module``: import the model
+    type's modeling module to name its classes (otherwise only if already imported).
+    """
+    config: Any = None if isinstance(config_or_model_type, str) else config_or_model_type
+    model_type: str | None = (
+        config_or_model_type if isinstance(config_or_model_type, str) else getattr(config, "model_type", None) or None
+    )
+    if model_class is not None:
+        return LoadContext.for_model(model_class, config), class_names_for(model_class)
+    names = default_class_names(config, model_type)
+    module = modeling_module(model_type, load=load_module) if model_type else None
+    class_names = list(module_classes(module)) if module is not None else []
+    context = LoadContext(
+        model_type=model_type, model_class_name=names[0] if names else "PreTrainedModel", config=config
+    )
+    return context, class_names
+
+
+def plan_load(
+    context: LoadContext,
+    packs: PackSet,
+    *,
+    priority_offsets: Mapping[str, int] | None = None,
+    class_names: Iterable[str] = (),
+    registered: Mapping[str, type] | None = None,
+    overridable: Iterable[str] = (),
+    report: Report = raise_first,
+) -> Plan:
+    """Gather ``packs``' claims for ``context``, resolve them and compose the conversions.
+
+    Args:
+        context: the load.
+        packs: the selected packs.
+        priority_offsets: each pack's offset from the selection (``name@N``).
+        class_names: the module classes the model is built from (see ``resolve_patches``);
+            empty when unknown, and then every winning claim counts as applied.
+        registered: transformers' patch registry before this load registers anything.
+        overridable: keys of ``registered`` an enclosing hfpatch load put there.
+        report: hears each pack failure (a failing pack's claims are left out); raising
+            from it stops planning (strict mode).
+
+    Raises:
+        PatchConflictError: two packs tie on a target.
+        ConverterConflictError: two packs convert the same tensors with the same rank.
+    """
+    gathered = packs.gather(context, priority_offsets)
+    report(gathered.failures)
+    class_names = tuple(class_names)
+    decision = resolve_patches(gathered.claims, registered=registered, overridable=overridable, class_names=class_names)
+    conversions = Conversions()
+    if gathered.converters:
+        unused = unused_converters(gathered.converters, gathered.claims, decision, classes_known=bool(class_names))
+        kept = [claim for claim in gathered.converters if claim.index not in unused]
+        dropped = [(claim, unused[claim.index]) for claim in gathered.converters if claim.index in unused]
+        if kept:
+            from transformers import conversion_mapping
+
+            scope = scope_for(context.model_type, context.model_class_name, kept)
+            converters = resolve_converters(kept, overlap=scope.overlap)
+            conversions = compose(
+                converters.winners,
+                builtin=conversion_mapping.get_checkpoint_conversion_mapping,
+                scope=scope,
+                lost=[*dropped, *converters.lost],
+            )
+        else:
+            conversions = Conversions(lost=tuple(dropped))
+        report(
+            PackError(
+                claim.pack,
+                f"pack {claim.pack!r}: converter for {claim.key!r} replaces {pattern!r}, "
+                "which matches no transform registered for that key; check the source pattern.",
+            )
+            for claim, pattern in conversions.unmatched
+        )
+    return Plan(
+        context=context,
+        packs=tuple(sorted(set(gathered.packs))),
+        entries=decision.entries,
+        lost=decision.lost,
+        replaced=decision.replaced,
+        conversions=conversions,
+    )

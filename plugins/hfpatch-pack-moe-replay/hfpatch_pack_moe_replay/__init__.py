@@ -19,6 +19,11 @@ original unless ``replay_routing`` is active. The API::
     with replay_routing(model, routing):
         loss = loss_fn(model(sequences, attention_mask=mask).logits)
         loss.backward()
+
+The modules, each importing only those before it: ``values`` (the ``Routing`` value,
+vLLM's layout, ``RoutingError``), ``scope`` (which replay each router is under),
+``routers`` (the replayable routers), ``replay`` (``replay_routing``) and ``recording``
+(``record_routing``).
 """
 
 from __future__ import annotations
@@ -28,17 +33,10 @@ import dataclasses
 import hfpatch_core
 from hfpatch_core import LoadContext, Patch
 
-from .routing import (
-    LIVE,
-    REPLAYABLE_ROUTERS,
-    ReplayableRouter,
-    Routing,
-    RoutingError,
-    RoutingRecording,
-    record_routing,
-    replay_routing,
-    routers_of,
-)
+from .recording import RoutingRecording, record_routing
+from .replay import replay_routing
+from .routers import REPLAYABLE_ROUTERS, ReplayableRouter, routers_of
+from .values import LIVE, Routing, RoutingError
 
 __version__ = "0.1.0"
 

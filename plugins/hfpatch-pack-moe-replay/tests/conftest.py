@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 import transformers
-from hfpatch_pack_moe_replay import routing
+from hfpatch_pack_moe_replay import recording, scope
 from transformers import (
     AutoModelForCausalLM,
     FlexOlmoConfig,
@@ -143,5 +143,5 @@ def _isolation(hfpatch_isolation: HfPatchIsolation) -> Iterator[None]:
     leaves transformers' registries or class-level output recorders changed (``hfpatch_isolation``),
     or a replay or a recording of this pack open."""
     yield
-    assert routing._REPLAY.get() is None and not routing._OPEN, "a test left a replay open"
-    assert routing._RECORDING.get() == (), "a test left a recording open"
+    assert scope._REPLAY.get() is None and not scope._OPEN, "a test left a replay open"
+    assert recording._RECORDING.get() == (), "a test left a recording open"

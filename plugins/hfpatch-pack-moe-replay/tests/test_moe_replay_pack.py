@@ -32,7 +32,7 @@ from hfpatch_pack_moe_replay import (
     replay_routing,
     routers_of,
 )
-from hfpatch_pack_moe_replay import routing as routing_module
+from hfpatch_pack_moe_replay import routers as routers_module
 from transformers import AutoModelForCausalLM, Qwen2MoeConfig
 
 import hfpatch_core
@@ -558,7 +558,7 @@ def test_the_replay_reads_the_routers_first_output_as_the_installed_transformers
         probabilities = F.softmax(F.linear(hidden, router.weight), dim=-1)
     returns_probabilities = bool(torch.allclose(first, probabilities))
     assert returns_probabilities or torch.allclose(first, F.linear(hidden, router.weight))
-    assert routing_module._first_output_is_probabilities(original) is returns_probabilities
+    assert routers_module._first_output_is_probabilities(original) is returns_probabilities
     known = {"5.3.0": True, "5.24.0": False}
     assert known.get(transformers.__version__, returns_probabilities) is returns_probabilities
 
@@ -607,7 +607,7 @@ def test_the_pack_is_discovered_from_an_installed_wheel(checkpoints: dict[str, P
     assert Path(found["distribution_files"]).resolve() == installed.site.resolve()
     assert Path(found["module_file"]).resolve().is_relative_to(installed.site.resolve())
     assert found["replaced"] == {"Qwen3MoeTopKRouter": PACK}
-    assert found["router"] == "hfpatch_pack_moe_replay.routing"
+    assert found["router"] == "hfpatch_pack_moe_replay.routers"
     assert found["replayed"] is True
 
 

@@ -1,0 +1,315 @@
+"""The routing value: which experts each token was routed to, per MoE layer.
+
+* ``Routing`` is one ``LongTensor`` of shape ``(tokens, top_k)`` per router (MoE layer),
+  tokens ordered as the routers see them, ``batch × sequence`` flattened row by row
+  (``hidden_states.reshape(-1, hidden)``). It is frozen and validated once, here, so
+  that the recorder, the replay and vLLM's layout meet on one checked form and the
+  replay never sees a malformed selection mid-forward.
+* ``Routing.from_vllm`` / ``Routing.to_vllm`` convert vLLM's ``routed_experts``
+  layout ``(seq_len, num_layers, top_k)``.
+* ``RoutingError`` is every error of the pack's API, raised by this module and by the
+  replay and the recorder.
+
+This module knows nothing of models or routers: it is the bottom of the pack's imports
+(``values`` <- ``scope`` <- ``routers`` <- ``replay`` / ``recording``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import torch
+
+from hfpatch_core.errors import HfPatchError
+
+__all__ = ["LIVE", "Routing", "RoutingError"]
+
+#: The expert id that marks a token "route live" in a ``Routing``: a row of
+#: ``LIVE`` (padding added by ``Routing.padded`` / ``Routing.stack``) makes the
+#: router keep its own top-k for that token during a replay.
+LIVE = -1
+
+
+class RoutingError(HfPatchError, ValueError):
+    """A routing is malformed, or does not fit the model or forward pass it is replayed on."""
+
+
+def _shape(tensor: torch.Tensor) -> tuple[int, ...]:
+    return tuple(tensor.shape)
+
+
+# --- the value ---------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Routing:
+    """The experts each token was routed to, per MoE layer: a frozen value.
+
+    Attributes:
+        layers: one ``torch.long`` tensor of shape ``(tokens, top_k)`` per router, in the
+            model's module order (dense layers have no router and no entry). Row ``t`` is
+            the ``t``-th token the router saw: ``batch × sequence`` flattened row by row,
+            padding included. A row of ``LIVE`` (``-1``) means "keep the live top-k".
+        batch_size: how many sequences the tokens are (``tokens == batch_size * seq_len``).
+
+    The tensors are copied (detached, ``torch.long``) at construction, so later in-place
+    changes to the inputs do not reach the routing. Two routings are equal when their
+    batch sizes and every index are.
+
+    Raises:
+        RoutingError: no layer; a layer that is not a 2-D integer tensor; layers of
+            different shapes; an id below ``-1``; a row mixing ``LIVE`` and expert ids;
+            the same expert twice in a row; ``batch_size`` not dividing the token count.
+    """
+
+    layers: tuple[torch.Tensor, ...]
+    batch_size: int = 1
+
+    def __post_init__(self) -> None:
+        layers = self.layers
+        if isinstance(layers, torch.Tensor) or not isinstance(layers, Sequence):
+            raise RoutingError(
+                "Routing(layers=...) takes a sequence of per-layer (tokens, top_k) tensors, got "
+                f"{type(layers).__name__}; for vLLM's (seq_len, num_layers, top_k) array use Routing.from_vllm(array)."
+            )
+        if not layers:
+            raise RoutingError("Routing(layers=()) has no layer; pass one (tokens, top_k) tensor per MoE layer.")
+        converted = tuple(_index_tensor(layer, position) for position, layer in enumerate(layers))
+        expected = _shape(converted[0])
+        for position, layer in enumerate(converted):
+            if _shape(layer) != expected:
+                raise RoutingError(
+                    f"Routing layer {position} has shape {_shape(layer)}, layer 0 has {expected}: every layer routes "
+                    "the same tokens with the same top_k; pass tensors of one shape (tokens, top_k)."
+                )
+        batch_size = self.batch_size
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise RoutingError(f"Routing batch_size must be a positive int, got {batch_size!r}.")
+        if expected[0] % batch_size:
+            raise RoutingError(
+                f"Routing has {expected[0]} tokens, which batch_size={batch_size} does not divide: tokens are "
+                "batch_size × seq_len (padding included); pad the sequences to one length (Routing.stack)."
+            )
+        for position, layer in enumerate(converted):
+            _check_ids(layer, position)
+        object.__setattr__(self, "layers", converted)
+        object.__setattr__(self, "batch_size", batch_size)
+
+    @property
+    def num_layers(self) -> int:
+        """How many routers (MoE layers) the routing covers."""
+        return len(self.layers)
+
+    @property
+    def num_tokens(self) -> int:
+        """How many tokens each router sees: ``batch_size * seq_len``."""
+        return int(self.layers[0].shape[0])
+
+    @property
+    def seq_len(self) -> int:
+        """The length of each sequence (padding included)."""
+        return self.num_tokens // self.batch_size
+
+    @property
+    def top_k(self) -> int:
+        """How many experts each token is routed to."""
+        return int(self.layers[0].shape[1])
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Routing):
+            return NotImplemented
+        return (
+            self.batch_size == other.batch_size
+            and self.num_layers == other.num_layers
+            and all(torch.equal(a.cpu(), b.cpu()) for a, b in zip(self.layers, other.layers, strict=True))
+        )
+
+    __hash__ = None  # type: ignore[assignment]  # equal by value, and tensors are mutable
+
+    def __repr__(self) -> str:
+        return (
+            f"Routing(num_layers={self.num_layers}, batch_size={self.batch_size}, seq_len={self.seq_len}, "
+            f"top_k={self.top_k})"
+        )
+
+    # --- vLLM ------------------------------------------------------------------------
+
+    @classmethod
+    def from_vllm(cls, routed_experts: Any) -> Routing:
+        """The routing of vLLM's ``routed_experts`` array.
+
+        Args:
+            routed_experts: a numpy array or torch tensor of integer expert ids, shaped
+                ``(seq_len, num_layers, top_k)`` (one request), or
+                ``(batch, seq_len, num_layers, top_k)`` (sequences of one length).
+
+        Returns:
+            a ``Routing`` with ``batch_size`` 1 (or ``batch``), token ``t`` of layer
+            ``l`` being ``routed_experts[t, l]``.
+
+        Raises:
+            RoutingError: the array has another number of dimensions, or invalid ids.
+        """
+        tensor = _as_tensor(routed_experts)
+        if tensor.dim() == 4:
+            batch_size = int(tensor.shape[0])
+            tensor = tensor.reshape(-1, *tensor.shape[2:])
+        elif tensor.dim() == 3:
+            batch_size = 1
+        else:
+            raise RoutingError(
+                f"Routing.from_vllm expects vLLM's routed_experts layout (seq_len, num_layers, top_k), or "
+                f"(batch, seq_len, num_layers, top_k), got shape {_shape(tensor)}."
+            )
+        return cls(tuple(tensor[:, layer, :] for layer in range(tensor.shape[1])), batch_size=batch_size)
+
+    def to_vllm(self) -> torch.Tensor:
+        """This routing in vLLM's ``routed_experts`` layout: the inverse of ``from_vllm``.
+
+        Returns:
+            a CPU ``torch.long`` tensor of shape ``(seq_len, num_layers, top_k)`` when
+            ``batch_size`` is 1, else ``(batch_size, seq_len, num_layers, top_k)``
+            (``.numpy()`` for an array). ``LIVE`` rows stay ``-1``.
+        """
+        stacked = torch.stack([layer.cpu() for layer in self.layers], dim=1)
+        if self.batch_size == 1:
+            return stacked
+        return stacked.reshape(self.batch_size, self.seq_len, self.num_layers, self.top_k)
+
+    # --- padding and batching ----------------------------------------------------------
+
+    def padded(self, seq_len: int, *, side: Literal["left", "right"] = "right") -> Routing:
+        """Each sequence extended to ``seq_len`` tokens with ``LIVE`` rows.
+
+        Use it where the forward pass routes tokens the routing does not cover: the padding
+        of a batch, or the last generated token (which ``generate`` never feeds back, so a
+        routing recorded during ``generate`` has ``prompt + new_tokens - 1`` positions).
+
+        Args:
+            seq_len: the padded length, at least ``seq_len``.
+            side: ``"right"`` appends, ``"left"`` prepends (for a left-padded batch).
+
+        Returns:
+            a new ``Routing`` with the same ``batch_size``.
+        """
+        if side not in ("left", "right"):
+            raise RoutingError(f"Routing.padded(side={side!r}): side must be 'left' or 'right'.")
+        if seq_len < self.seq_len:
+            raise RoutingError(
+                f"Routing.padded({seq_len}) is shorter than the routing's seq_len {self.seq_len}; "
+                "pass a length of at least seq_len."
+            )
+        extra = seq_len - self.seq_len
+        layers = []
+        for layer in self.layers:
+            padding = torch.full((self.batch_size * extra, self.top_k), LIVE, dtype=torch.long, device=layer.device)
+            parts = [(layer, self.seq_len), (padding, extra)]
+            layers.append(_join_per_sequence(parts if side == "right" else parts[::-1], self.batch_size))
+        return Routing(tuple(layers), batch_size=self.batch_size)
+
+    @classmethod
+    def stack(
+        cls,
+        routings: Sequence[Routing],
+        *,
+        padding_side: Literal["left", "right"] = "right",
+        seq_len: int | None = None,
+    ) -> Routing:
+        """One routing for a batch of sequences, padded to one length with ``LIVE`` rows.
+
+        Args:
+            routings: the routings of the batch's sequences (or sub-batches), in batch order,
+                e.g. ``[Routing.from_vllm(output.routed_experts) for output in outputs]``.
+            padding_side: where the tokenizer pads the training batch.
+            seq_len: the padded length (default: the longest routing's).
+
+        Returns:
+            a ``Routing`` whose ``batch_size`` is the sum of theirs.
+
+        Raises:
+            RoutingError: no routing, or routings of different layer counts or top-k.
+        """
+        if not routings or not all(isinstance(routing, Routing) for routing in routings):
+            raise RoutingError("Routing.stack takes a non-empty sequence of Routing objects.")
+        first = routings[0]
+        for position, routing in enumerate(routings):
+            if (routing.num_layers, routing.top_k) != (first.num_layers, first.top_k):
+                raise RoutingError(
+                    f"Routing.stack: routing {position} has {routing.num_layers} layers of top_k {routing.top_k}, "
+                    f"routing 0 has {first.num_layers} of top_k {first.top_k}; stack routings of one model."
+                )
+        length = max(routing.seq_len for routing in routings) if seq_len is None else seq_len
+        padded = [routing.padded(length, side=padding_side) for routing in routings]
+        layers = tuple(
+            torch.cat([routing.layers[layer].to(first.layers[layer].device) for routing in padded])
+            for layer in range(first.num_layers)
+        )
+        return cls(layers, batch_size=sum(routing.batch_size for routing in routings))
+
+
+def _as_tensor(value: Any) -> torch.Tensor:
+    """``value`` as a tensor: a tensor detached, anything else (vLLM's numpy arrays, lists) through numpy."""
+    if isinstance(value, torch.Tensor):
+        return value.detach()
+    import numpy
+
+    return torch.tensor(numpy.asarray(value))
+
+
+def _join_per_sequence(parts: Sequence[tuple[torch.Tensor, int]], batch_size: int) -> torch.Tensor:
+    """Flattened ``(tokens, top_k)`` parts joined sequence by sequence, flattened again.
+
+    Part ``(indices, length)`` holds ``batch_size`` sequences of ``length`` tokens, row by
+    row; sequence ``b`` of the result is sequence ``b`` of every part, in order (padding
+    appended or prepended, or the forward passes of a generation one after the other).
+    """
+    top_k = int(parts[0][0].shape[1])
+    joined = torch.cat([indices.reshape(batch_size, length, top_k) for indices, length in parts], dim=1)
+    return joined.reshape(-1, top_k)
+
+
+def _index_tensor(value: Any, position: int) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor):
+        try:
+            value = _as_tensor(value)
+        except (TypeError, ValueError) as exc:
+            raise RoutingError(
+                f"Routing layer {position} is {type(value).__name__}, not a tensor of expert ids ({exc})."
+            ) from None
+    if value.is_floating_point() or value.is_complex() or value.dtype == torch.bool:
+        raise RoutingError(
+            f"Routing layer {position} has dtype {value.dtype}; expert ids are integers (router_indices, or "
+            "vLLM's routed_experts): pass an integer tensor."
+        )
+    if value.dim() != 2 or value.shape[0] == 0 or value.shape[1] == 0:
+        raise RoutingError(
+            f"Routing layer {position} has shape {_shape(value)}; each layer is (tokens, top_k) with tokens = "
+            "batch × seq_len flattened row by row (for a (batch, seq_len, top_k) tensor use .reshape(-1, top_k))."
+        )
+    return value.detach().to(torch.long, copy=True).contiguous()
+
+
+def _check_ids(layer: torch.Tensor, position: int) -> None:
+    if bool((layer < LIVE).any()):
+        raise RoutingError(
+            f"Routing layer {position} holds expert id {int(layer.min())}; ids are >= 0, or {LIVE} (LIVE) for a "
+            "token the router routes itself."
+        )
+    live = layer == LIVE
+    mixed = live.any(dim=1) & ~live.all(dim=1)
+    if bool(mixed.any()):
+        token = int(mixed.nonzero()[0, 0])
+        raise RoutingError(
+            f"Routing layer {position}, token {token}: {layer[token].tolist()} mixes LIVE ({LIVE}) with expert ids; "
+            "a token is either replayed (all top_k ids) or routed live (all LIVE)."
+        )
+    ordered = layer.sort(dim=1).values
+    repeated = ((ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] != LIVE)).any(dim=1)
+    if bool(repeated.any()):
+        token = int(repeated.nonzero()[0, 0])
+        raise RoutingError(
+            f"Routing layer {position}, token {token}: {layer[token].tolist()} names an expert twice; a router "
+            "selects top_k distinct experts per token."
+        )

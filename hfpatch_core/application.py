@@ -80,10 +80,14 @@ def attribute_names(module: types.ModuleType) -> list[str]:
     return dir(module)
 
 
+def _newest(namespace: Mapping[str, object]) -> str | None:
+    return next(reversed(namespace.keys()), None)  # type: ignore[call-overload]
+
+
 class _Entry:
     """What one module's namespace held when its matching names were last computed."""
 
-    __slots__ = ("exported", "exported_size", "keys", "module", "names", "namespace")
+    __slots__ = ("exported", "exported_size", "module", "names", "namespace", "newest", "size")
 
     def __init__(self, module: types.ModuleType, mapping: Mapping[str, object]) -> None:
         self.module = module
@@ -92,7 +96,8 @@ class _Entry:
 
     def refresh(self, mapping: Mapping[str, object]) -> None:
         module = self.module
-        self.keys = frozenset(self.namespace)
+        self.size = len(self.namespace)
+        self.newest = _newest(self.namespace)
         # a lazy module also lists the names it has not resolved yet
         exported: Sequence[str] | None = getattr(module, "__all__", ()) if isinstance(module, _LazyModule) else None
         self.exported = exported
@@ -100,7 +105,7 @@ class _Entry:
         self.names = tuple(name for name in attribute_names(module) if find_replacement(name, mapping) is not None)
 
     def exports_changed(self) -> bool:
-        exported: Sequence[str] = getattr(self.module, "__all__", ())
+        exported: Sequence[str] = getattr(self.module, "__all__", ()) if self.exported is not None else ()
         return exported is not self.exported or len(exported) != self.exported_size  # same list, grown
 
 
@@ -108,9 +113,13 @@ class _MatchCache:
     """Which attribute names of each loaded transformers module match a registry's keys.
 
     Keyed by the registry's keys (in order).  A module's entry is reused while its
-    namespace holds exactly the same names (and, for a lazy module, the same
-    ``__all__``): comparing key sets is done in C and costs far less than matching
-    every name against every pattern again.
+    namespace has the same size and the same newest name (and, for a lazy module, the
+    same ``__all__``).  Python dicts append every new key, so a name added since the
+    last look shows as a new size or a new newest name; the one change that keeps both
+    (as many names deleted as added, the newest itself deleted and re-added last) is
+    not something a module namespace goes through between two loads: module code runs
+    once, lazy modules only add the names they resolve.  Comparing the whole key set
+    instead costs as much as the rest of a tiny model's load overhead together.
     """
 
     def __init__(self, keys: tuple[str, ...]) -> None:
@@ -135,8 +144,8 @@ class _MatchCache:
         for entry in self.entries:  # the hot loop of every load: the checks are inlined
             namespace = entry.namespace
             if (
-                len(namespace) != len(entry.keys)
-                or namespace.keys() != entry.keys
+                len(namespace) != entry.size
+                or next(reversed(namespace.keys())) != entry.newest
                 or (entry.exported is not None and entry.exports_changed())
             ):
                 entry.refresh(mapping)
@@ -163,32 +172,38 @@ def _cache_for(keys: tuple[str, ...]) -> _MatchCache:
 class _ModuleIndex:
     """The loaded ``transformers*`` modules, recomputed only when ``sys.modules`` changes.
 
-    Reused while ``sys.modules`` holds exactly the same names and each kept module is
-    still the one under its name: both checks run in C, far below a scan that tests
-    the name of each of the thousands of modules torch loads.
+    ``sys.modules`` is taken as unchanged while it has the same size and the same newest
+    entry, holding the same module (the reasoning of ``_MatchCache``: an import appends,
+    and a module evicted and imported again comes back as the newest entry, with a new
+    module object).  Checking that costs nothing next to a scan of the thousands of
+    modules torch loads.
     """
 
     def __init__(self) -> None:
-        self.names: frozenset[str] = frozenset()
-        self.modules: list[tuple[str, types.ModuleType]] = []
+        self.size = -1
+        self.newest: str | None = None
+        self.newest_module: object = None
         self.loaded: list[types.ModuleType] = []
 
     def current(self) -> list[types.ModuleType]:
         loaded = sys.modules
-        if len(loaded) != len(self.names) or loaded.keys() != self.names or not self._same(loaded):
-            self.names = frozenset(loaded)
-            self.modules = []
+        if (
+            len(loaded) != self.size
+            or (newest := _newest(loaded)) != self.newest
+            or (
+                loaded.get(newest) is not self.newest_module  # type: ignore[arg-type]
+            )
+        ):
+            self.size, self.newest = len(loaded), _newest(loaded)
+            self.newest_module = loaded.get(self.newest) if self.newest is not None else None
+            self.loaded = []
             for key, module in list(loaded.items()):
                 if not key.startswith("transformers") or module is None:
                     continue
                 name = getattr(module, "__name__", None)  # transformers' own test
                 if isinstance(name, str) and name.startswith("transformers"):
-                    self.modules.append((key, module))
-            self.loaded = [module for _, module in self.modules]
+                    self.loaded.append(module)
         return self.loaded  # the same list while nothing changed: match caches compare it by identity
-
-    def _same(self, loaded: Mapping[str, object]) -> bool:
-        return all(loaded.get(key) is module for key, module in self.modules)
 
 
 _index = _ModuleIndex()

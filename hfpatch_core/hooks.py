@@ -37,7 +37,8 @@ def attach(model: object, plan: Plan) -> None:
     """Record ``plan`` on ``model`` (``plan_of``) and log its summary."""
     if isinstance(model, nn.Module):
         object.__setattr__(model, PLAN_ATTRIBUTE, plan)
-    logger.info(plan.summary())
+    if logger.isEnabledFor(logging.INFO):  # the summary hashes the plan: only when someone reads it
+        logger.info(plan.summary())
 
 
 def _managed(cls: type, load: Callable[[], Any], code: types.CodeType, *, loading_info: bool = False) -> Any:

@@ -1,10 +1,10 @@
 """``hfpatch run``: start a program with hfpatch enabled in it and in its children.
 
-The ``hfpatch`` console script enters here.  ``hfpatch run -- CMD`` is on the start-up
-path of every training job, so it imports nothing beyond what Python has already
-loaded at start: it checks what can be checked cheaply, sets ``HFPATCH_AUTORUN`` and
-replaces itself with ``CMD`` (the start-up hook then enables hfpatch in ``CMD`` and
-every process it starts).  Every other command goes to ``hfpatch_core.cli``.
+``hfpatch run -- CMD`` is on the start-up path of every training job, so it imports
+nothing beyond what Python has already loaded at start: it checks what can be checked
+cheaply, sets ``HFPATCH_AUTORUN`` and replaces itself with ``CMD`` (the start-up hook
+then enables hfpatch in ``CMD`` and every process it starts).  The console script
+(``hfpatch_core.console``) comes here for ``run`` without importing ``hfpatch_core.cli``.
 """
 
 from __future__ import annotations
@@ -17,28 +17,11 @@ if TYPE_CHECKING:
     from collections.abc import Sequence
     from typing import NoReturn
 
-#: Exit status of a usage error (the same as ``hfpatch_core.cli.EXIT_USAGE``).
-EXIT_USAGE = 2
-
 _HOOK_MODULE = "_hfpatch_autorun.py"
 
 
 class LaunchError(Exception):
     """``hfpatch run`` cannot start the command; the message says why and what to do."""
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """The ``hfpatch`` console script."""
-    args = list(sys.argv[1:] if argv is None else argv)
-    if args[:1] == ["run"] and not {"-h", "--help"} & set(args[1:2]):
-        try:
-            launch(args[1:])
-        except LaunchError as exc:
-            print(f"hfpatch: error: {exc}", file=sys.stderr)
-            return EXIT_USAGE
-    from .cli import main as cli_main
-
-    return cli_main(args)
 
 
 def launch(command: Sequence[str]) -> NoReturn:
@@ -89,7 +72,3 @@ def _which(name: str) -> str | None:
         if os.access(path, os.X_OK) and not os.path.isdir(path):
             return path
     return None
-
-
-if __name__ == "__main__":
-    sys.exit(main())

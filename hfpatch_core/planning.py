@@ -52,10 +52,24 @@ def modeling_module(model_type: str, *, load: bool = True) -> types.ModuleType |
         return None
 
 
-def class_names_for(model_class: type) -> list[str]:
+#: module name -> (module, namespace size, newest name, its class names): a modeling module
+#: is read again only when names were added to it (see ``application._MatchCache``).
+_class_names: dict[str, tuple[types.ModuleType, int, str | None, tuple[str, ...]]] = {}
+
+
+def class_names_for(model_class: type) -> tuple[str, ...]:
     """The module classes a load of ``model_class`` resolves claims against: those of its modeling module."""
     module = sys.modules.get(model_class.__module__)
-    return list(module_classes(module)) if module is not None else [model_class.__name__]
+    if module is None:
+        return (model_class.__name__,)
+    namespace = vars(module)
+    size, newest = len(namespace), next(reversed(namespace.keys()), None)
+    cached = _class_names.get(module.__name__)
+    if cached is not None and cached[0] is module and cached[1:3] == (size, newest):
+        return cached[3]
+    names = tuple(module_classes(module))
+    _class_names[module.__name__] = (module, size, newest, names)
+    return names
 
 
 def _mapped(names: Mapping[str, Any], model_type: str) -> str | None:
@@ -91,7 +105,7 @@ def context_for(
         config_or_model_type if isinstance(config_or_model_type, str) else getattr(config, "model_type", None) or None
     )
     if model_class is not None:
-        return LoadContext.for_model(model_class, config), class_names_for(model_class)
+        return LoadContext.for_model(model_class, config), list(class_names_for(model_class))
     names = default_class_names(config, model_type)
     module = modeling_module(model_type, load=load_module) if model_type else None
     class_names = list(module_classes(module)) if module is not None else []

@@ -213,7 +213,7 @@ def test_run_checks_the_selection_and_the_command_first(install) -> None:
 
 def test_run_refuses_when_the_start_up_hook_is_not_on_the_path() -> None:
     code = (
-        "import os, sys; from hfpatch_core.launch import main; "
+        "import os, sys; from hfpatch_core.console import main; "
         "sys.path[:] = [p for p in sys.path if not os.path.isfile(os.path.join(p or '.', '_hfpatch_autorun.py'))]; "
         "sys.exit(main(['run', '--', 'true']))"
     )

@@ -1,23 +1,21 @@
 """pytest fixtures for pack authors (registered through the ``pytest11`` entry point).
 
 Kept free of heavy imports: torch and transformers load only when a fixture is used.
+``hfpatch_isolation`` records and restores global state with ``hfpatch_core.snapshot``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
-import sys
-import types
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from . import settings
-
-_MISSING: Any = object()
+from .snapshot import GlobalState
 
 
 @pytest.fixture
@@ -62,7 +60,7 @@ class HfPatchIsolation:
 class _Isolation:
     """What ``hfpatch_isolation`` recorded before the test's fixtures were set up."""
 
-    state: _GlobalState
+    state: GlobalState
     handle: HfPatchIsolation
     session: Any
 
@@ -73,7 +71,7 @@ _ISOLATION = pytest.StashKey[_Isolation]()
 def _isolate(item: pytest.Item) -> _Isolation:
     from .session import active_session
 
-    isolation = _Isolation(_GlobalState.capture(), HfPatchIsolation(), active_session())
+    isolation = _Isolation(GlobalState.capture(), HfPatchIsolation(), active_session())
     item.stash[_ISOLATION] = isolation
     return isolation
 
@@ -165,226 +163,3 @@ def hfpatch_isolation(request: pytest.FixtureRequest) -> Iterator[HfPatchIsolati
 def _environment_names() -> list[str]:
     """Every environment variable ``hfpatch_core.settings`` names (its ``*_ENV`` constants)."""
     return [value for name, value in vars(settings).items() if name.endswith("_ENV") and isinstance(value, str)]
-
-
-def _name(value: Any) -> str:
-    """A short, readable form of a registry value or a recorder."""
-    from transformers.utils.output_capturing import OutputRecorder
-
-    if isinstance(value, type):
-        return f"{value.__module__}.{value.__qualname__}"
-    if isinstance(value, OutputRecorder):
-        target = value.target_class if value.target_class is not None else value.class_name
-        return f"OutputRecorder({_name(target)})"
-    if isinstance(value, list):
-        return "[" + ", ".join(_name(item) for item in value) + "]"
-    if value is None or isinstance(value, (str, int)):
-        return repr(value)
-    return type(value).__name__
-
-
-def _same_items(now: Any, saved: Any) -> bool:
-    """Whether two values hold the very same objects (lists compared item by item)."""
-    if isinstance(now, list) and isinstance(saved, list):
-        return len(now) == len(saved) and all(a is b for a, b in zip(now, saved, strict=True))
-    return now is saved
-
-
-def _mapping_changes(what: str, now: Mapping[str, Any], saved: Mapping[str, Any]) -> list[str]:
-    """What differs between two registries, one line per key (values compared by identity)."""
-    changes = [f"{what}: added {key!r} -> {_name(now[key])}" for key in now if key not in saved]
-    changes += [f"{what}: removed {key!r} (was {_name(saved[key])})" for key in saved if key not in now]
-    changes += [
-        f"{what}: {key!r} is {_name(now[key])} (was {_name(saved[key])})"
-        for key in saved
-        if key in now and not _same_items(now[key], saved[key])
-    ]
-    if not changes and list(now) != list(saved):
-        changes.append(f"{what}: the order of the keys changed (it decides which pattern matches first)")
-    return changes
-
-
-def _loaded_classes() -> dict[tuple[str, str], tuple[types.ModuleType, type]]:
-    """Every class bound in a loaded ``transformers*`` module: ``(module, attribute) -> (module, class)``."""
-    found: dict[tuple[str, str], tuple[types.ModuleType, type]] = {}
-    for key, module in list(sys.modules.items()):
-        if not key.startswith("transformers") or not isinstance(module, types.ModuleType):
-            continue
-        for attribute, value in list(vars(module).items()):
-            if isinstance(value, type):
-                found[(key, attribute)] = (module, value)
-    return found
-
-
-def _recorder_tables(classes: Iterable[type]) -> dict[type, dict[str, Any]]:
-    """The classes among ``classes`` that define a ``_can_record_outputs`` table of their own."""
-    tables: dict[type, dict[str, Any]] = {}
-    for cls in classes:
-        table = cls.__dict__.get("_can_record_outputs")
-        if isinstance(table, dict) and cls not in tables:
-            tables[cls] = table
-    return tables
-
-
-def _recorders(value: Any) -> list[Any]:
-    return list(value) if isinstance(value, list) else [value]
-
-
-@dataclasses.dataclass
-class _Table:
-    """One class's ``_can_record_outputs`` as it was: the dict, its entries, list contents, recorder targets."""
-
-    owner: type
-    table: dict[str, Any]
-    entries: dict[str, Any]
-    lists: dict[str, list[Any]]
-    targets: list[tuple[Any, Any]]
-
-    @classmethod
-    def capture(cls, owner: type, table: dict[str, Any]) -> _Table:
-        from transformers.utils.output_capturing import OutputRecorder
-
-        targets = {
-            id(recorder): (recorder, recorder.target_class)
-            for value in table.values()
-            for recorder in _recorders(value)
-            if isinstance(recorder, OutputRecorder)
-        }
-        lists = {key: list(value) for key, value in table.items() if isinstance(value, list)}
-        return cls(owner, table, dict(table), lists, list(targets.values()))
-
-    def restore(self) -> list[str]:
-        where = f"{_name(self.owner)}._can_record_outputs"
-        changes: list[str] = []
-        if self.owner.__dict__.get("_can_record_outputs") is not self.table:
-            changes.append(f"{where} was replaced by another object")
-            self.owner._can_record_outputs = self.table  # type: ignore[attr-defined]
-        changed_lists = [key for key, items in self.lists.items() if not _same_items(self.entries[key], items)]
-        changes += [f"{where}[{key!r}]: its list was edited in place" for key in changed_lists]
-        for key in changed_lists:
-            self.entries[key][:] = self.lists[key]
-        entry_changes = _mapping_changes(where, self.table, self.entries)
-        if entry_changes:
-            changes += entry_changes
-            self.table.clear()
-            self.table.update(self.entries)
-        for recorder, target in self.targets:
-            if recorder.target_class is not target:
-                changes.append(f"{where}: a recorder targets {_name(recorder.target_class)} (was {_name(target)})")
-                recorder.target_class = target
-        return changes
-
-
-def _foreign_recorders(owner: type, table: Mapping[str, Any]) -> list[str]:
-    """Recorders of a transformers class that point at a class defined outside transformers."""
-    from transformers.utils.output_capturing import OutputRecorder
-
-    found = []
-    for key, value in table.items():
-        for recorder in _recorders(value):
-            target = recorder.target_class if isinstance(recorder, OutputRecorder) else recorder
-            if isinstance(target, type) and not target.__module__.startswith(("transformers", "torch.")):
-                found.append(
-                    f"{_name(owner)}._can_record_outputs[{key!r}] points at {_name(target)} "
-                    "(the class was first imported during the test: not restored)"
-                )
-    return found
-
-
-@dataclasses.dataclass
-class _GlobalState:
-    """The global state a patched load changes and must put back, as ``capture()`` found it."""
-
-    registry: dict[str, type]
-    conversion_cache: dict[str, Any]
-    conversions: dict[str, Any]
-    conversion_lists: dict[str, list[Any]]
-    user_conversions: set[str] | None
-    classes: dict[tuple[str, str], tuple[types.ModuleType, type]]
-    tables: list[_Table]
-
-    @classmethod
-    def capture(cls) -> _GlobalState:
-        from transformers import monkey_patching
-
-        from ._compat import conversion_cache, user_registered_conversions
-
-        conversions = conversion_cache()  # built now, so that a registration during the test shows
-        user_keys = user_registered_conversions()  # 5.24, not 5.3
-        classes = _loaded_classes()
-        tables = _recorder_tables(cls for _, cls in classes.values())
-        return cls(
-            registry=monkey_patching.get_patch_mapping(),
-            conversion_cache=conversions,
-            conversions=dict(conversions),
-            conversion_lists={key: list(value) for key, value in conversions.items() if isinstance(value, list)},
-            user_conversions=set(user_keys) if user_keys is not None else None,
-            classes=classes,
-            tables=[_Table.capture(owner, table) for owner, table in tables.items()],
-        )
-
-    def restore(self) -> list[str]:
-        """Put everything back; return what had changed."""
-        return [
-            *self._restore_registry(),
-            *self._restore_conversions(),
-            *self._restore_classes(),
-            *self._restore_recorders(),
-        ]
-
-    def _restore_registry(self) -> list[str]:
-        from transformers import monkey_patching
-
-        changes = _mapping_changes("transformers' patch registry", monkey_patching.get_patch_mapping(), self.registry)
-        if changes:
-            monkey_patching.clear_patch_mapping()
-            if self.registry:
-                monkey_patching.register_patch_mapping(self.registry)
-        return changes
-
-    def _restore_conversions(self) -> list[str]:
-        from transformers import conversion_mapping
-
-        what = "transformers' conversion registry"
-        changes: list[str] = []
-        cache = self.conversion_cache
-        if conversion_mapping._checkpoint_conversion_mapping_cache is not cache:
-            changes.append(f"{what}: its dict was replaced by another object")
-            conversion_mapping._checkpoint_conversion_mapping_cache = cache  # type: ignore[assignment]
-        changes += _mapping_changes(what, cache, self.conversions)
-        changes += [
-            f"{what}: the list of {key!r} was edited in place"
-            for key, items in self.conversion_lists.items()
-            if not _same_items(self.conversions[key], items)
-        ]
-        if changes:
-            for key, items in self.conversion_lists.items():
-                self.conversions[key][:] = items
-            cache.clear()
-            cache.update(self.conversions)
-        user_keys: set[str] | None = getattr(conversion_mapping, "USER_REGISTERED_MAPPINGS", None)
-        if user_keys is not None and self.user_conversions is not None and user_keys != self.user_conversions:
-            changes += [f"{what}: {key!r} marked user-registered" for key in sorted(user_keys - self.user_conversions)]
-            changes += [
-                f"{what}: {key!r} no longer marked user-registered" for key in sorted(self.user_conversions - user_keys)
-            ]
-            user_keys.clear()
-            user_keys.update(self.user_conversions)
-        return changes
-
-    def _restore_classes(self) -> list[str]:
-        changes = []
-        for (key, attribute), (module, original) in self.classes.items():
-            current = vars(module).get(attribute, _MISSING)
-            if current is not original:
-                now = "deleted" if current is _MISSING else f"is {_name(current)}"
-                changes.append(f"{key}.{attribute} {now} (was {_name(original)})")
-                setattr(module, attribute, original)
-        return changes
-
-    def _restore_recorders(self) -> list[str]:
-        changes = [change for table in self.tables for change in table.restore()]
-        known = {table.owner for table in self.tables}
-        new = _recorder_tables(cls for _, cls in _loaded_classes().values() if cls not in known)
-        changes += [change for owner, table in new.items() for change in _foreign_recorders(owner, table)]
-        return changes

@@ -2,18 +2,18 @@ from __future__ import annotations
 
 import importlib
 import sys
-import types
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 import torch
 import transformers
-from transformers import LlamaConfig, LlamaForCausalLM, conversion_mapping, monkey_patching
+from transformers import LlamaConfig, LlamaForCausalLM
 
 import hfpatch_core
 import hfpatch_core.session
 import hfpatch_core.testing  # imported here, so pytester's in-process runs never re-import them
+from hfpatch_core.snapshot import GlobalState, loaded_classes
 from packs import PackSpec, install_packs
 
 transformers.utils.logging.disable_progress_bar()
@@ -47,32 +47,19 @@ def llama_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def transformers_classes() -> dict[tuple[str, str], object]:
     """Every class-valued attribute of every loaded transformers module."""
-    found: dict[tuple[str, str], object] = {}
-    for name, module in list(sys.modules.items()):
-        if not name.startswith("transformers") or not isinstance(module, types.ModuleType):
-            continue
-        for attribute, value in list(vars(module).items()):
-            if isinstance(value, type):
-                found[(name, attribute)] = value
-    return found
+    return {key: cls for key, (_, cls) in loaded_classes().items()}
 
 
 class Snapshot:
-    """transformers' patch registry and module attributes at one moment."""
+    """The global state a patched load changes (``hfpatch_core.snapshot.GlobalState``) at one moment."""
 
     def __init__(self) -> None:
-        self.registry = monkey_patching.get_patch_mapping()
-        self.registry_order = list(self.registry)
-        self.classes = transformers_classes()
+        self.state = GlobalState.capture()
+        self.classes = {key: cls for key, (_, cls) in self.state.classes.items()}
 
     def assert_unchanged(self) -> None:
-        now = monkey_patching.get_patch_mapping()
-        assert now == self.registry and list(now) == self.registry_order
-        current = transformers_classes()
-        changed = {
-            key: (value, current.get(key)) for key, value in self.classes.items() if current.get(key) is not value
-        }
-        assert not changed, f"module attributes left patched: {changed}"
+        changes = self.state.changes()
+        assert not changes, "global state left changed:\n" + "\n".join(changes)
 
 
 @pytest.fixture
@@ -82,24 +69,16 @@ def snapshot() -> Snapshot:
 
 @pytest.fixture(autouse=True)
 def _isolation(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Each test starts with hfpatch's variables unset; afterwards hfpatch is disabled and the global
+    state (``GlobalState``), ``sys.path`` and the test packs' modules are as before."""
     monkeypatch.delenv("HF_PATCH_PACKS", raising=False)
     monkeypatch.delenv("HF_PATCH_STRICT", raising=False)
-    registry = monkey_patching.get_patch_mapping()
-    conversion_mapping.get_checkpoint_conversion_mapping("llama")  # builds transformers' cache
-    conversions = dict(conversion_mapping._checkpoint_conversion_mapping_cache)
-    user_keys = set(getattr(conversion_mapping, "USER_REGISTERED_MAPPINGS", ()))
+    state = GlobalState.capture()
     modules = set(sys.modules)
     path = list(sys.path)
     yield
     hfpatch_core.disable()
-    monkey_patching.clear_patch_mapping()
-    if registry:
-        monkey_patching.register_patch_mapping(registry)
-    conversion_mapping._checkpoint_conversion_mapping_cache.clear()
-    conversion_mapping._checkpoint_conversion_mapping_cache.update(conversions)
-    if hasattr(conversion_mapping, "USER_REGISTERED_MAPPINGS"):
-        conversion_mapping.USER_REGISTERED_MAPPINGS.clear()
-        conversion_mapping.USER_REGISTERED_MAPPINGS.update(user_keys)
+    state.restore()
     sys.path[:] = path
     for name in set(sys.modules) - modules:
         if name.startswith("hfpatch_test_pack"):

@@ -50,7 +50,7 @@ README = ROOT / "README.md"
 
 #: Fence languages whose blocks run, and the others a page may use ("" is a bare fence).
 RUNNABLE = frozenset({"python", "py"})
-NOT_RUN = frozenset({"", "console", "text", "toml", "yaml", "ini", "json", "diff"})
+NOT_RUN = frozenset({"", "console", "text", "toml", "yaml", "ini", "json", "diff", "mermaid"})
 
 _FENCE = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>`{3,}|~{3,})[ \t]*(?P<info>[^`\n]*)$")
 _INCLUDE = re.compile(r'^[ \t]*--8<--[ \t]+"(?P<path>[^"]+)"[ \t]*$')

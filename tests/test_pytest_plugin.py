@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import ast
 import os
 import re
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 from transformers import conversion_mapping, monkey_patching
@@ -14,6 +16,7 @@ from transformers.models.llama import modeling_llama
 
 import hfpatch_core
 from conftest import Installer
+from hfpatch_core.snapshot import GlobalState
 from packs import PackSpec
 from test_recorders import PROXY_PACK
 
@@ -63,6 +66,53 @@ def test_the_plugin_module_imports_neither_torch_nor_transformers() -> None:
     code = "import sys, hfpatch_core.pytest_plugin; print(sorted({'torch', 'transformers'} & set(sys.modules)))"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
     assert result.stdout.strip() == "[]", result.stdout + result.stderr
+
+
+#: The modules of hfpatch_core that hfpatch_core.snapshot must not import.
+ABOVE_SNAPSHOT = ("session", "cli", "inspection", "testing", "pytest_plugin")
+
+
+def test_the_snapshot_module_stays_in_its_layer() -> None:
+    # hfpatch_core.snapshot may import the value modules and transformers (lazily), never
+    # torch or transformers at import time, nor the session, the command line or the helpers above it
+    above = ["torch", "transformers", *(f"hfpatch_core.{name}" for name in ABOVE_SNAPSHOT)]
+    code = f"import sys, hfpatch_core.snapshot; print(sorted(set({above!r}) & set(sys.modules)))"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
+    assert result.stdout.strip() == "[]", result.stdout + result.stderr
+    # nor later, inside a function
+    tree = ast.parse((Path(hfpatch_core.__file__).parent / "snapshot.py").read_text())
+    imported = {
+        (node.module or "").removeprefix("hfpatch_core.").split(".")[0]
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ImportFrom)
+    }
+    imported |= {
+        alias.name
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ImportFrom) and not node.module
+        for alias in node.names
+    }
+    assert not imported & set(ABOVE_SNAPSHOT), imported
+
+
+def test_the_snapshot_lists_changes_without_restoring_and_restore_puts_them_back() -> None:
+    original = modeling_llama.LlamaMLP
+    state = GlobalState.capture()
+    assert state.changes() == []
+
+    class Other(original):
+        pass
+
+    modeling_llama.LlamaMLP = Other
+    monkey_patching.register_patch_mapping({"LlamaRMSNorm": Other})
+    changes = state.changes()
+    assert len(changes) == 2, changes
+    assert changes[0].startswith("transformers' patch registry: added 'LlamaRMSNorm'")
+    assert "modeling_llama.LlamaMLP is " in changes[1] and changes[1].endswith("modeling_llama.LlamaMLP)")
+    assert modeling_llama.LlamaMLP is Other  # only listed
+    assert state.restore() == changes
+    assert modeling_llama.LlamaMLP is original and monkey_patching.get_patch_mapping() == {}
+    assert state.changes() == []
 
 
 def test_the_test_starts_clean_and_the_environment_comes_back(

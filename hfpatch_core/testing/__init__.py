@@ -1,0 +1,58 @@
+"""Proving that a pack keeps a model correct: tiny checkpoints and one assertion.
+
+``tiny_checkpoint(model_type)`` builds a small random checkpoint with
+``save_pretrained`` (safetensors), deterministic from a seed.
+``assert_pack_equivalent(pack, checkpoint_or_model_type)`` loads it with and without the
+pack and checks, reporting every failure at once, that
+
+* the expected classes were replaced, and nothing else;
+* no weight is missing or unexpected;
+* logits match (fp32 ``atol=1e-5``; bf16 ``atol=BF16_ATOL``) on a padded batch;
+* greedy generation of ``generate_tokens`` tokens matches;
+* ``save_pretrained`` restores the source layout, and a vanilla reload matches.
+
+A pack that changes outputs on purpose passes ``expect="different"`` (or a larger
+``atol``) and keeps the structural and round-trip checks.  When outputs differ, the
+message names the first decoder layer and module whose output diverges.
+
+For a pack's own tests: ``load_model`` (a load with the pack enabled, or a vanilla one),
+``padded_batch`` and ``logits_of`` (a left-padded batch and its logits),
+``safetensors_of`` (the tensors a checkpoint directory holds), ``install_pack`` (a rival
+pack from source) and ``discover_from_wheel`` (the pack as ``pip install`` gives it).
+
+The same checks back ``hfpatch verify``; the pytest fixtures live in
+``hfpatch_core.pytest_plugin``.
+
+The helpers live in one module per job, and every name is importable from here:
+``checkpoints`` (``tiny_config``, ``tiny_checkpoint``), ``installs`` (``install_pack``,
+``install_wheel``, ``discover_from_wheel``), ``models`` (``load_model``,
+``padded_batch``, ``logits_of``, ``safetensors_of``) and ``equivalence``
+(``check_pack_equivalence``, ``assert_pack_equivalent``, ``Report``).
+"""
+
+from __future__ import annotations
+
+from .checkpoints import SHRINK, TinyCheckpointError, tiny_checkpoint, tiny_config
+from .equivalence import BF16_ATOL, EquivalenceError, Report, assert_pack_equivalent, check_pack_equivalence
+from .installs import DiscoveredWheel, discover_from_wheel, install_pack, install_wheel
+from .models import load_model, logits_of, padded_batch, safetensors_of
+
+__all__ = [
+    "BF16_ATOL",
+    "SHRINK",
+    "DiscoveredWheel",
+    "EquivalenceError",
+    "Report",
+    "TinyCheckpointError",
+    "assert_pack_equivalent",
+    "check_pack_equivalence",
+    "discover_from_wheel",
+    "install_pack",
+    "install_wheel",
+    "load_model",
+    "logits_of",
+    "padded_batch",
+    "safetensors_of",
+    "tiny_checkpoint",
+    "tiny_config",
+]

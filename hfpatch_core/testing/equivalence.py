@@ -1,0 +1,358 @@
+"""``assert_pack_equivalent``: a model loaded with a pack against the same model without it.
+
+``check_pack_equivalence`` loads a checkpoint (or a tiny one of a model type) with and
+without the pack and runs each check in turn, collecting every failure in a ``Report``:
+
+* ``_check_weights``: no weight is missing, unexpected or mismatched;
+* ``_check_replacements``: the expected classes were replaced, as the plan says, and
+  nothing else;
+* ``_check_logits``: logits match (fp32 ``atol=1e-5``; bf16 ``atol=BF16_ATOL``) on a
+  padded batch; when they do not, the first diverging module is named;
+* ``_check_generation``: greedy generation matches;
+* ``_check_round_trip``: ``save_pretrained`` restores the source layout, and a vanilla
+  reload gives the same logits.
+
+``assert_pack_equivalent`` raises ``EquivalenceError`` listing the failures.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tempfile
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+import torch.nn as nn
+
+from .checkpoints import tiny_checkpoint
+from .models import _enabled, logits_of, safetensors_of
+
+#: The logits tolerance used for bfloat16 comparisons (max abs difference of logits of
+#: tiny random models; bf16 keeps 8 bits of mantissa, and a reordered sum of a few
+#: hundred terms moves the last bit).
+BF16_ATOL = 5e-2
+
+
+class EquivalenceError(AssertionError):
+    """``assert_pack_equivalent`` found one or more problems (all listed in the message)."""
+
+    def __init__(self, failures: Sequence[str]) -> None:
+        self.failures = list(failures)
+        super().__init__("pack is not equivalent:\n- " + "\n- ".join(self.failures))
+
+
+@dataclasses.dataclass
+class Report:
+    """What ``check_pack_equivalence`` measured, and every failure it found."""
+
+    pack: str
+    model_type: str
+    replaced: dict[str, str] = dataclasses.field(default_factory=dict)
+    max_abs_diff: float | None = None
+    generation_match: bool | None = None
+    round_trip: bool | None = None
+    failures: list[str] = dataclasses.field(default_factory=list)
+    plan: Any = dataclasses.field(default=None, repr=False)
+
+    @property
+    def ok(self) -> bool:
+        return not self.failures
+
+    def to_json(self) -> dict[str, Any]:
+        fields = {field.name: getattr(self, field.name) for field in dataclasses.fields(self) if field.name != "plan"}
+        fingerprint = self.plan.fingerprint if self.plan is not None else None
+        return {**fields, "fingerprint": fingerprint, "ok": self.ok}
+
+
+@dataclasses.dataclass
+class _Comparison:
+    """What the checks of one ``check_pack_equivalence`` run share: both models, the batch, the settings."""
+
+    report: Report
+    source: Path
+    dtype: torch.dtype
+    tolerance: float
+    expect: Literal["same", "different"]
+    vanilla: Any
+    patched: Any
+    ids: torch.Tensor
+    mask: torch.Tensor
+    #: the vanilla model's logits on ``ids`` and ``mask``
+    reference: torch.Tensor
+
+    def fail(self, message: str) -> None:
+        self.report.failures.append(message)
+
+
+def _inputs(vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1234)
+    ids = torch.randint(1, vocab, (2, 10), generator=generator)
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0  # a left-padded second row
+    return ids, mask
+
+
+def _first_divergence(
+    vanilla: nn.Module, patched: nn.Module, ids: torch.Tensor, mask: torch.Tensor, atol: float
+) -> str:
+    """The first module (in execution order) whose output differs, as 'layer N / module'."""
+    records: dict[str, list[tuple[str, torch.Tensor]]] = {"vanilla": [], "patched": []}
+    handles = []
+    for label, model in (("vanilla", vanilla), ("patched", patched)):
+        for name, module in model.named_modules():
+            if not name:
+                continue
+
+            def hook(_module: nn.Module, _args: Any, output: Any, name: str = name, label: str = label) -> None:
+                tensor = output[0] if isinstance(output, (tuple, list)) and output else output
+                if isinstance(tensor, torch.Tensor):
+                    records[label].append((name, tensor.detach()))
+
+            handles.append(module.register_forward_hook(hook))
+    try:
+        with torch.no_grad():
+            vanilla(input_ids=ids, attention_mask=mask)
+            patched(input_ids=ids, attention_mask=mask)
+    finally:
+        for handle in handles:
+            handle.remove()
+    reference = dict(records["vanilla"])
+    for name, tensor in records["patched"]:
+        expected = reference.get(name)
+        if expected is None or expected.shape != tensor.shape:
+            continue
+        difference = (expected.float() - tensor.float()).abs().max().item()
+        if difference > atol:
+            parts = name.split(".")
+            layer = next((f"layer {parts[i + 1]}" for i, p in enumerate(parts[:-1]) if p == "layers"), "outside layers")
+            return f"{layer}, module {name} ({type(tensor).__name__} max abs diff {difference:.3g})"
+    return "no single module diverges beyond atol (the difference builds up across modules)"
+
+
+def _source_checkpoint(checkpoint_or_model_type: str | Path) -> Path:
+    """The checkpoint directory given, or a tiny checkpoint of the model type given."""
+    source = Path(checkpoint_or_model_type)
+    if not source.is_dir():
+        source = tiny_checkpoint(str(checkpoint_or_model_type))
+    return source
+
+
+def _tolerance(atol: float | None, dtype: torch.dtype) -> float:
+    """``atol`` where given, else the default of ``dtype`` (1e-5, ``BF16_ATOL`` in bf16)."""
+    if atol is not None:
+        return atol
+    return BF16_ATOL if dtype == torch.bfloat16 else 1e-5
+
+
+def _load_vanilla(source: str | Path, dtype: torch.dtype) -> Any:
+    """The model without any pack, also where hfpatch is enabled (``hfpatch run -- pytest``)."""
+    from transformers import AutoModelForCausalLM
+
+    from ..scope import vanilla
+
+    with vanilla():
+        return AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
+
+
+def _load_with_pack(pack: str, source: Path, dtype: torch.dtype) -> tuple[Any, dict[str, Any]]:
+    """The model loaded with ``pack`` enabled (strict), and ``from_pretrained``'s loading info."""
+    from transformers import AutoModelForCausalLM
+
+    with _enabled(pack):
+        loaded: Any = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, output_loading_info=True)
+    return loaded[0], loaded[1]
+
+
+def _check_weights(comparison: _Comparison, info: dict[str, Any]) -> None:
+    """No weight is missing, unexpected or mismatched in the load with the pack."""
+    for kind in ("missing_keys", "unexpected_keys", "mismatched_keys"):
+        keys = sorted(str(key) for key in info.get(kind) or ())
+        if keys:
+            comparison.fail(f"weights {kind.replace('_', ' ')}: {', '.join(keys[:10])}")
+
+
+def _replaced_modules(vanilla: nn.Module, patched: nn.Module) -> Iterator[tuple[str, nn.Module, nn.Module]]:
+    """``(path, original, replacement)`` for each outermost module whose class the pack changed."""
+    originals = dict(vanilla.named_modules())
+    replaced_paths: list[str] = []
+    for name, module in patched.named_modules():
+        original = originals.get(name)
+        if original is None or type(original) is type(module):
+            continue
+        if any(name.startswith(path + ".") for path in replaced_paths):
+            continue
+        replaced_paths.append(name)
+        yield name, original, module
+
+
+def _check_replacements(comparison: _Comparison, expected_replacements: Sequence[str] | None) -> None:
+    """Every replaced class is one the plan claims; the replaced classes are the expected ones; there is one."""
+    from ..plan import plan_of
+
+    report = comparison.report
+    plan = report.plan = plan_of(comparison.patched)
+    for name, original, module in _replaced_modules(comparison.vanilla, comparison.patched):
+        report.replaced.setdefault(type(original).__name__, type(module).__name__)
+        claim = plan.replaced.get(type(original).__name__) if plan is not None else None
+        if claim is None or claim.patch.replacement is not type(module):
+            comparison.fail(
+                f"{name}: {type(original).__name__} became {type(module).__name__}, which the plan does not say"
+            )
+    if expected_replacements is not None and sorted(report.replaced) != sorted(expected_replacements):
+        comparison.fail(f"replaced classes {sorted(report.replaced)}, expected {sorted(expected_replacements)}")
+    if not report.replaced:
+        comparison.fail(f"pack {report.pack!r} replaced no class of this {report.model_type} model")
+
+
+def _check_logits(comparison: _Comparison) -> None:
+    """The logits of both models agree within the tolerance (measured whatever ``expect`` says)."""
+    c = comparison
+    logits = logits_of(c.patched, c.ids, c.mask)
+    difference = c.report.max_abs_diff = (c.reference - logits).abs().max().item()
+    if c.expect == "same" and difference > c.tolerance:
+        where = _first_divergence(c.vanilla, c.patched, c.ids, c.mask, c.tolerance)
+        c.fail(f"logits differ: max abs diff {difference:.3g} > atol {c.tolerance:g}; first divergence: {where}")
+
+
+def _check_generation(comparison: _Comparison, tokens: int) -> None:
+    """Greedy generation of ``tokens`` tokens from the first prompt gives the same tokens."""
+    c = comparison
+    settings = {"max_new_tokens": tokens, "do_sample": False, "pad_token_id": 0}
+    with torch.no_grad():
+        a = c.vanilla.generate(c.ids[:1], attention_mask=c.mask[:1], **settings)
+        b = c.patched.generate(c.ids[:1], attention_mask=c.mask[:1], **settings)
+    c.report.generation_match = bool(torch.equal(a, b))
+    if not c.report.generation_match:
+        c.fail(f"greedy generation of {tokens} tokens differs: {a.tolist()} vs {b.tolist()}")
+
+
+def _layout_differences(original: dict[str, torch.Tensor], written: dict[str, torch.Tensor]) -> list[str]:
+    """The tensor names whose presence, shape or values differ between two checkpoints."""
+    return [
+        key
+        for key in sorted(set(original) | set(written))
+        if key not in original
+        or key not in written
+        or original[key].shape != written[key].shape
+        or not torch.equal(original[key].to(written[key].dtype), written[key])
+    ]
+
+
+def _check_saved_layout(comparison: _Comparison, saved: str) -> None:
+    """The patched model's ``save_pretrained`` output holds the source checkpoint's tensors, as they were."""
+    c = comparison
+    written = safetensors_of(saved)
+    try:
+        original = safetensors_of(c.source)
+    except FileNotFoundError as exc:  # a checkpoint in another format: no layout to compare
+        c.report.round_trip = False
+        c.fail(f"the saved layout cannot be compared with the source: {exc}")
+        return
+    if original:
+        layout = _layout_differences(original, written)
+        c.report.round_trip = not layout
+        if layout:
+            c.fail(f"save_pretrained does not restore the source layout: {', '.join(layout[:10])}")
+
+
+def _check_reload(comparison: _Comparison, saved: str) -> None:
+    """A vanilla load of the saved checkpoint gives the vanilla model's logits."""
+    c = comparison
+    again = logits_of(_load_vanilla(saved, c.dtype), c.ids, c.mask)
+    if c.expect == "same" and (again - c.reference).abs().max().item() > c.tolerance:
+        c.report.round_trip = False
+        c.fail("a vanilla reload of the saved checkpoint gives different logits")
+
+
+def _check_round_trip(comparison: _Comparison) -> None:
+    """The patched model saves (``_check_saved_layout``), and what it saved reloads (``_check_reload``)."""
+    with tempfile.TemporaryDirectory(prefix="hfpatch-roundtrip-") as saved:
+        try:
+            comparison.patched.save_pretrained(saved)
+        except Exception as exc:
+            comparison.report.round_trip = False
+            comparison.fail(f"save_pretrained failed: {type(exc).__name__}: {exc}")
+            return
+        _check_saved_layout(comparison, saved)
+        _check_reload(comparison, saved)
+
+
+def check_pack_equivalence(
+    pack: str,
+    checkpoint_or_model_type: str | Path,
+    *,
+    atol: float | None = None,
+    expect: Literal["same", "different"] = "same",
+    dtype: torch.dtype = torch.float32,
+    generate_tokens: int = 20,
+    expected_replacements: Sequence[str] | None = None,
+) -> Report:
+    """Run every check of ``assert_pack_equivalent`` and return the report."""
+    source = _source_checkpoint(checkpoint_or_model_type)
+    vanilla = _load_vanilla(source, dtype)
+    report = Report(pack=pack, model_type=str(vanilla.config.model_type))
+    try:
+        patched, info = _load_with_pack(pack, source, dtype)
+    except Exception as exc:
+        report.failures.append(f"loading with pack {pack!r} failed: {type(exc).__name__}: {exc}")
+        return report
+    ids, mask = _inputs(int(vanilla.config.vocab_size))
+    comparison = _Comparison(
+        report=report,
+        source=source,
+        dtype=dtype,
+        tolerance=_tolerance(atol, dtype),
+        expect=expect,
+        vanilla=vanilla,
+        patched=patched,
+        ids=ids,
+        mask=mask,
+        reference=logits_of(vanilla, ids, mask),
+    )
+    _check_weights(comparison, info)
+    _check_replacements(comparison, expected_replacements)
+    _check_logits(comparison)
+    if generate_tokens and expect == "same":
+        _check_generation(comparison, generate_tokens)
+    _check_round_trip(comparison)
+    return report
+
+
+def assert_pack_equivalent(
+    pack: str,
+    checkpoint_or_model_type: str | Path,
+    *,
+    atol: float | None = None,
+    expect: Literal["same", "different"] = "same",
+    dtype: torch.dtype = torch.float32,
+    generate_tokens: int = 20,
+    expected_replacements: Sequence[str] | None = None,
+) -> Report:
+    """Assert that pack ``pack`` keeps a model correct (see the module docstring).
+
+    Args:
+        pack: the pack's name (its entry point name), installed in this environment.
+        checkpoint_or_model_type: a checkpoint directory, or a model type for a tiny one.
+        atol: the logits tolerance (default 1e-5 in fp32, ``BF16_ATOL`` in bf16).
+        expect: ``"different"`` for a pack that changes outputs on purpose.
+        dtype: the dtype to load both models in.
+        generate_tokens: how many greedy tokens to compare (0 to skip).
+        expected_replacements: the original class names the pack must replace.
+
+    Raises:
+        EquivalenceError: listing every failed check.
+    """
+    report = check_pack_equivalence(
+        pack,
+        checkpoint_or_model_type,
+        atol=atol,
+        expect=expect,
+        dtype=dtype,
+        generate_tokens=generate_tokens,
+        expected_replacements=expected_replacements,
+    )
+    if report.failures:
+        raise EquivalenceError(report.failures)
+    return report

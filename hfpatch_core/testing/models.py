@@ -1,0 +1,136 @@
+"""Loading a model with or without packs, and the inputs, logits and tensors tests compare.
+
+``load_model`` (a load with the pack enabled, or a vanilla one), ``padded_batch`` and
+``logits_of`` (a left-padded batch and its logits), ``safetensors_of`` (the tensors a
+checkpoint directory holds).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+@contextlib.contextmanager
+def _enabled(packs: str, strict: bool = True) -> Iterator[None]:
+    """hfpatch enabled for ``packs`` inside the block; afterwards as it was before."""
+    from ..hooks import disable, enable, install
+    from ..session import active_session
+
+    previous = active_session()
+    enable(packs, strict=strict)
+    try:
+        yield
+    finally:
+        disable()
+        if previous is not None:
+            install(previous)
+
+
+def load_model(
+    path: str | Path, packs: str | None = None, *, strict: bool = True, model_class: Any = None, **kwargs: Any
+) -> Any:
+    """``from_pretrained`` as a user would call it, with hfpatch enabled for ``packs`` or not at all.
+
+    hfpatch is enabled only for the load: afterwards it is as before the call (disabled,
+    in a test that starts disabled), also when the load raises.  With ``packs=None`` the
+    model is vanilla transformers, also where hfpatch is enabled (``hfpatch run -- pytest``).
+
+    Args:
+        path: the checkpoint directory (or hub id).
+        packs: which packs to enable, in ``HF_PATCH_PACKS`` syntax (``"my-pack"``,
+            ``"qwen-moe,fused-dense@+2"``); ``None`` for a vanilla load.
+        strict: make every pack failure an error (not a ``PackWarning``).
+        model_class: the class whose ``from_pretrained`` loads (default
+            ``AutoModelForCausalLM``).
+        kwargs: passed on to ``from_pretrained`` (``dtype=``, ``attn_implementation=``, ...).
+
+    Returns:
+        The model, in eval mode (with ``output_loading_info=True``, ``(model, info)``).
+
+    Raises:
+        SelectionError: ``packs`` is malformed or names a pack that is not installed.
+        PackError: strict mode, and a selected pack failed.
+        Exception: whatever ``from_pretrained`` raises.
+    """
+    from ..scope import vanilla
+
+    if model_class is None:
+        from transformers import AutoModelForCausalLM
+
+        model_class = AutoModelForCausalLM
+    with _enabled(packs, strict) if packs is not None else vanilla():
+        result = model_class.from_pretrained(path, **kwargs)
+    # output_loading_info=True gives (model, info)
+    (result[0] if isinstance(result, tuple) else result).eval()
+    return result
+
+
+def padded_batch(vocab_size: int, *, pad_token_id: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Three random prompts of 12, 8 and 5 tokens, left-padded to 12: ``(input_ids, attention_mask)``.
+
+    The tokens are drawn from ``3 .. vocab_size - 1`` (clear of the usual special ids 0-2),
+    deterministic from ``seed``; padded positions hold ``pad_token_id`` and a 0 in the mask.
+
+    Args:
+        vocab_size: the model's vocabulary size.
+        pad_token_id: the token id of the padding.
+        seed: the random seed of the tokens.
+
+    Returns:
+        ``input_ids`` and ``attention_mask``, both ``int64`` of shape ``(3, 12)``.
+
+    Raises:
+        ValueError: ``vocab_size`` is 3 or less, or ``pad_token_id`` is not in ``0 .. vocab_size - 1``.
+    """
+    if vocab_size <= 3:
+        raise ValueError(f"vocab_size must be above 3 (tokens are drawn from 3 .. vocab_size - 1), got {vocab_size}")
+    if not 0 <= pad_token_id < vocab_size:
+        raise ValueError(f"pad_token_id {pad_token_id} is not a token of a vocabulary of {vocab_size}")
+    ids = torch.randint(3, vocab_size, (3, 12), generator=torch.Generator().manual_seed(seed))
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0
+    mask[2, :7] = 0
+    ids[mask == 0] = pad_token_id
+    return ids, mask
+
+
+def logits_of(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """The model's logits for a batch, computed without gradients, as float32.
+
+    Returns:
+        A tensor of shape ``(batch, seq_len, vocab_size)``.
+    """
+    with torch.no_grad():
+        result: torch.Tensor = model(input_ids=input_ids, attention_mask=attention_mask).logits.float()
+    return result
+
+
+def safetensors_of(directory: str | Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the ``*.safetensors`` files in ``directory`` (a saved checkpoint), by name.
+
+    Compare a ``save_pretrained`` output with its source: names, shapes, dtypes, values.
+
+    Returns:
+        Tensor name -> tensor, read from all the files (sharded checkpoints included).
+
+    Raises:
+        FileNotFoundError: ``directory`` holds no ``*.safetensors`` file (or does not exist).
+    """
+    from safetensors import safe_open
+
+    directory = Path(directory)
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        state = "does not exist" if not directory.exists() else "holds no *.safetensors file"
+        raise FileNotFoundError(f"{directory} {state}: is it a checkpoint saved with safetensors?")
+    found: dict[str, torch.Tensor] = {}
+    for file in files:
+        with safe_open(str(file), framework="pt") as handle:
+            for key in handle.keys():  # noqa: SIM118 - safe_open is not a mapping
+                found[key] = handle.get_tensor(key)
+    return found

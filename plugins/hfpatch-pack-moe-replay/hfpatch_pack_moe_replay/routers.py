@@ -29,6 +29,8 @@ from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeTopKRouter
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
 from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextTopKRouter
 
+from hfpatch_core import _compat
+
 from .scope import _replay_of
 from .values import RoutingError
 
@@ -76,7 +78,7 @@ class ReplayableRouter(nn.Module):
         indices, live = replay.on(live_indices, self.top_k)
         if live is not None:
             indices = torch.where(live[:, None], live_indices, indices)
-        if _first_output_is_probabilities(type(self).original):
+        if _compat.router_returns_probabilities(type(self).original):
             probabilities = logits.float()
         else:
             probabilities = F.softmax(logits, dim=-1, dtype=torch.float)
@@ -84,30 +86,6 @@ class ReplayableRouter(nn.Module):
         if self.always_renormalises or getattr(self, "norm_topk_prob", False):
             top = top / top.sum(dim=-1, keepdim=True)
         return logits, top.to(scores.dtype), indices
-
-
-_PROBED: dict[type[nn.Module], bool] = {}
-
-
-def _first_output_is_probabilities(router_class: type[nn.Module]) -> bool:
-    """Whether ``router_class`` returns softmax probabilities as its first output.
-
-    transformers 5.3 overwrites ``router_logits`` with their softmax before returning
-    them; later releases return the logits. The replay takes the parent's convention,
-    found once by running the class on one token with known weights.
-    """
-    found = _PROBED.get(router_class)
-    if found is None:
-        config = types.SimpleNamespace(
-            hidden_size=1, num_experts=2, num_local_experts=2, num_experts_per_tok=1, norm_topk_prob=False
-        )
-        probe: Any = router_class(config)
-        with torch.no_grad(), torch.autocast("cpu", enabled=False):
-            probe.weight.copy_(torch.tensor([[3.0], [1.0]]))
-            first = probe(torch.ones(1, 1))[0]
-        # logits (3, 1) sum to 4, probabilities to 1
-        found = _PROBED[router_class] = bool(abs(float(first.sum()) - 1.0) < 1e-3)
-    return found
 
 
 class ReplayableQwen2MoeTopKRouter(ReplayableRouter, Qwen2MoeTopKRouter):

@@ -21,7 +21,7 @@ loaded, interleaved round by round,
 ``enable()`` / ``disable()`` run outside the timed region of (c): they are once per
 process, not per load.  Each round starts a fresh session, so every (c) sample also
 pays the session's first-load work (registering the already imported pack with
-pluggy).  Goal: (c)/(a) <= 1.05.
+pluggy).  Goal: (c)/(a) <= 1.02 (the limit is about 1.00: two attribute swaps).
 
 If ``hfpatch-pack-qwen-moe`` is installed, a tiny qwen2_moe checkpoint is loaded the
 same ways (vanilla; the pack's patches and composed conversion list registered by
@@ -82,7 +82,7 @@ def provide_patches(context):
     return [Patch(target, replacement) for target, replacement in MAPPING.items()]
 """
 
-GOAL = 1.05
+GOAL = 1.02
 
 
 @contextlib.contextmanager

@@ -218,6 +218,55 @@ def test_bf16_logits_match_vanilla_within_the_measured_tolerance(checkpoints: di
     assert from_default <= transformers_own + BF16_ATOL, (from_default, transformers_own)
 
 
+def eager_loop(
+    experts: PerExpertExperts, hidden_states: torch.Tensor, index: torch.Tensor, weights: torch.Tensor
+) -> torch.Tensor:
+    """transformers' eager expert loop (``Qwen2MoeExperts.forward``), run over the pack's per-expert modules."""
+    final = torch.zeros_like(hidden_states)
+    mask = F.one_hot(index, num_classes=experts.num_experts + 1).permute(2, 1, 0)
+    for hit in torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero():
+        expert = int(hit[0])
+        if expert == experts.num_experts:
+            continue
+        position, token = torch.where(mask[expert])
+        output = experts[expert](hidden_states[token]) * weights[token, position, None]
+        final.index_add_(0, token, output.to(final.dtype))
+    return final
+
+
+@pytest.mark.parametrize("quantized", [False, True], ids=["fp32", "int8"])
+def test_the_expert_loop_gives_the_eager_loops_bits(quantized: bool) -> None:
+    """Decode steps (one token) and prompts, with idle experts, the expert-parallel sentinel
+    and a router that picks one expert twice: the same bits as the eager loop, gradients too."""
+    config = CASES["qwen2_moe"].config
+    torch.manual_seed(0)
+    experts = PerExpertExperts(config)
+    for parameter in experts.parameters():
+        nn.init.normal_(parameter, std=0.2)
+    if quantized:
+        experts = dynamic_int8(experts)
+    generator = torch.Generator().manual_seed(1)
+    for tokens in [1] * 40 + [2, 5, 9, 17]:
+        hidden = torch.randn(tokens, config.hidden_size, generator=generator)
+        index = torch.randint(0, config.num_experts + 1, (tokens, 3), generator=generator)  # num_experts: sentinel
+        weights = torch.rand(tokens, 3, generator=generator)
+        with torch.no_grad():
+            assert torch.equal(experts(hidden, index, weights), eager_loop(experts, hidden, index, weights)), index
+    if quantized:
+        return
+    hidden = torch.randn(6, config.hidden_size, generator=generator)
+    index = torch.tensor([[0, 1], [1, 0], [3, 3], [4, 2], [0, 4], [2, 1]])
+    for rows in (slice(0, 6), slice(2, 3), slice(4, 5)):
+        grads = []
+        for forward in (experts, lambda *args: eager_loop(experts, *args)):
+            weights = torch.rand(6, 2, generator=torch.Generator().manual_seed(2))[rows].requires_grad_()
+            experts.zero_grad()
+            forward(hidden[rows], index[rows], weights).square().sum().backward()
+            grads.append([weights.grad, *(p.grad for p in experts.parameters())])
+        for got, want in zip(*grads, strict=True):
+            assert (got is None and want is None) or torch.equal(got, want)
+
+
 # --- saving -----------------------------------------------------------------------------
 
 

@@ -82,23 +82,61 @@ class PerExpertExperts(nn.ModuleList):
                 skipped, as the original does.
             top_k_weights: ``[tokens, top_k]`` routing weights.
 
-        Mirrors the original eager loop operation for operation (same accumulation
-        order and dtype handling), so that the patched model matches the unpatched one.
+        Gives the original eager loop's results bit for bit: every expert that has tokens
+        runs once, in ascending expert order, on the same rows in the same order as the
+        original's ``torch.where(expert_mask[expert])`` (position-major, then token), and
+        its weighted output is added to each token's sum in the same order and dtype.
+        Only the bookkeeping is cheaper: one stable sort and one count per call instead of
+        a one-hot mask and one ``torch.where`` per expert, and for a single token (a decode
+        step) no gather or scatter at all (``index_add_`` is a multi-threaded scatter on
+        CPU, slow for one row).
         """
+        if top_k_index.shape[0] == 1:
+            single = self._one_token(hidden_states, top_k_index, top_k_weights)
+            if single is not None:
+                return single
+        tokens = top_k_index.shape[0]
         final_hidden_states = torch.zeros_like(hidden_states)
         with torch.no_grad():
-            expert_mask = torch.nn.functional.one_hot(top_k_index, num_classes=self.num_experts + 1)
-            expert_mask = expert_mask.permute(2, 1, 0)
-            expert_hit = torch.greater(expert_mask.sum(dim=(-1, -2)), 0).nonzero()
+            # Flattened position-major (index = position * tokens + token): a stable sort by
+            # expert then lists each expert's (position, token) pairs in torch.where's order.
+            flat = top_k_index.t().reshape(-1)
+            counts: list[int] = torch.bincount(flat, minlength=self.num_experts + 1).tolist()
+            order = torch.argsort(flat, stable=True)
+            token_order = order % tokens
+        weights = top_k_weights.t().reshape(-1)[order]
 
-        for hit in expert_hit:
-            expert_idx = int(hit[0])
-            if expert_idx == self.num_experts:
+        end = 0
+        for expert_idx, count in enumerate(counts[: self.num_experts]):
+            if count == 0:
                 continue
-            top_k_pos, token_idx = torch.where(expert_mask[expert_idx])
+            start, end = end, end + count
+            token_idx = token_order[start:end]
             expert: nn.Module = self[expert_idx]
             current_hidden_states = expert(hidden_states[token_idx])
-            current_hidden_states = current_hidden_states * top_k_weights[token_idx, top_k_pos, None]
+            current_hidden_states = current_hidden_states * weights[start:end, None]
             final_hidden_states.index_add_(0, token_idx, current_hidden_states.to(final_hidden_states.dtype))
 
+        return final_hidden_states
+
+    def _one_token(
+        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor | None:
+        """``forward`` for one token (a decode step): its experts in ascending order, on the token itself.
+
+        ``final.index_add_(0, [0], output)`` on one row is ``final += output``, so no
+        gather, mask or scatter is needed.  Returns ``None`` (the general path then runs)
+        when the router picked one expert twice for the token: the original runs such an
+        expert once, on both rows.
+        """
+        hits = sorted((expert_idx, position) for position, expert_idx in enumerate(top_k_index[0].tolist()))
+        if len({expert_idx for expert_idx, _ in hits}) < len(hits):
+            return None
+        final_hidden_states = torch.zeros_like(hidden_states)
+        for expert_idx, position in hits:
+            if expert_idx == self.num_experts:
+                continue
+            expert: nn.Module = self[expert_idx]
+            current_hidden_states = expert(hidden_states) * top_k_weights[:, position, None]
+            final_hidden_states += current_hidden_states.to(final_hidden_states.dtype)
         return final_hidden_states

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import re
 import textwrap
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -217,6 +218,55 @@ def test_bf16_logits_match_vanilla_within_the_measured_tolerance(checkpoints: di
     assert from_default <= transformers_own + BF16_ATOL, (from_default, transformers_own)
 
 
+def eager_loop(
+    experts: PerExpertExperts, hidden_states: torch.Tensor, index: torch.Tensor, weights: torch.Tensor
+) -> torch.Tensor:
+    """transformers' eager expert loop (``Qwen2MoeExperts.forward``), run over the pack's per-expert modules."""
+    final = torch.zeros_like(hidden_states)
+    mask = F.one_hot(index, num_classes=experts.num_experts + 1).permute(2, 1, 0)
+    for hit in torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero():
+        expert = int(hit[0])
+        if expert == experts.num_experts:
+            continue
+        position, token = torch.where(mask[expert])
+        output = experts[expert](hidden_states[token]) * weights[token, position, None]
+        final.index_add_(0, token, output.to(final.dtype))
+    return final
+
+
+@pytest.mark.parametrize("quantized", [False, True], ids=["fp32", "int8"])
+def test_the_expert_loop_gives_the_eager_loops_bits(quantized: bool) -> None:
+    """Decode steps (one token) and prompts, with idle experts, the expert-parallel sentinel
+    and a router that picks one expert twice: the same bits as the eager loop, gradients too."""
+    config = CASES["qwen2_moe"].config
+    torch.manual_seed(0)
+    experts = PerExpertExperts(config)
+    for parameter in experts.parameters():
+        nn.init.normal_(parameter, std=0.2)
+    if quantized:
+        experts = dynamic_int8(experts)
+    generator = torch.Generator().manual_seed(1)
+    for tokens in [1] * 40 + [2, 5, 9, 17]:
+        hidden = torch.randn(tokens, config.hidden_size, generator=generator)
+        index = torch.randint(0, config.num_experts + 1, (tokens, 3), generator=generator)  # num_experts: sentinel
+        weights = torch.rand(tokens, 3, generator=generator)
+        with torch.no_grad():
+            assert torch.equal(experts(hidden, index, weights), eager_loop(experts, hidden, index, weights)), index
+    if quantized:
+        return
+    hidden = torch.randn(6, config.hidden_size, generator=generator)
+    index = torch.tensor([[0, 1], [1, 0], [3, 3], [4, 2], [0, 4], [2, 1]])
+    for rows in (slice(0, 6), slice(2, 3), slice(4, 5)):
+        grads = []
+        for forward in (experts, lambda *args: eager_loop(experts, *args)):
+            weights = torch.rand(6, 2, generator=torch.Generator().manual_seed(2))[rows].requires_grad_()
+            experts.zero_grad()
+            forward(hidden[rows], index[rows], weights).square().sum().backward()
+            grads.append([weights.grad, *(p.grad for p in experts.parameters())])
+        for got, want in zip(*grads, strict=True):
+            assert (got is None and want is None) or torch.equal(got, want)
+
+
 # --- saving -----------------------------------------------------------------------------
 
 
@@ -323,6 +373,69 @@ def test_a_linear_swapping_quantizer_reaches_every_expert(checkpoints: dict[str,
         for expert in range(config.num_experts):
             prefix = f"model.layers.{layer}.mlp.experts.{expert}."
             assert len({modules[prefix + p].calls for p in ("gate_proj", "up_proj", "down_proj")}) == 1
+
+
+#: Dynamic int8 (``quantize_dynamic``) against the same model in fp32, on the tiny
+#: checkpoints' left-padded batch (|logits| <= ~5; ``initializer_range`` 0.2 makes the
+#: routing sharp, so a token whose top-k flips moves a lot).  Measured on CPU, torch 2.13,
+#: 20 random checkpoints per family: max abs difference <= 1.12, cosine similarity of a
+#: position's logits >= 0.954, its mean over positions >= 0.9956.  Swapping two experts
+#: in every layer (no quantization; 6 checkpoints per family) gives a mean cosine of
+#: 0.79..0.97 and differences of 1.5..4.
+INT8_MAX_ABS = 1.5
+INT8_MIN_COSINE = 0.9
+INT8_MEAN_COSINE = 0.99
+
+
+def dynamic_int8(model: nn.Module) -> nn.Module:
+    """``torch.ao.quantization.quantize_dynamic(model, {nn.Linear}, qint8)``, as users call it."""
+    from torch.ao.quantization import quantize_dynamic
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # torch 2.13 deprecates torch.ao.quantization, per call
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return quantize_dynamic(model, {nn.Linear}, dtype=torch.qint8, inplace=True)
+
+
+@pytest.mark.parametrize("name", ["qwen2_moe", "qwen3_moe"])
+def test_dynamic_int8_quantizes_every_expert_within_the_measured_tolerance(
+    checkpoints: dict[str, Path], name: str
+) -> None:
+    from torch.ao.nn.quantized.dynamic import Linear as DynamicQuantizedLinear
+
+    config = CASES[name].config
+    vanilla = dynamic_int8(load_model(checkpoints[name]))
+    left = [n for n, p in vanilla.named_parameters() if ".mlp.experts." in n and p.dtype == torch.float32]
+    assert len(left) == 2 * config.num_hidden_layers, "vanilla keeps its experts as fp32 3-D parameters"
+
+    reference = load_model(checkpoints[name], PACK)
+    quantized = dynamic_int8(load_model(checkpoints[name], PACK))
+    assert_patched(quantized)
+    for layer in quantized.model.layers:
+        assert len(layer.mlp.experts) == config.num_experts
+        for expert in layer.mlp.experts:
+            for projection in (expert.gate_proj, expert.up_proj, expert.down_proj):
+                assert type(projection) is DynamicQuantizedLinear
+                assert projection.weight().dtype == torch.qint8
+        assert list(layer.mlp.experts.parameters()) == [], "an expert weight is left in floating point"
+        assert type(layer.self_attn.qkv_proj) is DynamicQuantizedLinear
+    assert not [n for n, m in quantized.named_modules() if type(m) is nn.Linear]
+    assert not [n for n, p in quantized.named_parameters() if ".mlp.experts." in n]
+
+    calls = []
+    for layer in quantized.model.layers:
+        for expert in layer.mlp.experts:
+            expert.down_proj.register_forward_hook(lambda module, args, output: calls.append(output.shape[0]))
+    ids, mask = padded_batch(VOCAB, pad_token_id=PAD, seed=4)
+    real = mask.bool()
+    expected, actual = logits_of(reference, ids, mask)[real], logits_of(quantized, ids, mask)[real]
+    # Every token of the batch (padding included) goes to its top-k experts, through the int8 experts.
+    assert sum(calls) == ids.numel() * config.num_hidden_layers * config.num_experts_per_tok
+    assert not torch.equal(actual, expected)
+    difference = (actual - expected).abs().max().item()
+    cosine = F.cosine_similarity(actual, expected, dim=-1)
+    assert difference <= INT8_MAX_ABS, difference
+    assert cosine.min() >= INT8_MIN_COSINE and cosine.mean() >= INT8_MEAN_COSINE, cosine
 
 
 # --- nothing is left behind -------------------------------------------------------------

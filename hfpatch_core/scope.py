@@ -10,6 +10,7 @@ too, so that they never see another thread's replacements.
 
 from __future__ import annotations
 
+import contextvars
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -19,21 +20,22 @@ from contextlib import contextmanager
 #: model) can load on the same thread.
 LOAD_LOCK = threading.RLock()
 
-_vanilla = threading.local()
+#: Inside ``vanilla()`` on this thread or asyncio task.
+_vanilla: contextvars.ContextVar[bool] = contextvars.ContextVar("hfpatch_vanilla", default=False)
 
 
 @contextmanager
 def vanilla() -> Iterator[None]:
-    """Build vanilla models inside the block: loads on this thread skip hfpatch, and none runs meanwhile."""
-    previous = getattr(_vanilla, "active", False)
+    """Build vanilla models inside the block: loads here skip hfpatch, and no other thread's load
+    (patched or not) runs meanwhile."""
     with LOAD_LOCK:
-        _vanilla.active = True
+        token = _vanilla.set(True)
         try:
             yield
         finally:
-            _vanilla.active = previous
+            _vanilla.reset(token)
 
 
 def in_vanilla_block() -> bool:
-    """Whether this thread is inside ``vanilla()``."""
-    return bool(getattr(_vanilla, "active", False))
+    """Whether this thread or asyncio task is inside ``vanilla()``."""
+    return _vanilla.get()

@@ -4,7 +4,7 @@ import contextlib
 import logging
 import sys
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM, MistralConfig, MistralForCausalLM
 from transformers.models.llama import modeling_llama
 
 import hfpatch_core
-from conftest import Snapshot, tiny_llama_config
+from conftest import Snapshot, race, tiny_llama_config, vanilla_problems
 from hfpatch_core import plan_of
 from hfpatch_core.application import apply_mapping
 from hfpatch_core.testing import load_model
@@ -177,33 +177,6 @@ def _load_reports() -> Iterator[_LoadReports]:
         logger.removeHandler(handler)
 
 
-def _race(*workers: Callable[[int], list[str]], iterations: int) -> list[str]:
-    """Run each worker ``iterations`` times in its own thread, all starting together; their problems."""
-    start = threading.Barrier(len(workers))
-
-    def run(worker: Callable[[int], list[str]]) -> list[str]:
-        start.wait(30)
-        return [problem for step in range(iterations) for problem in worker(step)]
-
-    with ThreadPoolExecutor(max_workers=len(workers)) as pool:
-        return [problem for result in pool.map(run, workers) for problem in result]
-
-
-def _vanilla_problems(model, reference: dict[str, torch.Tensor], info, label: str) -> list[str]:
-    problems = [f"{label}: {kind} {info[kind]}" for kind in ("missing_keys", "unexpected_keys") if info.get(kind)]
-    if plan_of(model) is not None:
-        problems.append(f"{label}: a vanilla model has a plan")
-    attention = type(model.model.layers[0].self_attn).__name__
-    if attention != "LlamaAttention":
-        problems.append(f"{label}: built with {attention}")
-    state = model.state_dict()
-    if state.keys() != reference.keys():
-        problems.append(f"{label}: keys {sorted(state.keys() ^ reference.keys())[:4]}")
-    else:
-        problems += [f"{label}: {key} differs" for key in reference if not torch.equal(state[key], reference[key])]
-    return problems
-
-
 def test_vanilla_loads_racing_a_converting_pack_always_get_the_checkpoint(install, llama_checkpoint) -> None:
     """Thread A loads with a pack that fuses q/k/v (a converter); thread B loads the same checkpoint
     with the documented vanilla path. B must never build A's replacement without its converters
@@ -220,10 +193,10 @@ def test_vanilla_loads_racing_a_converting_pack_always_get_the_checkpoint(instal
 
     def vanilla_load(step: int) -> list[str]:
         model, info = load_model(llama_checkpoint, output_loading_info=True)
-        return _vanilla_problems(model, reference, info, f"vanilla {step}")
+        return vanilla_problems(model, reference, info, f"vanilla {step}")
 
     with _load_reports() as logged:
-        problems = _race(patched_load, vanilla_load, iterations=25)
+        problems = race(patched_load, vanilla_load, iterations=25)
     assert problems == []
     assert logged.reports == []
     before.assert_unchanged()

@@ -52,7 +52,8 @@ class Fault:
     selection: str = "bad,good"
     #: regex ``hfpatch check bad`` must print (exit code 1); None where the input is not a pack's.
     check: str | None = None
-    #: registry keys the faulty pack legitimately registers for a load (it is valid, just useless).
+    #: registry keys the faulty pack registers: for a load (it is valid, just useless), or by
+    #: calling transformers' registration functions itself (undone before the load goes on).
     registers: frozenset[str] = frozenset()
     converts: frozenset[str] = frozenset()
 
@@ -164,6 +165,38 @@ FAULTS: dict[str, Fault] = {
         r"pack 'bad': provide_converters\(\) built an invalid value: Converter key must be a model_type",
         **PACK_FAILURE,
         check=r"Converter key must be a model_type",
+    ),
+    "hook registers a patch mapping itself": Fault(
+        bad(
+            hook(
+                "from transformers import monkey_patching\n"
+                "from transformers.models.llama.modeling_llama import LlamaRMSNorm\n"
+                "class LeakedNorm(LlamaRMSNorm):\n    pass\n"
+                "monkey_patching.register_patch_mapping({'LlamaRMSNorm': LeakedNorm})\n"
+                "return []"
+            )
+        ),
+        r"pack 'bad': provide_patches\(\) changed transformers' registries itself \(register_patch_mapping\("
+        r"\{'LlamaRMSNorm': hfpatch_test_pack_bad\.provide_patches\.<locals>\.LeakedNorm\}\)\); undone",
+        **PACK_FAILURE,
+        check=r"provide_patches\(\) changed transformers' registries itself",
+        registers=frozenset({"LlamaRMSNorm"}),
+    ),
+    "hook registers a conversion list itself": Fault(
+        bad(
+            hook(
+                "from transformers import conversion_mapping\n"
+                "conversion_mapping.register_checkpoint_conversion_mapping(\n"
+                "    'llama', [WeightRenaming('mlp.up_proj', 'mlp.up')], overwrite=True\n)\n"
+                "return []",
+                name="provide_converters",
+            )
+        ),
+        r"pack 'bad': provide_converters\(\) changed transformers' registries itself "
+        r"\(register_checkpoint_conversion_mapping\('llama', \.\.\.\)\); undone",
+        **PACK_FAILURE,
+        check=r"provide_converters\(\) changed transformers' registries itself",
+        converts=frozenset({"llama"}),
     ),
     "hook with an argument no spec has": Fault(
         bad(hook("return []", argument="model")),
@@ -376,7 +409,8 @@ def test_fault(case: str, mode: str, install, llama_checkpoint, monkeypatch, cap
 
     if raised_at == "load":
         assert not models
-        assert seen.patches == [] and seen.conversions == [], "registered before raising"
+        assert set(seen.patches) <= fault.registers, f"registered before raising: {seen.patches}"
+        assert set(seen.conversions) <= fault.converts, f"registered before raising: {seen.conversions}"
     else:
         assert len(models) == 2
         for model in models:

@@ -58,7 +58,7 @@ def patched(config_or_model_type: Any, *, model_class: type | None = None) -> It
     outer_session: Session | None = getattr(_manual, "session", None)
     session = current_session() or outer_session or new_session()
     _manual.session = session
-    context, class_names = context_for(config_or_model_type, model_class)
+    context, class_names = context_for(config_or_model_type, model_class, load_module=True)
     with (
         _manual_session_restored(outer_session),
         session.applied(context, class_names) as frame,

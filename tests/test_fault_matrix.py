@@ -10,7 +10,7 @@ llama is loaded twice.  Each case states, per mode, where the problem surfaces:
 * ``warn@enable`` / ``warn@load``: exactly one ``PackWarning`` with the message, across
   ``enable()`` and both loads, and the loads succeed without the faulty pack;
 * ``quiet``: no warning, no error (what is wrong is not a failure at load time, e.g. a
-  target that matches nothing); ``hfpatch check`` is what reports it.
+  converter for a key no model has); ``hfpatch check`` is what reports it.
 
 and, whatever the outcome: the good pack still applies to every load that runs (an
 ``enable()`` that fails leaves the previous selection in force); transformers' patch
@@ -212,11 +212,21 @@ FAULTS: dict[str, Fault] = {
     ),
     "target matches nothing": Fault(
         bad(hook("return [Patch('LlamaMPL', LlamaMLP)] if context.model_type == 'llama' else []")),
-        "",
-        default="quiet",
-        strict="quiet",
+        r"pack 'bad': patch target 'LlamaMPL' matches no module class of the installed transformers",
+        **PACK_FAILURE,
         check=r"pack 'bad': patch target 'LlamaMPL' matches no module class of transformers\.models\.llama",
-        registers=frozenset({"LlamaMPL"}),
+    ),
+    "target of no class anywhere, next to a good one": Fault(
+        bad(
+            hook(
+                "if context.model_type != 'llama':\n    return []\n"
+                "return [Patch('LlamaNonexistentClass', LlamaMLP, priority=-5),\n"
+                "        Patch('LlamaMLP', LlamaMLP, priority=-5)]"
+            )
+        ),
+        r"pack 'bad': patch target 'LlamaNonexistentClass' matches no module class of the installed transformers",
+        **PACK_FAILURE,
+        check=r"'LlamaNonexistentClass' matches no module class",
     ),
     "converter for a key no model has": Fault(
         bad(

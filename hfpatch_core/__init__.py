@@ -3,7 +3,8 @@
 Packs are distributions that declare an entry point in the ``hfpatch.packs`` group and
 implement the hooks in ``hfpatch_core.hookspecs``.  ``enable()`` makes every model
 load gather the packs ``HF_PATCH_PACKS`` selects, resolve their claims and apply the
-winners for that load only.
+winners for that load only; ``with enabled(packs=...)`` does the same for the loads of
+one thread or asyncio task.
 
 Names are imported on first use, so that ``import hfpatch_core`` (and ``hfpatch list``)
 does not import torch.
@@ -42,6 +43,7 @@ _EXPORTS = {
     "disable": "hooks",
     "discover": "discovery",
     "enable": "hooks",
+    "enabled": "hooks",
     "hookimpl": "hookspecs",
     "hookspec": "hookspecs",
     "is_enabled": "hooks",
@@ -72,6 +74,7 @@ __all__ = [
     "disable",
     "discover",
     "enable",
+    "enabled",
     "hookimpl",
     "hookspec",
     "is_enabled",
@@ -94,7 +97,7 @@ if TYPE_CHECKING:
         SelectionError,
         WeightLayoutError,
     )
-    from .hooks import disable, enable, is_enabled
+    from .hooks import disable, enable, enabled, is_enabled
     from .hookspecs import hookimpl, hookspec
     from .manual import patched
     from .patches import Patch

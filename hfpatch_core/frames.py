@@ -52,7 +52,10 @@ class Loader:
 
 
 def blame(exc: BaseException, plan: Plan) -> PackError | None:
-    """A PackError naming the replacement class whose code raised ``exc``, if one did."""
+    """A PackError naming the replacement class whose code raised ``exc``, if one did; else the
+    claim that replaced the class of a model being built (a catch-all pattern such as ``".*"``
+    also replaces the model class and every config class, and transformers' code then fails
+    far from the pack)."""
     claims: dict[type, Claim] = {claim.patch.replacement: claim for each in plan.all_plans() for claim in each.entries}
     culprit = None
     traceback = exc.__traceback__
@@ -62,7 +65,7 @@ def blame(exc: BaseException, plan: Plan) -> PackError | None:
             culprit = claims[type(owner)]
         traceback = traceback.tb_next
     if culprit is None:
-        return None
+        return _blame_model_class_patch(exc, plan)
     where = plan.context.model_class_name if plan.context else "the model"
     return PackError(
         culprit.pack,
@@ -70,3 +73,21 @@ def blame(exc: BaseException, plan: Plan) -> PackError | None:
         f"{type(exc).__name__}: {exc} while building {where}; the load was undone, nothing is left patched.",
         stage="load",
     )
+
+
+def _blame_model_class_patch(exc: BaseException, plan: Plan) -> PackError | None:
+    for each in plan.all_plans():
+        model_class = each.context.model_class_name if each.context else None
+        claim = each.replaced.get(model_class) if model_class else None
+        if claim is None or claim.target == model_class:
+            continue
+        return PackError(
+            claim.pack,
+            f"pack {claim.pack!r}: pattern {claim.target!r} (-> {claim.patch.replacement_name}) matches "
+            f"{model_class}, the model class itself, and so replaces it and every other class of the loaded "
+            f"transformers modules whose name it matches (configs included); building {model_class} then "
+            f"raised {type(exc).__name__}: {exc}. The load was undone, nothing is left patched. Anchor the "
+            "pattern to the module classes it means (e.g. '^LlamaMLP$') or use exact names.",
+            stage="load",
+        )
+    return None

@@ -1,8 +1,14 @@
 """Importing the selected packs and calling their hooks for one load.
 
-A pack that fails (its import raises, a hook raises, a hook returns the wrong type)
-becomes a ``PackError``; the caller decides whether that is
-a warning (the pack is skipped, the others still apply) or, in strict mode, an error.
+A pack that fails (its import raises, a hook raises, a hook returns the wrong type, a
+hook changes transformers' registries itself) becomes a ``PackError``; the caller decides
+whether that is a warning (the pack is skipped, the others still apply) or, in strict
+mode, an error.
+
+Hooks are called holding ``LOAD_LOCK`` (created here, the lowest layer that takes it;
+``scope.LOAD_LOCK`` is the same lock), so that what transformers' registries hold
+around a hook call changes only by what the hook itself did: that is undone and
+reported, never left in force for every later load.
 """
 
 from __future__ import annotations
@@ -15,12 +21,92 @@ from typing import Any
 
 import pluggy
 
-from . import hookspecs
+from . import _compat, hookspecs
 from .context import LoadContext
 from .discovery import PackInfo
 from .errors import InvalidPatchError, PackError
 from .patches import Patch
 from .plan import Claim, ConverterClaim
+
+#: Serialises every hfpatch-managed load, every application of the registry and every hook
+#: call (``scope.LOAD_LOCK``).  Re-entrant, so that a sub-model built inside a load (a
+#: composite model's text model) can load on the same thread.
+LOAD_LOCK = threading.RLock()
+
+_MISSING: Any = object()
+
+
+def _name(value: object) -> str:
+    return f"{value.__module__}.{value.__qualname__}" if isinstance(value, type) else type(value).__name__
+
+
+def _same_items(saved: list[Any], now: list[Any]) -> bool:
+    return len(saved) == len(now) and all(a is b for a, b in zip(saved, now, strict=True))
+
+
+@dataclasses.dataclass
+class _Registries:
+    """transformers' patch and conversion registries as they were before a hook call."""
+
+    patches: dict[str, Any]
+    cache: dict[str, Any]
+    conversions: dict[str, Any]
+    lists: dict[str, list[Any]]
+    user_keys: set[str] | None
+
+    @classmethod
+    def capture(cls) -> _Registries:
+        from transformers import monkey_patching
+
+        cache = _compat.conversion_cache()
+        user_keys = _compat.user_registered_conversions()
+        return cls(
+            patches=monkey_patching.get_patch_mapping(),
+            cache=cache,
+            conversions=dict(cache),
+            lists={key: list(value) for key, value in cache.items() if isinstance(value, list)},
+            user_keys=set(user_keys) if user_keys is not None else None,
+        )
+
+    def restore(self) -> list[str]:
+        """Put both registries back as captured; what had changed, one phrase each."""
+        from transformers import conversion_mapping, monkey_patching
+
+        now = monkey_patching.get_patch_mapping()
+        changes = [
+            f"register_patch_mapping({{{key!r}: {_name(value)}}})"
+            for key, value in now.items()
+            if self.patches.get(key, _MISSING) is not value
+        ]
+        changes += [f"unregister_patch_mapping([{key!r}])" for key in self.patches if key not in now]
+        if changes or list(now) != list(self.patches):
+            changes = changes or ["reordered the patch registry"]
+            monkey_patching.clear_patch_mapping()
+            if self.patches:
+                monkey_patching.register_patch_mapping(self.patches)
+        cache = self.cache
+        if conversion_mapping._checkpoint_conversion_mapping_cache is not cache:
+            changes.append("replaced the conversion registry")
+            conversion_mapping._checkpoint_conversion_mapping_cache = cache  # type: ignore[assignment]
+        edited = [
+            key
+            for key in dict.fromkeys([*self.conversions, *cache])
+            if cache.get(key, _MISSING) is not self.conversions.get(key, _MISSING)
+            or (key in self.lists and not _same_items(self.lists[key], cache[key]))
+        ]
+        if edited:
+            changes += [f"register_checkpoint_conversion_mapping({key!r}, ...)" for key in edited]
+            for key, items in self.lists.items():
+                self.conversions[key][:] = items
+            cache.clear()
+            cache.update(self.conversions)
+        user_keys = _compat.user_registered_conversions()
+        if user_keys is not None and self.user_keys is not None and user_keys != self.user_keys:
+            if not edited:
+                changes.append("edited the record of user-registered conversions")
+            user_keys.clear()
+            user_keys.update(self.user_keys)
+        return changes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,7 +222,19 @@ class PackSet:
                 continue
             arguments = {"context": context}
             try:
-                result = impl.function(*[arguments[name] for name in impl.argnames])
+                with LOAD_LOCK:
+                    registries = _Registries.capture()
+                    try:
+                        result = impl.function(*[arguments[name] for name in impl.argnames])
+                    finally:
+                        changes = registries.restore()
+                if changes:
+                    raise PackError(
+                        info.name,
+                        f"pack {info.name!r}: {hook}() changed transformers' registries itself ({'; '.join(changes)}); "
+                        "undone. Return Patch / Converter objects instead: hfpatch registers them for each load "
+                        "only, and restores the registries after it.",
+                    )
                 results.extend(_check_result(info.name, hook, result, expected, example))
             except PackError:
                 raise

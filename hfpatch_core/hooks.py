@@ -3,14 +3,18 @@
 ``enable()`` wraps ``PreTrainedModel.from_pretrained`` and ``PreTrainedModel._from_config``
 (which the Auto classes and ``from_config`` end in), stands hfpatch's exception-safe
 application in for ``transformers.modeling_utils.apply_patches``, and guards
-``modeling_utils.patch_output_recorders``.  ``disable()`` puts all four back.
+``modeling_utils.patch_output_recorders``.  ``enabled()`` does the same for a block of
+the current thread or asyncio task.  The wrappers stay in place while ``enable()`` or any
+``enabled()`` block is in force; ``disable()`` drops the process-wide choice and puts all
+four back once no block is open.  While they are in place every ``from_pretrained`` /
+``from_config`` holds ``scope.LOAD_LOCK``, patched or not, so a vanilla load never builds
+while another thread's replacements are installed.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-import threading
 import types
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
@@ -24,13 +28,16 @@ from .errors import HfPatchError
 from .frames import Loader, blame
 from .layout import secure
 from .plan import PLAN_ATTRIBUTE, Plan
+from .scope import LOAD_LOCK
 from .selection import Selection
-from .session import Session, activate, active_session, live_session, new_session
+from .session import Session, activate, active_session, current_session, live_session, new_session, scoped
 
 logger = logging.getLogger("hfpatch")
 
-_state_lock = threading.Lock()
+#: What the wrappers stand in for, while they are installed (guarded by ``LOAD_LOCK``).
 _originals: dict[str, tuple[Any, Any]] = {}
+#: ``enabled()`` blocks open, in every thread and task (guarded by ``LOAD_LOCK``).
+_open_blocks = 0
 
 
 def attach(model: object, plan: Plan) -> None:
@@ -52,7 +59,8 @@ def _managed(cls: type, load: Callable[[], Any], code: types.CodeType, *, loadin
     """
     session = live_session()
     if session is None:
-        return load()
+        with LOAD_LOCK:  # a vanilla load: not while another thread's replacements are installed
+            return load()
     with session.applied(None, loader=Loader(cls, code)) as frame, recorders.RecorderLog() as log:
         try:
             result = load()
@@ -94,7 +102,8 @@ def _wrap_from_pretrained(original: classmethod) -> classmethod:
     @functools.wraps(function)
     def from_pretrained(cls: type, *args: Any, **kwargs: Any) -> Any:
         if live_session() is None:
-            return function(cls, *args, **kwargs)
+            with LOAD_LOCK:  # a vanilla load: not while another thread's replacements are installed
+                return function(cls, *args, **kwargs)
         wanted = bool(kwargs.pop("output_loading_info", False))
         result = _managed(
             cls,
@@ -127,14 +136,31 @@ def _hooked() -> list[tuple[Any, str, Callable[[Any], Any]]]:
     ]
 
 
+def _hook() -> None:
+    """Put the wrappers into transformers, unless they are there (``LOAD_LOCK`` held)."""
+    if not _originals:
+        for owner, name, wrap in _hooked():
+            original = owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)
+            _originals[name] = (owner, original)
+            setattr(owner, name, wrap(original))
+
+
+def _unhook_if_unused() -> None:
+    """Put transformers' functions back once neither ``enable()`` nor an ``enabled()`` block is in force."""
+    if _open_blocks or active_session() is not None:
+        return
+    for name, (owner, original) in list(_originals.items()):
+        setattr(owner, name, original)
+        del _originals[name]
+
+
 def install(session: Session) -> None:
-    """Make ``session`` the active one, hooking into transformers if not already."""
-    with _state_lock:
-        if not _originals:
-            for owner, name, wrap in _hooked():
-                original = owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)
-                _originals[name] = (owner, original)
-                setattr(owner, name, wrap(original))
+    """Make ``session`` the process-wide one, hooking into transformers if not already.
+
+    Waits for a load running in another thread to finish (``LOAD_LOCK``).
+    """
+    with LOAD_LOCK:
+        _hook()
         activate(session)
 
 
@@ -144,6 +170,7 @@ def enable(packs: str | Iterable[str] | None = None, strict: bool | None = None)
     From now on every ``from_pretrained`` / ``from_config`` (Auto classes included)
     gathers the enabled packs for the model it builds, resolves their claims and
     applies the winners for that load only.  Calling it again replaces the choice.
+    It is the default: inside an ``enabled()`` block, that block's choice applies.
 
     Args:
         packs: which packs run, in ``HF_PATCH_PACKS`` syntax (a string or a list of
@@ -164,15 +191,54 @@ def enable(packs: str | Iterable[str] | None = None, strict: bool | None = None)
     return session.selection
 
 
+@contextmanager
+def enabled(packs: str | Iterable[str] | None = None, strict: bool | None = None) -> Iterator[Selection]:
+    """Turn hfpatch on, with these packs, for the loads of the current thread or asyncio task in the block.
+
+    ``with hfpatch_core.enabled(packs="fused-mlp") as selection: model = ...from_pretrained(...)``.
+    Inside the block, loads on this thread or task (and in the copies of its context that
+    ``asyncio.to_thread`` and new tasks get) use this choice; other threads keep theirs,
+    and ``enable()``'s process-wide choice applies again after the block.  Blocks nest:
+    the innermost wins, and leaving it restores the one around it.  ``packs="none"``
+    makes the block's loads vanilla even where ``enable()`` selected packs.  Loads of all
+    threads still run one at a time (``scope.LOAD_LOCK``); the block decides which packs
+    each one gets.
+
+    Args:
+        packs: which packs run, in ``HF_PATCH_PACKS`` syntax; ``None`` reads ``HF_PATCH_PACKS``.
+        strict: make every pack failure an error; ``None`` reads ``HF_PATCH_STRICT``.
+
+    Yields:
+        The selection: which packs run in the block, and why each other installed pack does not.
+
+    Raises:
+        SelectionError: the choice is malformed or names a pack that is not installed.
+        PackError: strict mode, and a selected pack is incompatible or ambiguous.
+    """
+    global _open_blocks
+    session = new_session(packs, strict)
+    session.report(session.selection.problems)
+    with LOAD_LOCK:
+        _hook()
+        _open_blocks += 1
+    try:
+        with scoped(session):
+            yield session.selection
+    finally:
+        with LOAD_LOCK:
+            _open_blocks -= 1
+            _unhook_if_unused()
+
+
 def disable() -> None:
-    """Turn hfpatch off: loads behave as in plain transformers again."""
-    with _state_lock:
+    """Drop ``enable()``'s process-wide choice: loads outside ``enabled()`` blocks behave as in
+    plain transformers again (and, once no block is open, transformers' functions are back)."""
+    with LOAD_LOCK:
         activate(None)
-        for name, (owner, original) in list(_originals.items()):
-            setattr(owner, name, original)
-            del _originals[name]
+        _unhook_if_unused()
 
 
 def is_enabled() -> bool:
-    """Whether ``enable()`` is in force."""
-    return active_session() is not None
+    """Whether loads here go through hfpatch: ``enable()`` is in force, or an ``enabled()`` block
+    is open on this thread or task."""
+    return current_session() is not None

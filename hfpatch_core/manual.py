@@ -23,7 +23,7 @@ from .hooks import attach
 from .layout import secure
 from .plan import Plan, plan_of
 from .planning import context_for
-from .session import Session, active_session, new_session
+from .session import Session, current_session, new_session
 
 #: The session of the innermost ``patched()`` block on this thread made without ``enable()``.
 _manual = threading.local()
@@ -35,8 +35,9 @@ def patched(config_or_model_type: Any, *, model_class: type | None = None) -> It
 
     ``with patched(config) as plan: model = LlamaForCausalLM(config)``.  The packs see
     the same context a load of that config would give them; the same lock is held and
-    the same restore runs on exit.  Uses the session ``enable()`` started, or, when
-    hfpatch is not enabled, the packs ``HF_PATCH_PACKS`` selects.
+    the same restore runs on exit.  Uses the packs of the innermost ``enabled()`` block
+    on this thread or task, else those ``enable()`` chose, else (hfpatch not enabled)
+    those ``HF_PATCH_PACKS`` selects.
 
     Args:
         config_or_model_type: a config, or a ``model_type`` string.
@@ -55,9 +56,9 @@ def patched(config_or_model_type: Any, *, model_class: type | None = None) -> It
     # a nested patched() without enable() shares the outer block's session, so that the
     # outer block's registrations count as hfpatch's own (overridable), not the user's
     outer_session: Session | None = getattr(_manual, "session", None)
-    session = active_session() or outer_session or new_session()
+    session = current_session() or outer_session or new_session()
     _manual.session = session
-    context, class_names = context_for(config_or_model_type, model_class)
+    context, class_names = context_for(config_or_model_type, model_class, load_module=True)
     with (
         _manual_session_restored(outer_session),
         session.applied(context, class_names) as frame,

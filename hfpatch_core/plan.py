@@ -226,17 +226,14 @@ class Plan:
         inner = "".join(
             f"; inside, {plan.summary().removeprefix('hfpatch: ').rsplit(' (plan', 1)[0]}"
             for plan in self.nested
-            if plan.entries or plan.conversions
+            if plan.replaced or plan.conversions
         )
-        if not self.entries:
-            return f"hfpatch: {where}: no patch applied{converted}{inner} (plan {self.fingerprint})"
+        # only what replaced a class of the model: a registered target that matched none is no patch
         parts = ", ".join(
             f"{name} <- {claim.patch.replacement.__qualname__} [{claim.label}]"
             for name, claim in sorted(self.replaced.items())
-        ) or ", ".join(
-            f"{claim.target!r} <- {claim.patch.replacement.__qualname__} [{claim.label}]" for claim in self.entries
         )
-        return f"hfpatch: {where}: {parts}{converted}{inner} (plan {self.fingerprint})"
+        return f"hfpatch: {where}: {parts or 'no patch applied'}{converted}{inner} (plan {self.fingerprint})"
 
 
 def plan_of(model: object) -> Plan | None:

@@ -8,7 +8,11 @@ fingerprint).  The functions that name a model's classes live here for the same 
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import importlib
+import os
+import re
 import sys
 import types
 from collections.abc import Callable, Iterable, Mapping
@@ -19,9 +23,9 @@ import torch.nn as nn
 from .composition import compose, scope_for
 from .context import LoadContext
 from .errors import HfPatchError, PackError
-from .gathering import PackSet
+from .gathering import Gathered, PackSet
 from .plan import Conversions, Plan
-from .resolution import resolve_converters, resolve_patches, unused_converters
+from .resolution import matches, resolve_converters, resolve_patches, unused_converters
 
 #: How a caller hears of pack failures while a plan is made: a warning each, or raise (strict).
 Report = Callable[[Iterable[HfPatchError]], None]
@@ -70,6 +74,84 @@ def class_names_for(model_class: type) -> tuple[str, ...]:
     names = tuple(module_classes(module))
     _class_names[module.__name__] = (module, size, newest, names)
     return names
+
+
+#: A class defined, or a capitalised name bound, at the top level of a module's source.
+_TOP_LEVEL_NAME = re.compile(rb"^(?:class[ \t]+([A-Za-z_]\w*)|([A-Z]\w*)[ \t]*(?::[^=\n]*)?=[^=])", re.M)
+
+
+@functools.cache
+def _source_names() -> frozenset[str]:
+    """Every class name (and capitalised top-level name, which may bind a class) in the installed
+    transformers' sources: read once, without importing a model (about 0.3 s)."""
+    import transformers
+
+    found: set[str] = set()
+    for directory, _, files in os.walk(os.path.dirname(transformers.__file__)):
+        for file in files:
+            if file.endswith(".py"):
+                try:
+                    with open(os.path.join(directory, file), "rb") as handle:
+                        source = handle.read()
+                except OSError:
+                    continue
+                found.update((a or b).decode() for a, b in _TOP_LEVEL_NAME.findall(source))
+    return frozenset(found)
+
+
+@functools.lru_cache(maxsize=1024)
+def _in_sources(target: str) -> bool:
+    return target in _source_names() or any(matches(target, name) for name in _source_names())
+
+
+def _in_loaded_modules(target: str) -> bool:
+    """Whether a class bound in a loaded ``transformers*`` module (remote code included) matches."""
+    for key, module in list(sys.modules.items()):
+        if key.startswith("transformers") and isinstance(module, types.ModuleType):
+            for name, value in list(vars(module).items()):
+                if isinstance(value, type) and matches(target, name):
+                    return True
+    return False
+
+
+def matches_no_class(target: str, class_names: Iterable[str] = ()) -> bool:
+    """Whether a patch target matches no module class of the installed transformers: none of
+    ``class_names`` (the model's), none its sources define, none of its loaded modules holds."""
+    if any(matches(target, name) for name in class_names):
+        return False
+    return not _in_sources(target) and not _in_loaded_modules(target)
+
+
+def _unknown_targets(gathered: Gathered, class_names: tuple[str, ...]) -> list[PackError]:
+    """One failure per pack with a patch target that matches no class of the installed transformers."""
+    unknown: dict[str, list[str]] = {}
+    for claim in gathered.claims:
+        if matches_no_class(claim.target, class_names):
+            unknown.setdefault(claim.pack, []).append(claim.target)
+    return [
+        PackError(
+            pack,
+            f"pack {pack!r}: patch target{'s' if len(targets) > 1 else ''} {', '.join(map(repr, targets))} "
+            "match" + ("" if len(targets) > 1 else "es") + " no module class of the installed transformers "
+            "(transformers.models, or any loaded transformers module); the pack is skipped, it would replace "
+            "nothing. Check the class name (renamed in this release?).",
+        )
+        for pack, targets in unknown.items()
+    ]
+
+
+def _without(gathered: Gathered, failures: list[PackError]) -> Gathered:
+    """``gathered`` without the claims, converters and participation of the packs that failed."""
+    if not failures:
+        return gathered
+    failed = {failure.pack for failure in failures}
+    return dataclasses.replace(
+        gathered,
+        claims=tuple(claim for claim in gathered.claims if claim.pack not in failed),
+        converters=tuple(claim for claim in gathered.converters if claim.pack not in failed),
+        packs=tuple(pack for pack in gathered.packs if pack[0] not in failed),
+        failures=(*gathered.failures, *failures),
+    )
 
 
 def _mapped(names: Mapping[str, Any], model_type: str) -> str | None:
@@ -143,8 +225,9 @@ def plan_load(
         ConverterConflictError: two packs convert the same tensors with the same rank.
     """
     gathered = packs.gather(context, priority_offsets)
-    report(gathered.failures)
     class_names = tuple(class_names)
+    gathered = _without(gathered, _unknown_targets(gathered, class_names))
+    report(gathered.failures)
     decision = resolve_patches(gathered.claims, registered=registered, overridable=overridable, class_names=class_names)
     conversions = Conversions()
     if gathered.converters:

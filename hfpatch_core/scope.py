@@ -10,30 +10,34 @@ too, so that they never see another thread's replacements.
 
 from __future__ import annotations
 
-import threading
+import contextvars
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-#: Serialises every hfpatch-managed load and every application of the registry.
-#: Re-entrant, so that a sub-model built inside a load (a composite model's text
-#: model) can load on the same thread.
-LOAD_LOCK = threading.RLock()
+from . import gathering
 
-_vanilla = threading.local()
+#: Serialises every hfpatch-managed load, every application of the registry and every
+#: call of a pack's hook.  Re-entrant, so that a sub-model built inside a load (a
+#: composite model's text model) can load on the same thread.  Made in ``gathering``,
+#: the lowest layer that takes it.
+LOAD_LOCK = gathering.LOAD_LOCK
+
+#: Inside ``vanilla()`` on this thread or asyncio task.
+_vanilla: contextvars.ContextVar[bool] = contextvars.ContextVar("hfpatch_vanilla", default=False)
 
 
 @contextmanager
 def vanilla() -> Iterator[None]:
-    """Build vanilla models inside the block: loads on this thread skip hfpatch, and none runs meanwhile."""
-    previous = getattr(_vanilla, "active", False)
+    """Build vanilla models inside the block: loads here skip hfpatch, and no other thread's load
+    (patched or not) runs meanwhile."""
     with LOAD_LOCK:
-        _vanilla.active = True
+        token = _vanilla.set(True)
         try:
             yield
         finally:
-            _vanilla.active = previous
+            _vanilla.reset(token)
 
 
 def in_vanilla_block() -> bool:
-    """Whether this thread is inside ``vanilla()``."""
-    return bool(getattr(_vanilla, "active", False))
+    """Whether this thread or asyncio task is inside ``vanilla()``."""
+    return _vanilla.get()

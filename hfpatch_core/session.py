@@ -1,15 +1,21 @@
-"""A session: the packs one ``enable()`` selected, and the loads made with them.
+"""A session: the packs one ``enable()`` or ``enabled()`` selected, and the loads made with them.
 
 A ``Session`` plans each load (``planning.plan_load``), keeps the plan registered in
 transformers for exactly that load (``Session.applied``), and reports pack failures as
 warnings or, in strict mode, errors.  Loads nest: a composite model's text model is a
 load inside the outer one, on the same thread.  How a session gets into transformers'
 loaders is ``hooks``; models built by hand are ``manual``.
+
+Which session a load uses is decided where it runs: the innermost ``enabled()`` block
+of the current thread or asyncio task (a context variable), else the process-wide one
+``enable()`` made.  Loads are serialised by ``scope.LOAD_LOCK``, so one session's
+registrations are in transformers at a time.
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 import threading
 import warnings
@@ -165,22 +171,41 @@ class Frame:
 
 _active: Session | None = None
 
+#: The session of the innermost ``hooks.enabled()`` block of this thread or asyncio task.
+_scoped: contextvars.ContextVar[Session | None] = contextvars.ContextVar("hfpatch_scoped_session", default=None)
+
 
 def activate(session: Session | None) -> None:
-    """Make ``session`` the one loads use (``None``: none); ``hooks.enable`` / ``disable`` call it."""
+    """Make ``session`` the process-wide default (``None``: none); ``hooks.enable`` / ``disable`` call it."""
     global _active
     _active = session
 
 
 def active_session() -> Session | None:
-    """The session ``enable()`` started, or ``None`` while hfpatch is disabled."""
+    """The process-wide session ``enable()`` started, or ``None`` while there is none."""
     return _active
 
 
+@contextmanager
+def scoped(session: Session) -> Iterator[None]:
+    """Make ``session`` the one this thread or asyncio task loads with, for the block (``hooks.enabled``)."""
+    token = _scoped.set(session)
+    try:
+        yield
+    finally:
+        _scoped.reset(token)
+
+
+def current_session() -> Session | None:
+    """The session loads here use: the innermost ``enabled()`` block's on this thread or task,
+    else the one ``enable()`` started; ``None`` when neither is in force."""
+    return _scoped.get() or _active
+
+
 def live_session() -> Session | None:
-    """The session a load on this thread uses now: ``None`` when disabled, no pack is selected,
-    or inside ``scope.vanilla()``."""
-    session = _active
+    """The session a load here uses now (``current_session``): ``None`` when there is none, it
+    selects no pack, or inside ``scope.vanilla()``."""
+    session = current_session()
     if session is None or not session.selection.packs or in_vanilla_block():
         return None
     return session

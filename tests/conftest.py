@@ -2,7 +2,9 @@ from __future__ import annotations
 
 import importlib
 import sys
+import threading
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -13,6 +15,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 import hfpatch_core
 import hfpatch_core.session
 import hfpatch_core.testing  # imported here, so pytester's in-process runs never re-import them
+from hfpatch_core.plan import plan_of
 from hfpatch_core.snapshot import GlobalState, loaded_classes
 from packs import PackSpec, install_packs
 
@@ -60,6 +63,34 @@ class Snapshot:
     def assert_unchanged(self) -> None:
         changes = self.state.changes()
         assert not changes, "global state left changed:\n" + "\n".join(changes)
+
+
+def race(*workers: Callable[[int], list[str]], iterations: int) -> list[str]:
+    """Run each worker ``iterations`` times in its own thread, all starting together; their problems."""
+    start = threading.Barrier(len(workers))
+
+    def run(worker: Callable[[int], list[str]]) -> list[str]:
+        start.wait(30)
+        return [problem for step in range(iterations) for problem in worker(step)]
+
+    with ThreadPoolExecutor(max_workers=len(workers)) as pool:
+        return [problem for result in pool.map(run, workers) for problem in result]
+
+
+def vanilla_problems(model, reference: dict[str, torch.Tensor], info, label: str) -> list[str]:
+    """What is wrong with ``model`` as a vanilla load of the checkpoint whose state dict is ``reference``."""
+    problems = [f"{label}: {kind} {info[kind]}" for kind in ("missing_keys", "unexpected_keys") if info.get(kind)]
+    if plan_of(model) is not None:
+        problems.append(f"{label}: a vanilla model has a plan")
+    attention = type(model.model.layers[0].self_attn).__name__
+    if attention != "LlamaAttention":
+        problems.append(f"{label}: built with {attention}")
+    state = model.state_dict()
+    if state.keys() != reference.keys():
+        problems.append(f"{label}: keys {sorted(state.keys() ^ reference.keys())[:4]}")
+    else:
+        problems += [f"{label}: {key} differs" for key in reference if not torch.equal(state[key], reference[key])]
+    return problems
 
 
 @pytest.fixture

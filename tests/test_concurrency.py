@@ -1,7 +1,10 @@
 from __future__ import annotations
 
+import contextlib
+import logging
 import sys
 import threading
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -10,10 +13,11 @@ from transformers import AutoModelForCausalLM, MistralConfig, MistralForCausalLM
 from transformers.models.llama import modeling_llama
 
 import hfpatch_core
-from conftest import Snapshot, tiny_llama_config
+from conftest import Snapshot, race, tiny_llama_config, vanilla_problems
 from hfpatch_core import plan_of
 from hfpatch_core.application import apply_mapping
-from packs import MLP_PACK, NORM_PATTERN_PACK, PackSpec
+from hfpatch_core.testing import load_model
+from packs import MLP_PACK, NORM_PATTERN_PACK, PackSpec, fused_qkv_pack
 
 
 class Replacement(modeling_llama.LlamaMLP):
@@ -146,4 +150,53 @@ def test_eight_threads_loading_patched_and_unpatched_models_never_leak(install, 
         problems = [problem for result in pool.map(work, range(8)) for problem in result]
     hfpatch_core.disable()
     assert problems == []
+    before.assert_unchanged()
+
+
+class _LoadReports(logging.Handler):
+    """The LOAD REPORTs transformers logs (missing, unexpected or mismatched keys)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.reports: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        if "LOAD REPORT" in message:
+            self.reports.append(message)
+
+
+@contextlib.contextmanager
+def _load_reports() -> Iterator[_LoadReports]:
+    handler = _LoadReports()
+    logger = logging.getLogger("transformers")
+    logger.addHandler(handler)
+    try:
+        yield handler
+    finally:
+        logger.removeHandler(handler)
+
+
+def test_vanilla_loads_racing_a_converting_pack_always_get_the_checkpoint(install, llama_checkpoint) -> None:
+    """Thread A loads with a pack that fuses q/k/v (a converter); thread B loads the same checkpoint
+    with the documented vanilla path. B must never build A's replacement without its converters
+    (random weights, a LOAD REPORT of missing keys)."""
+    install(PackSpec("qkv", fused_qkv_pack()))
+    reference = {key: value.clone() for key, value in load_model(llama_checkpoint).state_dict().items()}
+    before = Snapshot()
+
+    def patched_load(step: int) -> list[str]:
+        model, info = load_model(llama_checkpoint, "qkv", output_loading_info=True)
+        if type(model.model.layers[0].self_attn).__name__ != "FusedQKVAttention" or info["missing_keys"]:
+            return [f"patched {step}: {type(model.model.layers[0].self_attn).__name__} {info['missing_keys']}"]
+        return []
+
+    def vanilla_load(step: int) -> list[str]:
+        model, info = load_model(llama_checkpoint, output_loading_info=True)
+        return vanilla_problems(model, reference, info, f"vanilla {step}")
+
+    with _load_reports() as logged:
+        problems = race(patched_load, vanilla_load, iterations=25)
+    assert problems == []
+    assert logged.reports == []
     before.assert_unchanged()

@@ -10,7 +10,7 @@ llama is loaded twice.  Each case states, per mode, where the problem surfaces:
 * ``warn@enable`` / ``warn@load``: exactly one ``PackWarning`` with the message, across
   ``enable()`` and both loads, and the loads succeed without the faulty pack;
 * ``quiet``: no warning, no error (what is wrong is not a failure at load time, e.g. a
-  target that matches nothing); ``hfpatch check`` is what reports it.
+  converter for a key no model has); ``hfpatch check`` is what reports it.
 
 and, whatever the outcome: the good pack still applies to every load that runs (an
 ``enable()`` that fails leaves the previous selection in force); transformers' patch
@@ -52,7 +52,8 @@ class Fault:
     selection: str = "bad,good"
     #: regex ``hfpatch check bad`` must print (exit code 1); None where the input is not a pack's.
     check: str | None = None
-    #: registry keys the faulty pack legitimately registers for a load (it is valid, just useless).
+    #: registry keys the faulty pack registers: for a load (it is valid, just useless), or by
+    #: calling transformers' registration functions itself (undone before the load goes on).
     registers: frozenset[str] = frozenset()
     converts: frozenset[str] = frozenset()
 
@@ -165,6 +166,38 @@ FAULTS: dict[str, Fault] = {
         **PACK_FAILURE,
         check=r"Converter key must be a model_type",
     ),
+    "hook registers a patch mapping itself": Fault(
+        bad(
+            hook(
+                "from transformers import monkey_patching\n"
+                "from transformers.models.llama.modeling_llama import LlamaRMSNorm\n"
+                "class LeakedNorm(LlamaRMSNorm):\n    pass\n"
+                "monkey_patching.register_patch_mapping({'LlamaRMSNorm': LeakedNorm})\n"
+                "return []"
+            )
+        ),
+        r"pack 'bad': provide_patches\(\) changed transformers' registries itself \(register_patch_mapping\("
+        r"\{'LlamaRMSNorm': hfpatch_test_pack_bad\.provide_patches\.<locals>\.LeakedNorm\}\)\); undone",
+        **PACK_FAILURE,
+        check=r"provide_patches\(\) changed transformers' registries itself",
+        registers=frozenset({"LlamaRMSNorm"}),
+    ),
+    "hook registers a conversion list itself": Fault(
+        bad(
+            hook(
+                "from transformers import conversion_mapping\n"
+                "conversion_mapping.register_checkpoint_conversion_mapping(\n"
+                "    'llama', [WeightRenaming('mlp.up_proj', 'mlp.up')], overwrite=True\n)\n"
+                "return []",
+                name="provide_converters",
+            )
+        ),
+        r"pack 'bad': provide_converters\(\) changed transformers' registries itself "
+        r"\(register_checkpoint_conversion_mapping\('llama', \.\.\.\)\); undone",
+        **PACK_FAILURE,
+        check=r"provide_converters\(\) changed transformers' registries itself",
+        converts=frozenset({"llama"}),
+    ),
     "hook with an argument no spec has": Fault(
         bad(hook("return []", argument="model")),
         r"pack 'bad' .*provide_patches.*\bmodel\b.*(?:not available|can not be found)",
@@ -179,11 +212,21 @@ FAULTS: dict[str, Fault] = {
     ),
     "target matches nothing": Fault(
         bad(hook("return [Patch('LlamaMPL', LlamaMLP)] if context.model_type == 'llama' else []")),
-        "",
-        default="quiet",
-        strict="quiet",
+        r"pack 'bad': patch target 'LlamaMPL' matches no module class of the installed transformers",
+        **PACK_FAILURE,
         check=r"pack 'bad': patch target 'LlamaMPL' matches no module class of transformers\.models\.llama",
-        registers=frozenset({"LlamaMPL"}),
+    ),
+    "target of no class anywhere, next to a good one": Fault(
+        bad(
+            hook(
+                "if context.model_type != 'llama':\n    return []\n"
+                "return [Patch('LlamaNonexistentClass', LlamaMLP, priority=-5),\n"
+                "        Patch('LlamaMLP', LlamaMLP, priority=-5)]"
+            )
+        ),
+        r"pack 'bad': patch target 'LlamaNonexistentClass' matches no module class of the installed transformers",
+        **PACK_FAILURE,
+        check=r"'LlamaNonexistentClass' matches no module class",
     ),
     "converter for a key no model has": Fault(
         bad(
@@ -376,7 +419,8 @@ def test_fault(case: str, mode: str, install, llama_checkpoint, monkeypatch, cap
 
     if raised_at == "load":
         assert not models
-        assert seen.patches == [] and seen.conversions == [], "registered before raising"
+        assert set(seen.patches) <= fault.registers, f"registered before raising: {seen.patches}"
+        assert set(seen.conversions) <= fault.converts, f"registered before raising: {seen.conversions}"
     else:
         assert len(models) == 2
         for model in models:

@@ -66,6 +66,59 @@ def test_the_model_exposes_its_plan_and_logs_it(install, llama_checkpoint, caplo
     assert plan_of(AutoModelForCausalLM.from_pretrained(llama_checkpoint)).fingerprint != plan.fingerprint
 
 
+def test_a_target_no_class_of_transformers_has_is_the_packs_failure(install, llama_checkpoint, caplog) -> None:
+    install(PackSpec("ghost", mlp_pack("GhostMLP", target="LlamaNonexistentClass")), PackSpec("mlp", MLP_PACK))
+    hfpatch_core.enable()
+    with caplog.at_level(logging.INFO, logger="hfpatch"), pytest.warns(PackWarning) as caught:
+        model = AutoModelForCausalLM.from_pretrained(llama_checkpoint)
+    assert [str(w.message) for w in caught] == [
+        "pack 'ghost': patch target 'LlamaNonexistentClass' matches no module class of the installed transformers "
+        "(transformers.models, or any loaded transformers module); the pack is skipped, it would replace nothing. "
+        "Check the class name (renamed in this release?)."
+    ]
+    plan = plan_of(model)
+    assert dict(plan.packs) == {"mlp": "1.0.0"} and mlp_class(model) == "PackMLP"
+    assert "Ghost" not in caplog.text and "LlamaNonexistentClass" not in plan.summary()
+    hfpatch_core.enable("ghost", strict=True)
+    with pytest.raises(PackError, match="'LlamaNonexistentClass' matches no module class"):
+        AutoModelForCausalLM.from_pretrained(llama_checkpoint)
+
+
+def test_a_catch_all_pattern_names_its_pack_and_pattern_when_the_load_fails(
+    install, llama_checkpoint, snapshot
+) -> None:
+    install(PackSpec("everything", mlp_pack("AnyMLP", target=".*")))
+    hfpatch_core.enable("everything")
+    with pytest.raises(PackError) as raised:
+        AutoModelForCausalLM.from_pretrained(llama_checkpoint)
+    error = raised.value
+    assert error.pack == "everything" and error.stage == "load"
+    assert str(error).startswith(
+        "pack 'everything': pattern '.*' (-> hfpatch_test_pack_everything.AnyMLP) matches LlamaForCausalLM, "
+        "the model class itself"
+    )
+    assert isinstance(error.__cause__, TypeError)
+    hfpatch_core.disable()
+    snapshot.assert_unchanged()
+
+
+def test_the_summary_names_only_the_classes_replaced() -> None:
+    from transformers.models.llama.modeling_llama import LlamaMLP
+
+    from hfpatch_core import Claim, LoadContext, Patch
+    from hfpatch_core.resolution import resolve
+
+    claims = [
+        Claim("p", "1.0", Patch(target, LlamaMLP), 0, index) for index, target in enumerate(["LlamaMLP", "MistralMLP"])
+    ]
+    context = LoadContext("llama", "LlamaForCausalLM")
+    plan = resolve(claims, context=context, class_names=["LlamaMLP", "LlamaRMSNorm"])
+    assert plan.summary().startswith("hfpatch: LlamaForCausalLM: LlamaMLP <- LlamaMLP [p==1.0] (plan ")
+    plan = resolve(claims[1:], context=context, class_names=["LlamaMLP", "LlamaRMSNorm"])
+    assert len(plan.entries) == 1 and not plan.replaced
+    assert plan.summary().startswith("hfpatch: LlamaForCausalLM: no patch applied (plan ")
+
+
 def test_priority_decides_and_the_env_can_override_it(install, llama_checkpoint, monkeypatch) -> None:
     install(
         PackSpec("low", mlp_pack("LowMLP", priority=1)),

@@ -8,27 +8,17 @@ checkpoint directory holds).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 
 
-@contextlib.contextmanager
-def _enabled(packs: str, strict: bool = True) -> Iterator[None]:
-    """hfpatch enabled for ``packs`` inside the block; afterwards as it was before."""
-    from ..hooks import disable, enable, install
-    from ..session import active_session
+def _enabled(packs: str, strict: bool = True) -> contextlib.AbstractContextManager[Any]:
+    """hfpatch enabled for ``packs`` inside the block, for this thread or task only."""
+    from ..hooks import enabled
 
-    previous = active_session()
-    enable(packs, strict=strict)
-    try:
-        yield
-    finally:
-        disable()
-        if previous is not None:
-            install(previous)
+    return enabled(packs, strict=strict)
 
 
 def load_model(
@@ -36,8 +26,10 @@ def load_model(
 ) -> Any:
     """``from_pretrained`` as a user would call it, with hfpatch enabled for ``packs`` or not at all.
 
-    hfpatch is enabled only for the load: afterwards it is as before the call (disabled,
-    in a test that starts disabled), also when the load raises.  With ``packs=None`` the
+    hfpatch is enabled only for the load, and for this thread or task only (an
+    ``hfpatch_core.enabled()`` block): afterwards it is as before the call (disabled, in a
+    test that starts disabled), also when the load raises, and loads in other threads
+    never see ``packs``.  With ``packs=None`` the
     model is vanilla transformers, also where hfpatch is enabled (``hfpatch run -- pytest``).
 
     Args:

@@ -21,6 +21,9 @@ if TYPE_CHECKING:
 __version__ = "0.1.0"
 
 _EXPORTS = {
+    "ApplyError": "errors",
+    "apply": "inplace",
+    "revert": "inplace",
     "Claim": "plan",
     "Converter": "conversion",
     "ConverterConflictError": "errors",
@@ -50,6 +53,7 @@ _EXPORTS = {
 }
 
 __all__ = [
+    "ApplyError",
     "Claim",
     "Converter",
     "ConverterConflictError",
@@ -69,6 +73,7 @@ __all__ = [
     "SizedSplit",
     "WeightLayoutError",
     "__version__",
+    "apply",
     "disable",
     "discover",
     "enable",
@@ -77,6 +82,7 @@ __all__ = [
     "is_enabled",
     "patched",
     "plan_of",
+    "revert",
 ]
 
 if TYPE_CHECKING:
@@ -84,6 +90,7 @@ if TYPE_CHECKING:
     from .conversion import Converter, SizedConcatenate, SizedSplit
     from .discovery import PackInfo, discover
     from .errors import (
+        ApplyError,
         ConverterConflictError,
         DuplicatePackError,
         HfPatchError,
@@ -96,6 +103,7 @@ if TYPE_CHECKING:
     )
     from .hooks import disable, enable, is_enabled
     from .hookspecs import hookimpl, hookspec
+    from .inplace import apply, revert
     from .manual import patched
     from .patches import Patch
     from .plan import Claim, Lost, Plan, plan_of

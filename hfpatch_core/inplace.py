@@ -32,6 +32,7 @@ import torch
 import torch.nn as nn
 
 from .errors import ApplyError, HfPatchError
+from .frames import blame
 from .hooks import attach, disable, install
 from .layout import guard_saving
 from .manual import patched
@@ -139,7 +140,15 @@ def apply(model: nn.Module, packs: str | Iterable[str] | None = None, strict: bo
     with LOAD_LOCK, torch.no_grad(), _in_force(session):
         config = copy.deepcopy(model.config)
         with patched(config, model_class=type(model)) as planned, torch.device("meta"):
-            skeleton = type(model)(config)
+            try:
+                skeleton = type(model)(config)
+            except HfPatchError:
+                raise
+            except Exception as exc:
+                blamed = blame(exc, planned)
+                if blamed is None:
+                    raise
+                raise blamed from exc
         swaps = _swaps(model, skeleton, planned)
         if not swaps:
             return planned

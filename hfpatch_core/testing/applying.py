@@ -9,14 +9,11 @@ vanilla state dict (names, shapes, dtypes, values) and classes.
 from __future__ import annotations
 
 import tempfile
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-from .models import logits_of, safetensors_of
-
-if TYPE_CHECKING:
-    from .equivalence import _Comparison
+from .models import load_model, logits_of, safetensors_of
 
 
 def _classes(model: Any) -> dict[str, type]:
@@ -35,13 +32,26 @@ def _weights_differ(expected: dict[str, torch.Tensor], found: dict[str, torch.Te
     ]
 
 
-def check_apply_path(comparison: _Comparison) -> None:
-    """``apply`` on a vanilla model gives the loaded patched model, and ``revert`` gives the vanilla one back."""
+def _saved_differ(source: dict[str, torch.Tensor], saved: dict[str, torch.Tensor]) -> list[str]:
+    return [
+        key
+        for key in sorted(set(source) | set(saved))
+        if key not in source
+        or key not in saved
+        or source[key].shape != saved[key].shape
+        or not torch.equal(source[key].to(saved[key].dtype), saved[key])
+    ]
+
+
+def check_apply_path(comparison: Any) -> None:
+    """``apply`` on a vanilla model gives the loaded patched model, and ``revert`` gives the vanilla one back.
+
+    ``comparison``: the ``equivalence._Comparison`` of the run (not imported here: it imports this module).
+    """
     from ..inplace import apply, revert
-    from .equivalence import _layout_differences, _load_vanilla
 
     c = comparison
-    model = _load_vanilla(c.source, c.dtype).eval()
+    model = load_model(c.source, dtype=c.dtype)
     before = {key: value.clone() for key, value in model.state_dict().items()}
     classes = _classes(model)
     try:
@@ -69,7 +79,7 @@ def check_apply_path(comparison: _Comparison) -> None:
     with tempfile.TemporaryDirectory(prefix="hfpatch-apply-") as saved:
         try:
             model.save_pretrained(saved)
-            layout = _layout_differences(safetensors_of(c.source), safetensors_of(saved))
+            layout = _saved_differ(safetensors_of(c.source), safetensors_of(saved))
             if layout:
                 failures.append(f"the applied model does not save the source layout: {', '.join(layout[:10])}")
         except Exception as exc:

@@ -22,6 +22,9 @@ if TYPE_CHECKING:
 __version__ = "0.1.0"
 
 _EXPORTS = {
+    "ApplyError": "errors",
+    "apply": "inplace",
+    "revert": "inplace",
     "Claim": "plan",
     "Converter": "conversion",
     "ConverterConflictError": "errors",
@@ -52,6 +55,7 @@ _EXPORTS = {
 }
 
 __all__ = [
+    "ApplyError",
     "Claim",
     "Converter",
     "ConverterConflictError",
@@ -71,6 +75,7 @@ __all__ = [
     "SizedSplit",
     "WeightLayoutError",
     "__version__",
+    "apply",
     "disable",
     "discover",
     "enable",
@@ -80,6 +85,7 @@ __all__ = [
     "is_enabled",
     "patched",
     "plan_of",
+    "revert",
 ]
 
 if TYPE_CHECKING:
@@ -87,6 +93,7 @@ if TYPE_CHECKING:
     from .conversion import Converter, SizedConcatenate, SizedSplit
     from .discovery import PackInfo, discover
     from .errors import (
+        ApplyError,
         ConverterConflictError,
         DuplicatePackError,
         HfPatchError,
@@ -99,6 +106,7 @@ if TYPE_CHECKING:
     )
     from .hooks import disable, enable, enabled, is_enabled
     from .hookspecs import hookimpl, hookspec
+    from .inplace import apply, revert
     from .manual import patched
     from .patches import Patch
     from .plan import Claim, Lost, Plan, plan_of

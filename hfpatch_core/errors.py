@@ -61,3 +61,8 @@ class WeightLayoutError(HfPatchError):
 
 class PackWarning(UserWarning):
     """A pack was skipped (failure, incompatibility) or one of its claims was not applied."""
+
+
+class ApplyError(HfPatchError):
+    """``hfpatch_core.apply`` / ``revert`` cannot patch (or unpatch) a built model in place;
+    the message names the pack and the reason, and the model is as it was."""

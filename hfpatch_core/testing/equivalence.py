@@ -10,7 +10,9 @@ without the pack and runs each check in turn, collecting every failure in a ``Re
   padded batch; when they do not, the first diverging module is named;
 * ``_check_generation``: greedy generation matches;
 * ``_check_round_trip``: ``save_pretrained`` restores the source layout, and a vanilla
-  reload gives the same logits.
+  reload gives the same logits;
+* with ``apply_path=True``, ``applying.check_apply_path``: the pack applied in place to a
+  vanilla model (``hfpatch_core.apply``) gives the loaded model, and ``revert`` undoes it.
 
 ``assert_pack_equivalent`` raises ``EquivalenceError`` listing the failures.
 """
@@ -53,6 +55,7 @@ class Report:
     max_abs_diff: float | None = None
     generation_match: bool | None = None
     round_trip: bool | None = None
+    apply_path: bool | None = None
     failures: list[str] = dataclasses.field(default_factory=list)
     plan: Any = dataclasses.field(default=None, repr=False)
 
@@ -288,6 +291,7 @@ def check_pack_equivalence(
     dtype: torch.dtype = torch.float32,
     generate_tokens: int = 20,
     expected_replacements: Sequence[str] | None = None,
+    apply_path: bool = False,
 ) -> Report:
     """Run every check of ``assert_pack_equivalent`` and return the report."""
     source = _source_checkpoint(checkpoint_or_model_type)
@@ -317,6 +321,10 @@ def check_pack_equivalence(
     if generate_tokens and expect == "same":
         _check_generation(comparison, generate_tokens)
     _check_round_trip(comparison)
+    if apply_path:
+        from .applying import check_apply_path
+
+        check_apply_path(comparison)
     return report
 
 
@@ -329,6 +337,7 @@ def assert_pack_equivalent(
     dtype: torch.dtype = torch.float32,
     generate_tokens: int = 20,
     expected_replacements: Sequence[str] | None = None,
+    apply_path: bool = False,
 ) -> Report:
     """Assert that pack ``pack`` keeps a model correct (see the module docstring).
 
@@ -340,6 +349,8 @@ def assert_pack_equivalent(
         dtype: the dtype to load both models in.
         generate_tokens: how many greedy tokens to compare (0 to skip).
         expected_replacements: the original class names the pack must replace.
+        apply_path: also apply the pack in place to a vanilla model (``hfpatch_core.apply``)
+            and check it equals the load, saves the source layout, and reverts exactly.
 
     Raises:
         EquivalenceError: listing every failed check.
@@ -352,6 +363,7 @@ def assert_pack_equivalent(
         dtype=dtype,
         generate_tokens=generate_tokens,
         expected_replacements=expected_replacements,
+        apply_path=apply_path,
     )
     if report.failures:
         raise EquivalenceError(report.failures)

@@ -51,6 +51,30 @@ class Loader:
         return None
 
 
+def unwind_entered_contexts() -> None:
+    """Exit the contexts transformers' loader entered before the failing one, as a ``with`` would.
+
+    The loader enters its init contexts (``local_torch_dtype``, ``no_tie_weights``,
+    ``apply_patches``, ...) through ``transformers.utils.generic.ContextManagers``,
+    whose ``__enter__`` does not exit the ones already entered when a later one
+    raises: planning that raises inside ``apply_patches`` would leave tying disabled
+    and the default dtype changed for the rest of the process.  Called from that
+    failing ``__enter__``; does nothing when no such frame is running.
+    """
+    from transformers.utils.generic import ContextManagers
+
+    code = ContextManagers.__enter__.__code__
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is code:
+            owner = frame.f_locals.get("self")
+            stack = getattr(owner, "stack", None)
+            if stack is not None:
+                stack.close()
+            return
+        frame = frame.f_back  # type: ignore[assignment]
+
+
 def blame(exc: BaseException, plan: Plan) -> PackError | None:
     """A PackError naming the replacement class whose code raised ``exc``, if one did; else the
     claim that replaced the class of a model being built (a catch-all pattern such as ``".*"``

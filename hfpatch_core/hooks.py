@@ -25,7 +25,7 @@ from transformers import PreTrainedModel, modeling_utils
 
 from . import application, recorders
 from .errors import HfPatchError
-from .frames import Loader, blame
+from .frames import Loader, blame, unwind_entered_contexts
 from .layout import secure
 from .plan import PLAN_ATTRIBUTE, Plan
 from .scope import LOAD_LOCK
@@ -91,7 +91,11 @@ def _apply_patches() -> Iterator[None]:
     """hfpatch's ``modeling_utils.apply_patches``: plan a pending load with its loader's config, then apply."""
     session = live_session()
     if session is not None:
-        session.resolve_pending()
+        try:
+            session.resolve_pending()
+        except BaseException:
+            unwind_entered_contexts()
+            raise
     with application.apply_registered_patches():
         yield
 

@@ -55,7 +55,10 @@ def _name(value: Any) -> str:
         return "[" + ", ".join(_name(item) for item in value) + "]"
     if value is None or isinstance(value, (str, int)):
         return repr(value)
-    return type(value).__name__
+    qualname = getattr(value, "__qualname__", None)
+    if isinstance(qualname, str):
+        return f"{getattr(value, '__module__', '?')}.{qualname}"
+    return repr(value)[:60]
 
 
 def _same_items(now: Any, saved: Any) -> bool:
@@ -159,6 +162,36 @@ def _foreign_recorders(owner: type, table: Mapping[str, Any]) -> list[str]:
     return found
 
 
+#: torch.nn.init functions transformers' ``no_init_weights`` swaps while a model is built.
+_INIT_FUNCTIONS = ("normal_", "uniform_", "trunc_normal_", "constant_", "zeros_", "ones_", "kaiming_uniform_")
+
+
+def _loader_globals() -> dict[str, Any]:
+    """What the init contexts of transformers' loader swap and restore on exit (``no_tie_weights``,
+    ``local_torch_dtype``, ``no_init_weights``): left changed, every later model is built wrong."""
+    import torch
+    from transformers import PreTrainedModel
+
+    found: dict[str, Any] = {
+        "PreTrainedModel.tie_weights": PreTrainedModel.__dict__.get("tie_weights"),
+        "torch default dtype": torch.get_default_dtype(),
+    }
+    found.update({f"torch.nn.init.{name}": getattr(torch.nn.init, name, None) for name in _INIT_FUNCTIONS})
+    return found
+
+
+def _set_loader_global(name: str, value: Any) -> None:
+    import torch
+    from transformers import PreTrainedModel
+
+    if name == "PreTrainedModel.tie_weights":
+        PreTrainedModel.tie_weights = value  # type: ignore[method-assign]
+    elif name == "torch default dtype":
+        torch.set_default_dtype(value)
+    else:
+        setattr(torch.nn.init, name.removeprefix("torch.nn.init."), value)
+
+
 @dataclasses.dataclass
 class GlobalState:
     """The global state a patched load changes and must put back, as ``capture()`` found it.
@@ -174,6 +207,7 @@ class GlobalState:
     user_conversions: set[str] | None
     classes: dict[tuple[str, str], tuple[types.ModuleType, type]]
     tables: list[_Table]
+    loader_globals: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def capture(cls) -> GlobalState:
@@ -194,6 +228,7 @@ class GlobalState:
             user_conversions=set(user_keys) if user_keys is not None else None,
             classes=classes,
             tables=[_Table.capture(owner, table) for owner, table in tables.items()],
+            loader_globals=_loader_globals(),
         )
 
     def changes(self) -> list[str]:
@@ -210,7 +245,20 @@ class GlobalState:
             *self._compare_conversions(fix),
             *self._compare_classes(fix),
             *self._compare_recorders(fix),
+            *self._compare_loader_globals(fix),
         ]
+
+    def _compare_loader_globals(self, fix: bool) -> list[str]:
+        changes = []
+        now = _loader_globals()
+        for name, saved in self.loader_globals.items():
+            if now.get(name) is not saved:
+                changes.append(
+                    f"{name} is {_name(now.get(name))} (was {_name(saved)}): a loader context was left entered"
+                )
+                if fix:
+                    _set_loader_global(name, saved)
+        return changes
 
     def _compare_registry(self, fix: bool) -> list[str]:
         from transformers import monkey_patching

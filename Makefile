@@ -19,7 +19,7 @@ PYTEST_WORKERS ?= -n 2
 PACKS_SITE := $(VENV)/first-party-packs
 PACKS_SITE_OLDEST := $(VENV_OLDEST)/first-party-packs
 
-.PHONY: all venv venv-oldest demo test lint typecheck docs unit unit-oldest clean
+.PHONY: all venv venv-oldest demo test lint typecheck docs unit unit-oldest interop clean
 
 all: test
 
@@ -74,5 +74,25 @@ unit-oldest: venv-oldest
 
 test: lint typecheck docs unit unit-oldest
 
+# llm-compressor interop (not part of `make test` / .ci/run): llmcompressor 0.14.0.1 pins
+# transformers 5.17.0, so it gets a venv of its own, torch pinned to the CPU wheel
+# (constraints-interop.txt). The suite is interop/, outside the default testpaths.
+VENV_INTEROP ?= .venv-interop
+BIN_INTEROP := $(VENV_INTEROP)/bin
+PACKS_SITE_INTEROP := $(VENV_INTEROP)/first-party-packs
+
+$(VENV_INTEROP)/.installed: pyproject.toml constraints-interop.txt
+	$(PYTHON) -m venv $(VENV_INTEROP)
+	$(BIN_INTEROP)/python -m pip install $(PIP_FLAGS) -c constraints-interop.txt torch==2.13.0 llmcompressor==0.14.0.1 pytest hatchling -e .
+	touch $@
+
+$(PACKS_SITE_INTEROP)/.installed: $(VENV_INTEROP)/.installed $(PLUGIN_SOURCES)
+	rm -rf $(PACKS_SITE_INTEROP)
+	$(BIN_INTEROP)/python -m pip install $(PIP_FLAGS) --no-deps --no-build-isolation --target $(PACKS_SITE_INTEROP) $(PLUGINS)
+	touch $@
+
+interop: $(VENV_INTEROP)/.installed $(PACKS_SITE_INTEROP)/.installed
+	cd interop && USE_HUB_KERNELS=0 PYTHONPATH=$(CURDIR)/$(PACKS_SITE_INTEROP) $(CURDIR)/$(BIN_INTEROP)/python -m pytest $(PYTEST_FLAGS) -p no:cacheprovider test_llmcompressor.py
+
 clean:
-	rm -rf $(VENV) $(VENV_OLDEST) .site .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(VENV_OLDEST) $(VENV_INTEROP) .site .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,201 @@
+"""llm-compressor interop (issue 22 item 3); run by `make interop` in `.venv-interop` only.
+
+llmcompressor 0.14.0.1 pins transformers 5.17.0, outside the two releases the normal
+suite tests (5.24.0, 5.3.0), so it gets a venv of its own. What these tests pin:
+
+* transformers 5.17 registers alias modules (``transformers.models.*.image_processing_*_fast``)
+  whose ``__dir__`` imports torchvision; any load with a non-empty patch registry (vanilla
+  transformers' ``apply_patches`` and hfpatch's alike) then fails without torchvision, and
+  the torchvision wheel the index serves needs a CUDA torch. The tests after the first
+  one give those aliases an empty ``__dir__`` (what a user without torchvision does).
+* hfpatch's save guard (``model.save_pretrained`` as a ``functools.partial``) is not a
+  bound method, which llm-compressor's ``modify_save_pretrained`` requires: ``oneshot``
+  fails until the guard is dropped (``vars(model).pop("save_pretrained")``).
+* With both worked around, FP8_DYNAMIC (data-free) through ``oneshot`` quantizes every
+  expert projection of a qwen-moe-patched Qwen2-MoE, and the compressed checkpoint it
+  saves reloads, vanilla and patched.
+* llm-compressor's ``load_quantizable_moe`` (its ``clear_patch_mapping()`` after the load)
+  around a patched load leaves hfpatch's state as it was.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from transformers import AutoModelForCausalLM, monkey_patching
+from transformers.models.qwen2_moe import modeling_qwen2_moe
+
+import hfpatch_core
+from hfpatch_core import PackWarning
+from hfpatch_core.snapshot import GlobalState
+from hfpatch_core.testing import tiny_checkpoint
+
+transformers.utils.logging.disable_progress_bar()
+HAS_TORCHVISION = importlib.util.find_spec("torchvision") is not None
+
+
+def broken_alias_modules() -> list[str]:
+    """transformers 5.17's alias modules whose ``dir()`` raises (torchvision missing)."""
+    broken = []
+    for name, module in list(sys.modules.items()):
+        if type(module) is types.ModuleType and "__dir__" in vars(module) and name.startswith("transformers"):
+            try:
+                dir(module)
+            except ImportError:
+                broken.append(name)
+    return broken
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tiny_checkpoint("qwen2_moe", tmp_path_factory.mktemp("qwen2-moe"))
+
+
+@pytest.fixture
+def defused() -> None:
+    for name in broken_alias_modules():
+        sys.modules[name].__dir__ = list  # type: ignore[method-assign]
+
+
+@pytest.fixture(autouse=True)
+def _disable() -> None:
+    yield
+    hfpatch_core.disable()
+
+
+def ids(config) -> torch.Tensor:
+    return torch.randint(0, config.vocab_size, (2, 6), generator=torch.Generator().manual_seed(0))
+
+
+def logits(model, tokens) -> torch.Tensor:
+    with torch.no_grad():
+        return model(tokens).logits
+
+
+def expert_linears(model) -> list[torch.nn.Module]:
+    return [
+        getattr(expert, name)
+        for layer in model.model.layers
+        for expert in layer.mlp.experts
+        for name in ("gate_proj", "up_proj", "down_proj")
+    ]
+
+
+def test_versions() -> None:
+    import compressed_tensors
+    import llmcompressor
+
+    print(
+        f"llmcompressor {llmcompressor.__version__}, compressed-tensors {compressed_tensors.__version__}, "
+        f"transformers {transformers.__version__}, torch {torch.__version__}"
+    )
+    assert transformers.__version__ == "5.17.0"
+
+
+@pytest.mark.skipif(HAS_TORCHVISION, reason="torchvision installed: the alias modules import")
+def test_without_torchvision_any_registered_load_fails_on_transformers_517(checkpoint) -> None:
+    assert broken_alias_modules()  # e.g. transformers.models.aria.image_processing_aria_fast
+
+    class Experts(modeling_qwen2_moe.Qwen2MoeExperts):
+        pass
+
+    monkey_patching.register_patch_mapping({"Qwen2MoeExperts": Experts})
+    try:
+        with pytest.raises(ModuleNotFoundError, match="torchvision"):  # vanilla transformers
+            AutoModelForCausalLM.from_pretrained(checkpoint)
+    finally:
+        monkey_patching.clear_patch_mapping()
+    state = GlobalState.capture()
+    hfpatch_core.enable("qwen-moe")
+    with pytest.raises(ModuleNotFoundError, match="torchvision"):  # hfpatch: the same dir() of the same module
+        AutoModelForCausalLM.from_pretrained(checkpoint)
+    assert state.changes() == []
+
+
+def test_oneshot_needs_a_bound_save_pretrained(checkpoint, defused) -> None:
+    from llmcompressor import oneshot
+    from llmcompressor.modifiers.quantization import QuantizationModifier
+
+    hfpatch_core.enable("qwen-moe")
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
+    hfpatch_core.disable()
+    recipe = QuantizationModifier(targets="Linear", scheme="FP8_DYNAMIC", ignore=["lm_head"])
+    with pytest.raises(AttributeError, match=r"'functools\.partial' object has no attribute '__self__'"):
+        oneshot(model=model, recipe=recipe)
+
+
+def test_oneshot_fp8_dynamic_reaches_every_expert_and_the_checkpoint_reloads(checkpoint, defused, tmp_path) -> None:
+    from llmcompressor import oneshot
+    from llmcompressor.modifiers.quantization import QuantizationModifier
+
+    state = GlobalState.capture()
+    hfpatch_core.enable("qwen-moe")
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
+    hfpatch_core.disable()
+    assert set(hfpatch_core.plan_of(model).replaced) == {"Qwen2MoeExperts", "Qwen2MoeAttention"}
+    assert state.changes() == []
+    tokens = ids(model.config)
+    reference = logits(model, tokens)
+    vars(model).pop("save_pretrained")  # hfpatch's save guard: see test_oneshot_needs_a_bound_save_pretrained
+    oneshot(model=model, recipe=QuantizationModifier(targets="Linear", scheme="FP8_DYNAMIC", ignore=["lm_head"]))
+    linears = expert_linears(model)
+    assert len(linears) == model.config.num_hidden_layers * model.config.num_experts * 3
+    assert all(hasattr(linear, "quantization_scheme") and hasattr(linear, "weight_scale") for linear in linears)
+    assert all(hasattr(layer.self_attn.qkv_proj, "weight_scale") for layer in model.model.layers)
+    quantized = logits(model, tokens)
+    assert 0 < (quantized - reference).abs().max() < 0.1 * reference.abs().max()
+    out = tmp_path / "fp8"
+    model.save_pretrained(out, save_compressed=True)
+    assert monkey_patching.get_patch_mapping() == {}
+
+    from safetensors import safe_open
+
+    with safe_open(out / "model.safetensors", "pt") as saved:
+        keys = set(saved.keys())
+        assert saved.get_tensor("model.layers.0.mlp.experts.0.down_proj.weight").dtype == torch.float8_e4m3fn
+    assert "model.layers.0.self_attn.q_proj.weight" in keys and not any("qkv_proj" in key for key in keys)
+
+    vanilla = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    assert type(vanilla.model.layers[0].mlp.experts) is modeling_qwen2_moe.Qwen2MoeExperts
+    torch.testing.assert_close(logits(vanilla, tokens), quantized, rtol=0, atol=0.05)
+    hfpatch_core.enable("qwen-moe")
+    patched = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    hfpatch_core.disable()
+    assert all(hasattr(linear, "weight_scale") for linear in expert_linears(patched))
+    torch.testing.assert_close(logits(patched, tokens), quantized, rtol=0, atol=1e-5)
+    assert monkey_patching.get_patch_mapping() == {}
+
+
+def test_load_quantizable_moe_around_a_patched_load(checkpoint, defused) -> None:
+    """llm-compressor registers its own experts class (a user registration for hfpatch,
+    which the pack's claim does not overwrite), loads, then clears the whole registry."""
+    from llmcompressor.modeling.moe.linearize import load_quantizable_moe
+
+    tokens = ids(AutoModelForCausalLM.from_pretrained(checkpoint).config)
+    vanilla = logits(AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32), tokens)
+    hfpatch_core.enable("qwen-moe")
+    # llm-compressor overwrites qwen2_moe's conversion list with its own: the pack's
+    # experts converter (which removes transformers' built-in fusing ones) finds none
+    with load_quantizable_moe(), pytest.warns(PackWarning, match="which matches no transform registered"):
+        model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
+    plan = hfpatch_core.plan_of(model)
+    assert set(plan.replaced) == {"Qwen2MoeAttention"}  # llm-compressor's registration keeps the experts
+    assert [lost.claim.target for lost in plan.lost] == ["Qwen2MoeExperts"]
+    assert "already registered with register_patch_mapping (llmcompressor." in plan.lost[0].reason
+    assert monkey_patching.get_patch_mapping() == {}
+    assert modeling_qwen2_moe.Qwen2MoeExperts.__name__ == "Qwen2MoeExperts"
+    assert modeling_qwen2_moe.Qwen2MoeAttention.__name__ == "Qwen2MoeAttention"
+    assert type(model.model.layers[0].mlp.experts).__name__ == "LinearExperts2D"
+    assert type(model.model.layers[0].self_attn).__name__ == "Qwen2MoeFusedQKVAttention"
+    torch.testing.assert_close(logits(model, tokens), vanilla, rtol=0, atol=1e-5)
+    again = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
+    assert type(again.model.layers[0].mlp.experts).__name__ == "PerExpertExperts"
+    torch.testing.assert_close(logits(again, tokens), vanilla, rtol=0, atol=1e-5)
+    hfpatch_core.disable()
+    assert monkey_patching.get_patch_mapping() == {}

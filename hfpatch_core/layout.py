@@ -11,7 +11,6 @@ checkpoint vanilla transformers cannot read.
 from __future__ import annotations
 
 import copy
-import functools
 import sys
 import warnings
 from collections.abc import Mapping
@@ -198,13 +197,33 @@ def _guarded_save_pretrained(self: Any, *args: Any, **kwargs: Any) -> Any:
     return type(self).save_pretrained(self, *args, **kwargs)
 
 
+class SaveGuard:
+    """A patched model's ``save_pretrained``: the layout check, then the class's own save.
+
+    It behaves as a bound method (``__self__``, ``__func__``), because tools that wrap
+    ``save_pretrained`` rebind it that way (llm-compressor's ``modify_save_pretrained``
+    calls ``__func__.__get__(model)``), and it pickles with the model (``torch.save``),
+    which a bound method of a function the class does not have would not.
+    """
+
+    __slots__ = ("__self__",)
+    __func__ = staticmethod(_guarded_save_pretrained)
+
+    def __init__(self, model: nn.Module) -> None:
+        self.__self__ = model
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return _guarded_save_pretrained(self.__self__, *args, **kwargs)
+
+    def __reduce__(self) -> tuple[type, tuple[nn.Module]]:
+        return (SaveGuard, (self.__self__,))
+
+
 def guard_saving(model: nn.Module, plan: Plan) -> None:
     """Make ``model.save_pretrained`` check the layout first (this instance only)."""
     if not plan.touches_weights:
         return
-    # a partial, not a bound method: it pickles (torch.save(model)), a bound method of a
-    # function the class does not have does not
-    object.__setattr__(model, "save_pretrained", functools.partial(_guarded_save_pretrained, model))
+    object.__setattr__(model, "save_pretrained", SaveGuard(model))
     object.__setattr__(model, _SAVE_GUARD, True)
 
 

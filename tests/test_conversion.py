@@ -91,6 +91,20 @@ def test_a_converted_load_with_fewer_layers_and_a_pickle_round_trip(install, lla
     torch.testing.assert_close(logits(model), logits(vanilla), rtol=0, atol=1e-5)
     copy = pickle.loads(pickle.dumps(model))
     torch.testing.assert_close(logits(copy), logits(model), rtol=0, atol=0)
+    assert copy.save_pretrained.__self__ is copy  # the guard came along, bound to the copy
+
+
+def test_the_save_guard_rebinds_as_a_bound_method(install, llama_checkpoint, tmp_path) -> None:
+    """Wrappers of save_pretrained (llm-compressor's) take ``__self__`` / ``__func__`` and rebind them."""
+    install(PackSpec("qkv", fused_qkv_pack(converter="chunk")))
+    hfpatch_core.enable()
+    model = AutoModelForCausalLM.from_pretrained(llama_checkpoint)
+    bound = model.save_pretrained
+    assert bound.__self__ is model
+    rebound = bound.__func__.__get__(model, type(model))
+    with pytest.raises(WeightLayoutError):  # the layout check runs through the rebound function
+        rebound(tmp_path / "saved")
+    assert not (tmp_path / "saved" / "model.safetensors").exists()
 
 
 def test_equal_chunk_reversal_is_caught_before_writing(install, llama_checkpoint, tmp_path) -> None:

@@ -148,16 +148,38 @@ def planned_save_layout(model: Any) -> dict[str, tuple[int, ...]]:
     return {key: tuple(value.shape) for key, value in reverted.items()}
 
 
-def layout_differences(written: Mapping[str, tuple[int, ...]], expected: Mapping[str, tuple[int, ...]]) -> list[str]:
+def layout_differences(
+    written: Mapping[str, tuple[int, ...]], expected: Mapping[str, tuple[int, ...]], *, quantized: bool = False
+) -> list[str]:
+    """What differs between the layout a save would write and vanilla's.  For a ``quantized``
+    model only vanilla's weights that would be missing count: a quantizer adds tensors
+    (scales, zero points) and may pack weights into other shapes."""
     problems = []
     for key in sorted(set(written) | set(expected)):
         if key not in expected:
-            problems.append(f"{key}: would be written, vanilla transformers has no such weight")
+            if not quantized:
+                problems.append(f"{key}: would be written, vanilla transformers has no such weight")
         elif key not in written:
             problems.append(f"{key}: vanilla transformers expects it, it would not be written")
-        elif written[key] != expected[key]:
+        elif written[key] != expected[key] and not quantized:
             problems.append(f"{key}: would be written as {written[key]}, the original layout is {expected[key]}")
     return problems
+
+
+_QUANTIZED_DTYPES = frozenset(
+    dtype
+    for name in ("int8", "uint8", "int4", "uint4", "float8_e4m3fn", "float8_e5m2")
+    if (dtype := getattr(torch, name, None))
+)
+
+
+def _quantized(model: nn.Module) -> bool:
+    """Whether a quantizer has been at the model (transformers' own, or one such as llm-compressor)."""
+    if getattr(model, "hf_quantizer", None) is not None:
+        return True
+    if getattr(getattr(model, "config", None), "quantization_config", None) is not None:
+        return True
+    return any(tensor.dtype in _QUANTIZED_DTYPES for tensor in model.state_dict().values())
 
 
 def verify_save_layout(model: nn.Module, plan: Plan) -> None:
@@ -173,7 +195,7 @@ def verify_save_layout(model: nn.Module, plan: Plan) -> None:
             stacklevel=3,
         )
         return
-    problems = layout_differences(written, expected)
+    problems = layout_differences(written, expected, quantized=_quantized(model))
     if problems:
         owners = _module_owners(model, plan)
         prefix = getattr(model, "base_model_prefix", "") or ""

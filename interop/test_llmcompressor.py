@@ -8,10 +8,10 @@ suite tests (5.24.0, 5.3.0), so it gets a venv of its own. What these tests pin:
   transformers' ``apply_patches`` and hfpatch's alike) then fails without torchvision, and
   the torchvision wheel the index serves needs a CUDA torch. The tests after the first
   one give those aliases an empty ``__dir__`` (what a user without torchvision does).
-* hfpatch's save guard (``model.save_pretrained`` as a ``functools.partial``) is not a
-  bound method, which llm-compressor's ``modify_save_pretrained`` requires: ``oneshot``
-  fails until the guard is dropped (``vars(model).pop("save_pretrained")``).
-* With both worked around, FP8_DYNAMIC (data-free) through ``oneshot`` quantizes every
+* hfpatch's save guard behaves as a bound method, which llm-compressor's
+  ``modify_save_pretrained`` requires: ``oneshot`` wraps it, and the compressed save still
+  runs hfpatch's layout check.
+* With the first worked around, FP8_DYNAMIC (data-free) through ``oneshot`` quantizes every
   expert projection of a qwen-moe-patched Qwen2-MoE, and the compressed checkpoint it
   saves reloads, vanilla and patched.
 * llm-compressor's ``load_quantizable_moe`` (its ``clear_patch_mapping()`` after the load)
@@ -118,16 +118,17 @@ def test_without_torchvision_any_registered_load_fails_on_transformers_517(check
     assert state.changes() == []
 
 
-def test_oneshot_needs_a_bound_save_pretrained(checkpoint, defused) -> None:
+def test_oneshot_rebinds_hfpatchs_save_guard(checkpoint, defused) -> None:
     from llmcompressor import oneshot
     from llmcompressor.modifiers.quantization import QuantizationModifier
 
     hfpatch_core.enable("qwen-moe")
     model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
     hfpatch_core.disable()
-    recipe = QuantizationModifier(targets="Linear", scheme="FP8_DYNAMIC", ignore=["lm_head"])
-    with pytest.raises(AttributeError, match=r"'functools\.partial' object has no attribute '__self__'"):
-        oneshot(model=model, recipe=recipe)
+    guard = model.save_pretrained
+    assert guard.__self__ is model
+    oneshot(model=model, recipe=QuantizationModifier(targets="Linear", scheme="FP8_DYNAMIC", ignore=["lm_head"]))
+    assert model.save_pretrained is not guard and getattr(model.save_pretrained, "_overridden", False)
 
 
 def test_oneshot_fp8_dynamic_reaches_every_expert_and_the_checkpoint_reloads(checkpoint, defused, tmp_path) -> None:
@@ -142,7 +143,6 @@ def test_oneshot_fp8_dynamic_reaches_every_expert_and_the_checkpoint_reloads(che
     assert state.changes() == []
     tokens = ids(model.config)
     reference = logits(model, tokens)
-    vars(model).pop("save_pretrained")  # hfpatch's save guard: see test_oneshot_needs_a_bound_save_pretrained
     oneshot(model=model, recipe=QuantizationModifier(targets="Linear", scheme="FP8_DYNAMIC", ignore=["lm_head"]))
     linears = expert_linears(model)
     assert len(linears) == model.config.num_hidden_layers * model.config.num_experts * 3

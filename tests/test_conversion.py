@@ -94,6 +94,28 @@ def test_a_converted_load_with_fewer_layers_and_a_pickle_round_trip(install, lla
     assert copy.save_pretrained.__self__ is copy  # the guard came along, bound to the copy
 
 
+def test_a_quantized_patched_model_saves_with_the_check_on_what_vanilla_writes(
+    install, llama_checkpoint, tmp_path
+) -> None:
+    """A quantizer adds tensors (scales) vanilla has no name for: the check still requires
+    every vanilla weight, and does not refuse the quantizer's own."""
+    install(PackSpec("qkv", fused_qkv_pack()))
+    hfpatch_core.enable()
+    model = AutoModelForCausalLM.from_pretrained(llama_checkpoint)
+    attention = model.model.layers[0].self_attn
+    attention.qkv_proj.register_buffer("weight_scale", torch.ones(1, dtype=torch.float32))
+    with pytest.raises(WeightLayoutError, match=r"qkv_proj.weight_scale: would be written"):
+        model.save_pretrained(tmp_path / "unquantized")  # an extra tensor on a plain model is refused
+    attention.qkv_proj.register_buffer("weight_zero_point", torch.zeros(1, dtype=torch.int8))
+    model.save_pretrained(tmp_path / "quantized")
+    written = tensors(tmp_path / "quantized")
+    assert "model.layers.0.self_attn.q_proj.weight" in written and not any("qkv_proj.weight" == k for k in written)
+    del attention.qkv_proj.weight_scale  # a quantized model that lost a vanilla weight is still refused
+    object.__setattr__(model, "_weight_conversions", [])
+    with pytest.raises(WeightLayoutError, match="vanilla transformers expects it"):
+        model.save_pretrained(tmp_path / "broken")
+
+
 def test_the_save_guard_rebinds_as_a_bound_method(install, llama_checkpoint, tmp_path) -> None:
     """Wrappers of save_pretrained (llm-compressor's) take ``__self__`` / ``__func__`` and rebind them."""
     install(PackSpec("qkv", fused_qkv_pack(converter="chunk")))

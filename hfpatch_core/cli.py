@@ -16,6 +16,8 @@ from typing import Any
 EXIT_OK = 0
 EXIT_PROBLEMS = 1
 EXIT_USAGE = 2
+#: The reader of the output went away (``hfpatch list | head``): a shell's status for SIGPIPE.
+EXIT_BROKEN_PIPE = 141
 
 
 def _table(rows: Sequence[Sequence[str]], header: Sequence[str]) -> str:
@@ -325,9 +327,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         code: int = args.handler(args)
+        sys.stdout.flush()  # here, so that a reader gone away is caught below and not at exit
         return code
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        # what is left to write goes nowhere, quietly, as for a program killed by SIGPIPE
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
     except Exception as exc:
         from .errors import HfPatchError
 

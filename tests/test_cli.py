@@ -7,14 +7,24 @@ import sys
 import textwrap
 from pathlib import Path
 
+import hfpatch_core
 from packs import DOUBLING_PACK, MLP_PACK, NORM_PATTERN_PACK, PackSpec, fused_attention_and_mlp_pack, mlp_pack
 
 HFPATCH = str(Path(sys.executable).with_name("hfpatch"))
+#: A source checkout under test (PYTHONPATH=. in it) stays first on the subprocesses' path.
+_ROOT = Path(hfpatch_core.__file__).resolve().parents[1]
+CHECKOUT = str(_ROOT) if (_ROOT / "pyproject.toml").is_file() else ""
+
+
+def environment_with(site: Path | None) -> dict[str, str]:
+    """This process's environment without hfpatch's variables, packs from ``site`` only."""
+    environment = {k: v for k, v in os.environ.items() if not k.startswith(("HF_PATCH", "HFPATCH"))}
+    environment["PYTHONPATH"] = os.pathsep.join(path for path in (str(site) if site else "", CHECKOUT) if path)
+    return environment
 
 
 def run(*args: str, site: Path | None = None, env: dict[str, str] | None = None, timeout: int = 120):
-    environment = {k: v for k, v in os.environ.items() if not k.startswith(("HF_PATCH", "HFPATCH"))}
-    environment["PYTHONPATH"] = str(site) if site else ""
+    environment = environment_with(site)
     environment.update(env or {})
     return subprocess.run(args, capture_output=True, text=True, env=environment, timeout=timeout, check=False)
 
@@ -275,3 +285,16 @@ def test_new_rejects_a_bad_name_in_one_line(tmp_path: Path) -> None:
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("hfpatch: error:") and "bad-name" in lines[0]
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+
+
+def test_output_to_a_reader_that_went_away_ends_quietly(install) -> None:
+    site = install(PackSpec("mlp", MLP_PACK))
+    environment = environment_with(site)
+    # hfpatch list | head: the reader is gone before the first line is written
+    process = subprocess.Popen(
+        [HFPATCH, "list"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=environment, text=True
+    )
+    assert process.stdout is not None and process.stderr is not None
+    process.stdout.close()
+    returncode = process.wait(timeout=120)
+    assert process.stderr.read() == "" and returncode == 141

@@ -28,6 +28,16 @@ class ModelNotFoundError(HfPatchError, ValueError):
     """``explain``/``check`` was given neither a checkpoint directory nor a known model type."""
 
 
+def unknown_model_type(model_type: str) -> str | None:
+    """Why ``model_type`` is not a model type of the installed transformers, with the closest
+    names; ``None`` when it is one."""
+    if model_type in CONFIG_MAPPING_NAMES:
+        return None
+    close = difflib.get_close_matches(model_type, list(CONFIG_MAPPING_NAMES), n=3)
+    hint = f"; did you mean {', '.join(map(repr, close))}?" if close else ""
+    return f"{model_type!r} is not a model type of transformers {transformers.__version__}{hint}"
+
+
 def load_config(model: str) -> Any:
     """The config of a local checkpoint directory, or the default config of a model type."""
     if os.path.isdir(model):
@@ -244,12 +254,11 @@ def check_pack(session: Session, name: str, model_types: Sequence[str] = ()) -> 
             problems.append(message)
 
     for model_type in model_types:
-        if model_type in CONFIG_MAPPING_NAMES:
+        unknown = unknown_model_type(model_type)
+        if unknown is None:
             targeted.append(model_type)
-            continue
-        close = difflib.get_close_matches(model_type, list(CONFIG_MAPPING_NAMES), n=3)
-        hint = f"; did you mean {', '.join(map(repr, close))}?" if close else ""
-        note(f"{model_type!r} is not a model type of transformers {transformers.__version__}{hint}")
+        else:
+            note(unknown)
 
     for model_type in () if model_types else CONFIG_MAPPING_NAMES:
         context = LoadContext(model_type=model_type, model_class_name=_default_class_name(model_type))

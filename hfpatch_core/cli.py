@@ -232,7 +232,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
 
     report = run_demo(args.model, args.packs)
-    return EXIT_OK if report.ok else EXIT_PROBLEMS
+    return EXIT_OK if report is None or report.ok else EXIT_PROBLEMS
 
 
 def cmd_new(args: argparse.Namespace) -> int:
@@ -299,7 +299,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = commands.add_parser("demo", help="load a tiny model with and without packs and compare")
     demo.add_argument("--model", help="a local checkpoint directory (default: a tiny random Qwen2-MoE)")
-    demo.add_argument("--packs", help="the pack to demonstrate (default: qwen-moe, else the built-in example)")
+    demo.add_argument(
+        "--packs",
+        metavar="SPEC",
+        help="the packs, as HF_PATCH_PACKS writes them (default: HF_PATCH_PACKS; when it is unset, qwen-moe, "
+        "else the built-in example)",
+    )
     demo.set_defaults(handler=cmd_demo)
 
     creating = commands.add_parser("new", help="create a pack project from the template")

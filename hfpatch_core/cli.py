@@ -321,7 +321,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     creating.set_defaults(handler=cmd_new)
 
-    running = commands.add_parser("run", help="run a program (and its children) with hfpatch enabled")
+    running = commands.add_parser(
+        "run",
+        help="run a program (and its children) with hfpatch enabled",
+        description="Run CMD with hfpatch enabled in it and in every Python process it starts. "
+        "'python' or 'python3' as CMD is this environment's interpreter (" + sys.executable + "), not the "
+        "first Python on PATH; in a virtual environment, CMD's PATH starts with the environment's scripts "
+        "directory, as if it were activated, so 'python' and 'hfpatch' in CMD's children are this environment's.",
+        usage="hfpatch run -- CMD [ARG ...]",
+    )
     running.add_argument("command", nargs=argparse.REMAINDER, help="-- program and arguments")
     running.set_defaults(handler=cmd_run)
     return parser

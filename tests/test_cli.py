@@ -298,3 +298,30 @@ def test_output_to_a_reader_that_went_away_ends_quietly(install) -> None:
     process.stdout.close()
     returncode = process.wait(timeout=120)
     assert process.stderr.read() == "" and returncode == 141
+
+
+def test_run_python_is_this_environments_interpreter_not_the_first_on_path(tmp_path: Path) -> None:
+    # without an activated environment, the first python on PATH is another one
+    other = tmp_path / "other-bin"
+    other.mkdir()
+    for name in ("python", "python3"):
+        (other / name).write_text("#!/bin/sh\necho 'the other python'\n")
+        (other / name).chmod(0o755)
+    environment = {"PATH": f"{other}{os.pathsep}/usr/bin{os.pathsep}/bin"}
+    show = "import os, sys; print(sys.executable, os.environ['PATH'].split(os.pathsep)[0], os.environ['HFPATCH_AUTORUN'])"
+    ours = os.path.dirname(sys.executable)
+    for name in ("python", "python3"):
+        result = run(HFPATCH, "run", "--", name, "-c", show, env=environment)
+        assert result.returncode == 0, result.stderr
+        assert result.stdout.split() == [sys.executable, ours, "1"]
+    # the program's own children that start "python" get this environment's too
+    child = "import subprocess; subprocess.run(['python', '-c', 'import sys; print(sys.prefix)'], check=True)"
+    result = run(HFPATCH, "run", "--", "python", "-c", child, env=environment)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == sys.prefix
+
+
+def test_run_help_says_what_python_means() -> None:
+    result = run(HFPATCH, "run", "--help")
+    assert result.returncode == 0
+    assert "'python' or 'python3' as CMD is this environment's interpreter" in " ".join(result.stdout.split())

@@ -7,9 +7,11 @@ Exit codes: 0 success; 1 a check found problems; 2 bad input (arguments,
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
+import tempfile
 from collections.abc import Sequence
 from typing import Any
 
@@ -128,36 +130,68 @@ def cmd_explain(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-#: Why a pack can target no model type, and what to do (a pack that needs a config to decide).
-_NO_TARGETS = (
-    "the pack returned nothing when asked with config=None for every model type; "
-    "if it decides from the config, pass --model-type TYPE"
-)
+@functools.cache
+def _probe_config(model_type: str) -> Any:
+    """The config check and verify call a pack's hooks with: the model type's tiny config (built
+    once per process), else its default config, else ``None``."""
+    from transformers.utils import logging as hf_logging
+
+    from .inspection import default_config
+    from .testing import tiny_config
+
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity(hf_logging.CRITICAL)  # some default configs log errors while they are shrunk
+    try:
+        return tiny_config(model_type)
+    except Exception:  # a config that cannot be shrunk (or built) is asked as it is
+        return default_config(model_type)
+    finally:
+        hf_logging.set_verbosity(verbosity)
+
+
+def _check_model_types(model_types: Sequence[str] | None) -> None:
+    from .inspection import unknown_model_type
+
+    for model_type in model_types or ():
+        unknown = unknown_model_type(model_type)
+        if unknown is not None:
+            raise _UsageError(f"--model-type {unknown}")
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    from .inspection import check_pack
+    from .inspection import check_combination, check_pack
     from .selection import current_selection
     from .session import Session
 
+    _check_model_types(args.model_type)
     selection = current_selection(args.packs or None)
     session = Session(selection, strict=False)
     failed = False
     for error in selection.problems:
         print(f"FAIL  {error}")
         failed = True
+    results = []
     for name in sorted(selection.packs):
-        result = check_pack(session, name, args.model_type or ())
+        result = check_pack(session, name, args.model_type or (), config_for=_probe_config)
+        results.append(result)
         targets = ", ".join(result.model_types) or "no model type"
         if result.ok:
             print(f"ok    {name} {result.version}: targets {targets}")
-            if not result.model_types:
-                print(f"      {_NO_TARGETS}")
             continue
         failed = True
         print(f"FAIL  {name} {result.version}: targets {targets}")
         for problem in result.problems:
             print(f"      - {problem}")
+    if len(results) > 1:
+        together = ", ".join(result.pack for result in results)
+        problems = check_combination(session, results, config_for=_probe_config)
+        if problems:
+            failed = True
+            print(f"FAIL  together: {together}")
+            for problem in problems:
+                print(f"      - {problem}")
+        else:
+            print(f"ok    together: {together}")
     if not selection.packs and not selection.problems:
         print("No pack to check.")
     return EXIT_PROBLEMS if failed else EXIT_OK
@@ -167,39 +201,45 @@ def cmd_verify(args: argparse.Namespace) -> int:
     from .inspection import check_pack
     from .selection import current_selection
     from .session import Session
-    from .testing import TinyCheckpointError, check_pack_equivalence, tiny_checkpoint
+    from .testing import Report, TinyCheckpointError, check_pack_equivalence, tiny_checkpoint
 
+    _check_model_types(args.model_type)
     selection = current_selection(args.packs or None)
     session = Session(selection, strict=False)
     jobs: list[tuple[str, str]] = []
+    unverified: dict[str, str] = {str(getattr(error, "pack", "")) or "?": str(error) for error in selection.problems}
     for name in sorted(selection.packs):
         if args.model:
             jobs.append((name, args.model))
             continue
-        types = args.model_type or list(check_pack(session, name).model_types)
-        if not types:
-            print(f"hfpatch: {name} targets no model type: {_NO_TARGETS} (or --model DIR)", file=sys.stderr)
-        jobs.extend((name, model_type) for model_type in types)
-    if not jobs:
-        print("No pack to verify.")
-        return EXIT_PROBLEMS if selection.problems else EXIT_OK
-    checkpoints: dict[str, str] = {}
-    reports = []
-    for index, (name, target) in enumerate(jobs, 1):
-        print(f"[{index}/{len(jobs)}] verifying {name} on {target} ...", file=sys.stderr, flush=True)
-        try:
-            if not args.model and target not in checkpoints:
-                checkpoints[target] = str(tiny_checkpoint(target))
-            report = check_pack_equivalence(name, checkpoints.get(target, target))
-        except Exception as exc:  # one model type that cannot be built is a FAIL row, not the end of the run
-            from .testing import Report
-
-            message = str(exc) if isinstance(exc, TinyCheckpointError) else f"{type(exc).__name__}: {exc}"
-            report = Report(pack=name, model_type=target, failures=[message])
-        reports.append(report)
+        if args.model_type:
+            jobs.extend((name, model_type) for model_type in args.model_type)
+            continue
+        result = check_pack(session, name, config_for=_probe_config)
+        if not result.model_types:
+            unverified[name] = "; ".join(result.problems) + " (or --model DIR)"
+        jobs.extend((name, model_type) for model_type in result.model_types)
+    reports: list[Report] = []
+    with tempfile.TemporaryDirectory(prefix="hfpatch-verify-") as scratch:
+        checkpoints: dict[str, str] = {}
+        for index, (name, target) in enumerate(jobs, 1):
+            print(f"[{index}/{len(jobs)}] verifying {name} on {target} ...", file=sys.stderr, flush=True)
+            try:
+                if not args.model and target not in checkpoints:
+                    checkpoints[target] = str(tiny_checkpoint(target, os.path.join(scratch, target)))
+                report = check_pack_equivalence(name, checkpoints.get(target, target))
+            except Exception as exc:  # one model type that cannot be built is a FAIL row, not the end of the run
+                message = str(exc) if isinstance(exc, TinyCheckpointError) else f"{type(exc).__name__}: {exc}"
+                report = Report(pack=name, model_type=target, failures=[message])
+            reports.append(report)
     if args.json:
-        _print_json({"reports": [report.to_json() for report in reports]})
-    else:
+        _print_json(
+            {
+                "reports": [report.to_json() for report in reports],
+                "unverified": [{"pack": name, "reason": reason} for name, reason in unverified.items()],
+            }
+        )
+    elif reports:
         rows = [
             [
                 r.pack,
@@ -216,7 +256,12 @@ def cmd_verify(args: argparse.Namespace) -> int:
         for report in reports:
             for failure in report.failures:
                 print(f"\n{report.pack} on {report.model_type}: {failure}")
-    return EXIT_OK if all(report.ok for report in reports) and not selection.problems else EXIT_PROBLEMS
+    if not args.json:
+        for name, reason in unverified.items():
+            print(f"\n{name}: not verified: {reason}")
+        if not reports and not unverified:
+            print("No pack to verify.")
+    return EXIT_OK if all(report.ok for report in reports) and not unverified else EXIT_PROBLEMS
 
 
 def cmd_run(args: argparse.Namespace) -> int:

@@ -21,7 +21,7 @@ _HOOK_MODULE = "_hfpatch_autorun.py"
 
 #: Commands that mean this environment's interpreter, not the first one on ``PATH``: a
 #: Python of another environment would not have hfpatch's start-up hook.
-PYTHON_NAMES = frozenset({"python", "python3", "python%d.%d" % sys.version_info[:2]})
+PYTHON_NAMES = frozenset({"python", "python3", f"python{sys.version_info[0]}.{sys.version_info[1]}"})
 
 
 class LaunchError(Exception):

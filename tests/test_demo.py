@@ -56,7 +56,9 @@ def test_bad_input_is_exit_2_before_any_work(install, monkeypatch, capsys, tmp_p
     monkeypatch.setattr("hfpatch_core.testing.tiny_checkpoint", _no_work)
     assert main(["demo", "--packs", "mpl"]) == 2
     typo = capsys.readouterr()
-    assert typo.out == "" and "names pack 'mpl', which is not installed" in typo.err and "did you mean 'mlp'" in typo.err
+    assert (
+        typo.out == "" and "names pack 'mpl', which is not installed" in typo.err and "did you mean 'mlp'" in typo.err
+    )
     assert main(["demo", "--model", str(tmp_path / "nonexistent"), "--packs", "mlp"]) == 2
     missing = capsys.readouterr()
     assert missing.out == "" and "nonexistent': the path does not exist" in missing.err

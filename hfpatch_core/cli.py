@@ -7,15 +7,19 @@ Exit codes: 0 success; 1 a check found problems; 2 bad input (arguments,
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
+import tempfile
 from collections.abc import Sequence
 from typing import Any
 
 EXIT_OK = 0
 EXIT_PROBLEMS = 1
 EXIT_USAGE = 2
+#: The reader of the output went away (``hfpatch list | head``): a shell's status for SIGPIPE.
+EXIT_BROKEN_PIPE = 141
 
 
 def _table(rows: Sequence[Sequence[str]], header: Sequence[str]) -> str:
@@ -126,36 +130,68 @@ def cmd_explain(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-#: Why a pack can target no model type, and what to do (a pack that needs a config to decide).
-_NO_TARGETS = (
-    "the pack returned nothing when asked with config=None for every model type; "
-    "if it decides from the config, pass --model-type TYPE"
-)
+@functools.cache
+def _probe_config(model_type: str) -> Any:
+    """The config check and verify call a pack's hooks with: the model type's tiny config (built
+    once per process), else its default config, else ``None``."""
+    from transformers.utils import logging as hf_logging
+
+    from .inspection import default_config
+    from .testing import tiny_config
+
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity(hf_logging.CRITICAL)  # some default configs log errors while they are shrunk
+    try:
+        return tiny_config(model_type)
+    except Exception:  # a config that cannot be shrunk (or built) is asked as it is
+        return default_config(model_type)
+    finally:
+        hf_logging.set_verbosity(verbosity)
+
+
+def _check_model_types(model_types: Sequence[str] | None) -> None:
+    from .inspection import unknown_model_type
+
+    for model_type in model_types or ():
+        unknown = unknown_model_type(model_type)
+        if unknown is not None:
+            raise _UsageError(f"--model-type {unknown}")
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    from .inspection import check_pack
+    from .inspection import check_combination, check_pack
     from .selection import current_selection
     from .session import Session
 
+    _check_model_types(args.model_type)
     selection = current_selection(args.packs or None)
     session = Session(selection, strict=False)
     failed = False
     for error in selection.problems:
         print(f"FAIL  {error}")
         failed = True
+    results = []
     for name in sorted(selection.packs):
-        result = check_pack(session, name, args.model_type or ())
+        result = check_pack(session, name, args.model_type or (), config_for=_probe_config)
+        results.append(result)
         targets = ", ".join(result.model_types) or "no model type"
         if result.ok:
             print(f"ok    {name} {result.version}: targets {targets}")
-            if not result.model_types:
-                print(f"      {_NO_TARGETS}")
             continue
         failed = True
         print(f"FAIL  {name} {result.version}: targets {targets}")
         for problem in result.problems:
             print(f"      - {problem}")
+    if len(results) > 1:
+        together = ", ".join(result.pack for result in results)
+        problems = check_combination(session, results, config_for=_probe_config)
+        if problems:
+            failed = True
+            print(f"FAIL  together: {together}")
+            for problem in problems:
+                print(f"      - {problem}")
+        else:
+            print(f"ok    together: {together}")
     if not selection.packs and not selection.problems:
         print("No pack to check.")
     return EXIT_PROBLEMS if failed else EXIT_OK
@@ -165,39 +201,45 @@ def cmd_verify(args: argparse.Namespace) -> int:
     from .inspection import check_pack
     from .selection import current_selection
     from .session import Session
-    from .testing import TinyCheckpointError, check_pack_equivalence, tiny_checkpoint
+    from .testing import Report, TinyCheckpointError, check_pack_equivalence, tiny_checkpoint
 
+    _check_model_types(args.model_type)
     selection = current_selection(args.packs or None)
     session = Session(selection, strict=False)
     jobs: list[tuple[str, str]] = []
+    unverified: dict[str, str] = {str(getattr(error, "pack", "")) or "?": str(error) for error in selection.problems}
     for name in sorted(selection.packs):
         if args.model:
             jobs.append((name, args.model))
             continue
-        types = args.model_type or list(check_pack(session, name).model_types)
-        if not types:
-            print(f"hfpatch: {name} targets no model type: {_NO_TARGETS} (or --model DIR)", file=sys.stderr)
-        jobs.extend((name, model_type) for model_type in types)
-    if not jobs:
-        print("No pack to verify.")
-        return EXIT_PROBLEMS if selection.problems else EXIT_OK
-    checkpoints: dict[str, str] = {}
-    reports = []
-    for index, (name, target) in enumerate(jobs, 1):
-        print(f"[{index}/{len(jobs)}] verifying {name} on {target} ...", file=sys.stderr, flush=True)
-        try:
-            if not args.model and target not in checkpoints:
-                checkpoints[target] = str(tiny_checkpoint(target))
-            report = check_pack_equivalence(name, checkpoints.get(target, target))
-        except Exception as exc:  # one model type that cannot be built is a FAIL row, not the end of the run
-            from .testing import Report
-
-            message = str(exc) if isinstance(exc, TinyCheckpointError) else f"{type(exc).__name__}: {exc}"
-            report = Report(pack=name, model_type=target, failures=[message])
-        reports.append(report)
+        if args.model_type:
+            jobs.extend((name, model_type) for model_type in args.model_type)
+            continue
+        result = check_pack(session, name, config_for=_probe_config)
+        if not result.model_types:
+            unverified[name] = "; ".join(result.problems) + " (or --model DIR)"
+        jobs.extend((name, model_type) for model_type in result.model_types)
+    reports: list[Report] = []
+    with tempfile.TemporaryDirectory(prefix="hfpatch-verify-") as scratch:
+        checkpoints: dict[str, str] = {}
+        for index, (name, target) in enumerate(jobs, 1):
+            print(f"[{index}/{len(jobs)}] verifying {name} on {target} ...", file=sys.stderr, flush=True)
+            try:
+                if not args.model and target not in checkpoints:
+                    checkpoints[target] = str(tiny_checkpoint(target, os.path.join(scratch, target)))
+                report = check_pack_equivalence(name, checkpoints.get(target, target))
+            except Exception as exc:  # one model type that cannot be built is a FAIL row, not the end of the run
+                message = str(exc) if isinstance(exc, TinyCheckpointError) else f"{type(exc).__name__}: {exc}"
+                report = Report(pack=name, model_type=target, failures=[message])
+            reports.append(report)
     if args.json:
-        _print_json({"reports": [report.to_json() for report in reports]})
-    else:
+        _print_json(
+            {
+                "reports": [report.to_json() for report in reports],
+                "unverified": [{"pack": name, "reason": reason} for name, reason in unverified.items()],
+            }
+        )
+    elif reports:
         rows = [
             [
                 r.pack,
@@ -214,7 +256,12 @@ def cmd_verify(args: argparse.Namespace) -> int:
         for report in reports:
             for failure in report.failures:
                 print(f"\n{report.pack} on {report.model_type}: {failure}")
-    return EXIT_OK if all(report.ok for report in reports) and not selection.problems else EXIT_PROBLEMS
+    if not args.json:
+        for name, reason in unverified.items():
+            print(f"\n{name}: not verified: {reason}")
+        if not reports and not unverified:
+            print("No pack to verify.")
+    return EXIT_OK if all(report.ok for report in reports) and not unverified else EXIT_PROBLEMS
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -230,7 +277,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
 
     report = run_demo(args.model, args.packs)
-    return EXIT_OK if report.ok else EXIT_PROBLEMS
+    return EXIT_OK if report is None or report.ok else EXIT_PROBLEMS
 
 
 def cmd_new(args: argparse.Namespace) -> int:
@@ -297,7 +344,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = commands.add_parser("demo", help="load a tiny model with and without packs and compare")
     demo.add_argument("--model", help="a local checkpoint directory (default: a tiny random Qwen2-MoE)")
-    demo.add_argument("--packs", help="the pack to demonstrate (default: qwen-moe, else the built-in example)")
+    demo.add_argument(
+        "--packs",
+        metavar="SPEC",
+        help="the packs, as HF_PATCH_PACKS writes them (default: HF_PATCH_PACKS; when it is unset, qwen-moe, "
+        "else the built-in example)",
+    )
     demo.set_defaults(handler=cmd_demo)
 
     creating = commands.add_parser("new", help="create a pack project from the template")
@@ -314,7 +366,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     creating.set_defaults(handler=cmd_new)
 
-    running = commands.add_parser("run", help="run a program (and its children) with hfpatch enabled")
+    running = commands.add_parser(
+        "run",
+        help="run a program (and its children) with hfpatch enabled",
+        description="Run CMD with hfpatch enabled in it and in every Python process it starts. "
+        "'python' or 'python3' as CMD is this environment's interpreter (" + sys.executable + "), not the "
+        "first Python on PATH; in a virtual environment, CMD's PATH starts with the environment's scripts "
+        "directory, as if it were activated, so 'python' and 'hfpatch' in CMD's children are this environment's.",
+        usage="hfpatch run -- CMD [ARG ...]",
+    )
     running.add_argument("command", nargs=argparse.REMAINDER, help="-- program and arguments")
     running.set_defaults(handler=cmd_run)
     return parser
@@ -325,9 +385,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         code: int = args.handler(args)
+        sys.stdout.flush()  # here, so that a reader gone away is caught below and not at exit
         return code
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        # what is left to write goes nowhere, quietly, as for a program killed by SIGPIPE
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
     except Exception as exc:
         from .errors import HfPatchError
 

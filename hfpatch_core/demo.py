@@ -1,8 +1,10 @@
-"""``hfpatch demo``: load a tiny model without and with a pack, and show that they agree.
+"""``hfpatch demo``: load a tiny model without and with packs, and show that they agree.
 
-By default: a tiny random Qwen2-MoE checkpoint and the ``qwen-moe`` pack when it is
-installed (``make demo`` installs it), else a tiny llama and the example pack shipped
-with hfpatch-core.
+The packs are those ``--packs`` (or, without it, ``HF_PATCH_PACKS``) selects, as for
+every other command.  When neither is given: the ``qwen-moe`` pack when it is installed
+(``make demo`` installs it), else the example pack shipped with hfpatch-core.  The
+checkpoint is ``--model``, else a tiny random Qwen2-MoE when ``qwen-moe`` is selected,
+else a tiny llama.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, TextIO
+
+from .errors import HfPatchError
 
 EXAMPLE_PACK = "example-counting"
 FIRST_PARTY_PACK = "qwen-moe"
@@ -48,17 +52,47 @@ def _quiet_transformers() -> Iterator[None]:
         hf_logging.enable_progress_bar()
 
 
-def _default_pack() -> str | None:
+class DemoError(HfPatchError, ValueError):
+    """``hfpatch demo`` was given a checkpoint it cannot read."""
+
+
+def _default_pack() -> str:
     from .selection import current_selection
 
-    return FIRST_PARTY_PACK if FIRST_PARTY_PACK in current_selection("all").packs else None
+    return FIRST_PARTY_PACK if FIRST_PARTY_PACK in current_selection("all").packs else EXAMPLE_PACK
+
+
+def _check_model_dir(model_dir: str) -> None:
+    path = Path(model_dir)
+    if not path.exists():
+        raise DemoError(f"--model {model_dir!r}: the path does not exist; give a local checkpoint directory")
+    if not path.is_dir():
+        raise DemoError(f"--model {model_dir!r}: not a directory; give a local checkpoint directory")
+    if not (path / "config.json").is_file():
+        raise DemoError(f"--model {model_dir!r}: no config.json in it; is it a checkpoint saved by save_pretrained?")
 
 
 def run_demo(model_dir: str | None = None, packs: str | None = None, *, out: TextIO | None = None) -> Any:
-    """Run the demo and print it; returns the ``Report``."""
+    """Run the demo and print it.
+
+    Args:
+        model_dir: a local checkpoint directory; ``None`` for a tiny random one.
+        packs: the packs, in ``HF_PATCH_PACKS`` syntax; ``None`` to read the variable
+            (and, when it is unset, the default pack of this module's docstring).
+
+    Returns:
+        The ``Report`` of the comparison, or ``None`` when the choice selects no pack.
+
+    Raises:
+        SelectionError: the choice is malformed or names a pack that is not installed.
+        DemoError: ``model_dir`` is not a checkpoint directory.
+        (Both before anything is built or loaded.)
+    """
     from transformers import monkey_patching
 
     from .conversion import describe_transform
+    from .selection import current_selection, parse_selection
+    from .settings import PACKS_ENV, packs_from_env
     from .testing import check_pack_equivalence, tiny_checkpoint
 
     stream = out or sys.stdout
@@ -66,17 +100,25 @@ def run_demo(model_dir: str | None = None, packs: str | None = None, *, out: Tex
     def write(line: str = "") -> None:
         stream.write(line + "\n")
 
+    choice = packs if packs is not None else packs_from_env()
+    if model_dir is not None:
+        _check_model_dir(model_dir)
     with tempfile.TemporaryDirectory(prefix="hfpatch-demo-") as tmp, _quiet_transformers():
-        pack = packs or _default_pack() or EXAMPLE_PACK
-        if pack == EXAMPLE_PACK:
+        if choice is None:
+            choice = _default_pack()
+        if EXAMPLE_PACK in parse_selection(choice).named:
             _install_example_pack(Path(tmp) / "site")
+        selection = current_selection(choice)
+        if not selection.packs and not selection.problems:
+            write(f"No pack to demonstrate: {PACKS_ENV}={choice!r} selects none.")
+            return None
         if model_dir is None:
-            model_type = "qwen2_moe" if pack == FIRST_PARTY_PACK else "llama"
+            model_type = "qwen2_moe" if FIRST_PARTY_PACK in selection.packs else "llama"
             model_dir = str(tiny_checkpoint(model_type, Path(tmp) / f"tiny-{model_type}"))
             write(f"Built a tiny random {model_type} checkpoint in {model_dir}")
         registry_before = monkey_patching.get_patch_mapping()
-        write(f"Loading it without packs, then with HF_PATCH_PACKS={pack} ...")
-        report = check_pack_equivalence(pack, model_dir)
+        write(f"Loading it without packs, then with {PACKS_ENV}={choice} ...")
+        report = check_pack_equivalence(choice, model_dir)
         plan = report.plan
         write("")
         if plan is not None:

@@ -71,3 +71,20 @@ def provide_converters(context: LoadContext) -> Iterable[Converter]:
         original weight layout.
     """
     raise NotImplementedError
+
+
+@hookspec
+def provide_model_types() -> Iterable[str]:
+    """Return the model types this pack can patch (``"llama"``, ``"qwen2_moe"``); optional.
+
+    Called by ``hfpatch check`` and ``hfpatch verify`` only, never during a load: they
+    check and verify the pack on each of these model types (with a tiny config), besides
+    those it returns patches or converters for when asked with ``config=None``.  A pack
+    whose hooks decide from the config implements it; without it, ``check`` asks such a
+    pack with a tiny config of every model type transformers knows, which takes seconds.
+
+    Returns:
+        An iterable of model type strings; a name that is not a model type of the
+        installed transformers is a problem ``check`` reports.
+    """
+    raise NotImplementedError

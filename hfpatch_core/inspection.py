@@ -5,17 +5,21 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
-from collections.abc import Iterable, Mapping, Sequence
+import warnings
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
+import pluggy
 import torch
 import torch.nn as nn
 import transformers
 from transformers import AutoConfig, monkey_patching
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 
+from . import hookspecs
 from .context import LoadContext
 from .conversion import describe_transform
+from .discovery import PackInfo
 from .errors import ConverterConflictError, HfPatchError, PatchConflictError
 from .gathering import PackSet
 from .plan import Claim, Plan
@@ -26,6 +30,16 @@ from .session import Session
 
 class ModelNotFoundError(HfPatchError, ValueError):
     """``explain``/``check`` was given neither a checkpoint directory nor a known model type."""
+
+
+def unknown_model_type(model_type: str) -> str | None:
+    """Why ``model_type`` is not a model type of the installed transformers, with the closest
+    names; ``None`` when it is one."""
+    if model_type in CONFIG_MAPPING_NAMES:
+        return None
+    close = difflib.get_close_matches(model_type, list(CONFIG_MAPPING_NAMES), n=3)
+    hint = f"; did you mean {', '.join(map(repr, close))}?" if close else ""
+    return f"{model_type!r} is not a model type of transformers {transformers.__version__}{hint}"
 
 
 def load_config(model: str) -> Any:
@@ -132,25 +146,35 @@ def _claim_json(claim: Claim) -> dict[str, Any]:
 
 
 def _nesting_warnings(model: nn.Module, plan: Plan) -> list[str]:
-    found: list[str] = []
-    seen: set[tuple[str, str]] = set()
+    """One message per pattern claim of ``plan`` that replaces a class containing other replaced classes."""
+    nested: dict[int, tuple[Claim, dict[str, list[str]]]] = {}
     for module in model.modules():
         outer = type(module).__name__
         claim = plan.replaced.get(outer)
         if claim is None or not claim.patch.is_pattern:
             continue
+        inners = nested.setdefault(id(claim), (claim, {}))[1].setdefault(outer, [])
         for inner_module in module.modules():
             inner = type(inner_module).__name__
-            if inner_module is module or inner not in plan.replaced or (outer, inner) in seen:
-                continue
-            seen.add((outer, inner))
-            other = plan.replaced[inner]
-            found.append(
-                f"pattern {claim.target!r} of pack {claim.pack!r} replaces {outer}, which contains {inner}, "
-                f"also replaced (by {other.pack!r}'s {other.patch.replacement.__qualname__}); the outer "
-                f"replacement decides whether {inner} is built at all. Anchor the pattern (e.g. '^{inner}$') "
-                "if it was meant for one class."
-            )
+            if inner_module is not module and inner in plan.replaced and inner not in inners:
+                inners.append(inner)
+    found: list[str] = []
+    for claim, containers in nested.values():
+        containers = {outer: inners for outer, inners in containers.items() if inners}
+        if not containers:
+            continue
+        inner_names = list(dict.fromkeys(inner for inners in containers.values() for inner in inners))
+        replacers = dict.fromkeys(
+            f"{plan.replaced[inner].pack!r}'s {plan.replaced[inner].patch.replacement.__qualname__}"
+            for inner in inner_names
+        )
+        found.append(
+            f"pattern {claim.target!r} of pack {claim.pack!r} replaces "
+            + "; ".join(f"{outer}, which contains {', '.join(inners)}" for outer, inners in containers.items())
+            + f", also replaced (by {', '.join(replacers)}); the outer replacement decides whether the classes "
+            f"it contains are built at all. Anchor the pattern (e.g. '^{inner_names[0]}$') if it was meant for "
+            "one class."
+        )
     return found
 
 
@@ -201,7 +225,14 @@ def _matching(claim: Claim, names: Iterable[str]) -> list[str]:
 
 @dataclasses.dataclass(frozen=True)
 class CheckResult:
-    """What ``hfpatch check`` found for one pack."""
+    """What ``hfpatch check`` found for one pack.
+
+    Attributes:
+        pack: the pack's name.
+        version: its distribution's version.
+        model_types: the model types it was checked on (its *targets*).
+        problems: what is wrong, one message each; empty when the pack passes.
+    """
 
     pack: str
     version: str
@@ -213,27 +244,114 @@ class CheckResult:
         return not self.problems
 
 
+#: The config ``check_pack`` calls a pack's hooks with for a model type (``None`` when none
+#: can be built).
+ConfigFor = Callable[[str], Any]
+
+#: Why a pack was checked on no model type at all, and what to do.
+NO_TARGETS = (
+    "it returned no patch and no converter for any model type, asked with config=None and with a config "
+    "of each model type, and declares none (provide_model_types); nothing was checked. Pass --model-type TYPE"
+)
+
+
 def _default_class_name(model_type: str) -> str:
     return next(iter(default_class_names(None, model_type)), "PreTrainedModel")
 
 
-def _default_config(model_type: str) -> Any:
+def default_config(model_type: str) -> Any:
+    """The default config of ``model_type``, or ``None`` when it cannot be built."""
     try:
         return AutoConfig.for_model(model_type)
     except Exception:  # some model types cannot build a default config
         return None
 
 
-def check_pack(session: Session, name: str, model_types: Sequence[str] = ()) -> CheckResult:
+def declared_model_types(info: PackInfo) -> tuple[tuple[str, ...], list[str]]:
+    """The model types pack ``info`` declares with ``provide_model_types``, and the problems found.
+
+    The pack is imported (once per process, as for a load); a pack that fails to import
+    declares nothing (the caller reports the import failure).
+    """
+    manager = pluggy.PluginManager(hookspecs.PROJECT_NAME)
+    manager.add_hookspecs(hookspecs)
+    try:
+        manager.register(info.load(), name=info.name)
+    except Exception:  # the import failure is reported by gathering
+        return (), []
+    declared: list[str] = []
+    problems: list[str] = []
+    try:
+        results = manager.hook.provide_model_types()
+    except Exception as exc:
+        return (), [f"pack {info.name!r}: provide_model_types() raised {type(exc).__name__}: {exc}"]
+    for result in results:
+        items = list(result) if isinstance(result, Iterable) and not isinstance(result, str | bytes) else None
+        if items is None or not all(isinstance(item, str) for item in items):
+            problems.append(
+                f"pack {info.name!r}: provide_model_types() returned {result!r:.80}; return a list of model "
+                "type strings, e.g. ['llama']."
+            )
+            continue
+        for model_type in items:
+            unknown = unknown_model_type(model_type)
+            if unknown is not None:
+                problems.append(f"pack {info.name!r} declares model type {model_type!r}: {unknown}")
+            elif model_type not in declared:
+                declared.append(model_type)
+    return tuple(declared), problems
+
+
+def _model_classes(classes: Mapping[str, type]) -> set[str]:
+    from transformers import PreTrainedModel
+
+    return {name for name, cls in classes.items() if issubclass(cls, PreTrainedModel)}
+
+
+def pattern_problems(plan: Plan, classes: Mapping[str, type], model: nn.Module | None, model_type: str) -> list[str]:
+    """Patterns of ``plan`` that would replace a model class of ``classes``, or a class that contains
+    another replaced class in ``model`` (built on the meta device; ``None`` to skip that check)."""
+    problems = []
+    model_classes = _model_classes(classes)
+    for claim in plan.entries:
+        if not claim.patch.is_pattern:
+            continue
+        hit = sorted(name for name in model_classes if matches(claim.target, name))
+        if hit:
+            shown = ", ".join(hit[:4]) + (f" and {len(hit) - 4} more" if len(hit) > 4 else "")
+            problems.append(
+                f"pack {claim.pack!r}: pattern {claim.target!r} matches the model class{'es' if len(hit) > 1 else ''} "
+                f"{shown} of transformers.models.{model_type}: a load would replace the model itself with "
+                f"{claim.patch.replacement_name}. Anchor the pattern to the module classes it is meant for "
+                "(e.g. '^...MLP$'), or name them exactly."
+            )
+    if model is not None:
+        problems.extend(_nesting_warnings(model, plan))
+    return problems
+
+
+def check_pack(
+    session: Session, name: str, model_types: Sequence[str] = (), *, config_for: ConfigFor | None = None
+) -> CheckResult:
     """Import pack ``name``, call its hooks for every model type, and check what they return.
 
-    A model type is *targeted* when the pack returns patches or converters for it
-    (asked with ``config=None``); for those, the hooks are called again with the
-    default config, and every patch target must match a class of that model type's
-    modeling module.  ``model_types``: check these instead of asking with
-    ``config=None`` (for a pack that decides from the config, and returns nothing
-    without one); each must be targeted.
+    A model type is *targeted* when the pack returns patches or converters for it asked
+    with ``config=None``, or declares it (``provide_model_types``).  A pack that targets
+    nothing that way is asked again with ``config_for(model_type)`` for every model type.
+    For each target, the hooks are called with ``config_for(model_type)``, and every
+    patch target must match a class of that model type's modeling module; no pattern may
+    match a model class or a class that contains another replaced class.  A pack with no
+    target at all is a problem (nothing was checked).
+
+    Args:
+        session: the session whose selection holds the pack.
+        name: the pack.
+        model_types: check these instead of looking for targets (for a pack that
+            decides from the config); each must be targeted.
+        config_for: the config to call the hooks with for a model type (default: its
+            default config; ``hfpatch check`` passes a cached tiny config).
     """
+    configs = config_for or default_config
     info = session.selection.packs[name]
     packs = PackSet({name: info})
     problems: list[str] = []
@@ -243,35 +361,50 @@ def check_pack(session: Session, name: str, model_types: Sequence[str] = ()) -> 
         if message not in problems:
             problems.append(message)
 
-    for model_type in model_types:
-        if model_type in CONFIG_MAPPING_NAMES:
-            targeted.append(model_type)
-            continue
-        close = difflib.get_close_matches(model_type, list(CONFIG_MAPPING_NAMES), n=3)
-        hint = f"; did you mean {', '.join(map(repr, close))}?" if close else ""
-        note(f"{model_type!r} is not a model type of transformers {transformers.__version__}{hint}")
+    imported = True
 
-    for model_type in () if model_types else CONFIG_MAPPING_NAMES:
-        context = LoadContext(model_type=model_type, model_class_name=_default_class_name(model_type))
+    def offered(model_type: str, config: Any) -> bool:
+        nonlocal imported
+        context = LoadContext(model_type=model_type, model_class_name=_default_class_name(model_type), config=config)
         gathered = packs.gather(context)
         for failure in gathered.failures:
             note(str(failure))
-        if any(failure.stage == "import" for failure in gathered.failures):
-            break
-        if gathered.claims or gathered.converters:
+            imported = imported and failure.stage != "import"
+        return bool(gathered.claims or gathered.converters)
+
+    for model_type in model_types:
+        unknown = unknown_model_type(model_type)
+        if unknown is None:
             targeted.append(model_type)
+        else:
+            note(unknown)
+
+    declared: tuple[str, ...] = ()
+    if not model_types:
+        for model_type in CONFIG_MAPPING_NAMES:
+            if offered(model_type, None):
+                targeted.append(model_type)
+            if not imported:
+                break
+        if imported:
+            declared, declaration_problems = declared_model_types(info)
+            for problem in declaration_problems:
+                note(problem)
+            targeted.extend(model_type for model_type in declared if model_type not in targeted)
+        if imported and not targeted and not problems:
+            targeted.extend(
+                model_type for model_type in CONFIG_MAPPING_NAMES if offered(model_type, configs(model_type))
+            )
 
     for model_type in targeted:
-        context = LoadContext(
-            model_type=model_type,
-            model_class_name=_default_class_name(model_type),
-            config=_default_config(model_type),
-        )
+        config = configs(model_type)
+        context = LoadContext(model_type=model_type, model_class_name=_default_class_name(model_type), config=config)
         gathered = packs.gather(context)
         for failure in gathered.failures:
             note(str(failure))
-        if model_types and not (gathered.claims or gathered.converters or gathered.failures):
-            note(f"pack {name!r} returns no patch and no converter for {model_type} (default config)")
+        asked = bool(model_types) or model_type in declared
+        if asked and not (gathered.claims or gathered.converters or gathered.failures):
+            note(f"pack {name!r} returns no patch and no converter for {model_type} (asked with a config of it)")
         classes = modeling_module_classes(model_type)
         for converter in gathered.converters:
             key = converter.key
@@ -287,9 +420,12 @@ def check_pack(session: Session, name: str, model_types: Sequence[str] = ()) -> 
                     "the checkpoint would be converted for modules that were not replaced."
                 )
         try:
-            plan_load(context, packs, class_names=classes, registered={}, report=_ignore)
+            plan = plan_load(context, packs, class_names=classes, registered={}, report=_ignore)
         except (PatchConflictError, ConverterConflictError) as exc:
             note(str(exc))
+        else:
+            for problem in pattern_problems(plan, classes, _meta_model(plan, config), model_type):
+                note(problem)
         for claim in gathered.claims:
             if not any(matches(claim.target, class_name) for class_name in classes):
                 note(
@@ -297,7 +433,66 @@ def check_pack(session: Session, name: str, model_types: Sequence[str] = ()) -> 
                     f"transformers.models.{model_type} in transformers {transformers.__version__}; "
                     "check the class name (it may have been renamed)."
                 )
+    if not targeted and not problems:
+        note(f"pack {name!r} targets no model type: {NO_TARGETS}")
     return CheckResult(name, info.version, tuple(targeted), tuple(problems))
+
+
+def _meta_model(plan: Plan, config: Any) -> nn.Module | None:
+    """The model of ``config`` on the meta device, when a pattern of ``plan`` could contain a replaced class."""
+    if config is None or not any(claim.patch.is_pattern for claim in plan.entries):
+        return None
+    try:
+        with torch.device("meta"), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # what building on the meta device says is not the pack's problem
+            return model_class_for(config)(config)
+    except Exception:  # a model type whose default model cannot be built here: no nesting check
+        return None
+
+
+def check_combination(
+    session: Session,
+    results: Sequence[CheckResult],
+    *,
+    config_for: ConfigFor | None = None,
+) -> list[str]:
+    """Check the packs of ``results`` together, on every model type two or more of them target.
+
+    Each such model type is planned with all of them (``plan_load``, with the selection's
+    priority offsets) as a load would be: a conflict between packs, or a pattern of one
+    pack that replaces a model class or contains a class another pack replaces, is a
+    problem.  Returns the problems, one message each.
+    """
+    configs = config_for or default_config
+    by_type: dict[str, list[str]] = {}
+    for result in results:
+        for model_type in result.model_types:
+            by_type.setdefault(model_type, []).append(result.pack)
+    problems: list[str] = []
+    for model_type, names in by_type.items():
+        if len(names) < 2:
+            continue
+        packs = PackSet({name: session.selection.packs[name] for name in names})
+        config = configs(model_type)
+        context = LoadContext(model_type=model_type, model_class_name=_default_class_name(model_type), config=config)
+        classes = modeling_module_classes(model_type)
+        together = " + ".join(sorted(names))
+        try:
+            plan = plan_load(
+                context,
+                packs,
+                priority_offsets=session.selection.spec.priority_offsets,
+                class_names=classes,
+                registered={},
+                report=_ignore,
+            )
+        except (PatchConflictError, ConverterConflictError) as exc:
+            problems.append(f"{together} on {model_type}: every load of a {model_type} model would raise: {exc}")
+            continue
+        for problem in pattern_problems(plan, classes, _meta_model(plan, config), model_type):
+            if problem not in problems:
+                problems.append(f"{together} on {model_type}: {problem}")
+    return problems
 
 
 def _ignore(errors: Iterable[HfPatchError]) -> None:

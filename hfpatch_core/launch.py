@@ -19,6 +19,10 @@ if TYPE_CHECKING:
 
 _HOOK_MODULE = "_hfpatch_autorun.py"
 
+#: Commands that mean this environment's interpreter, not the first one on ``PATH``: a
+#: Python of another environment would not have hfpatch's start-up hook.
+PYTHON_NAMES = frozenset({"python", "python3", f"python{sys.version_info[0]}.{sys.version_info[1]}"})
+
 
 class LaunchError(Exception):
     """``hfpatch run`` cannot start the command; the message says why and what to do."""
@@ -26,6 +30,12 @@ class LaunchError(Exception):
 
 def launch(command: Sequence[str]) -> NoReturn:
     """Replace this process with ``command``, hfpatch enabled in it and its children.
+
+    ``python`` / ``python3`` as the command is this environment's interpreter
+    (``sys.executable``), not the first Python on ``PATH``; in a virtual environment, the
+    command's ``PATH`` starts with the environment's scripts directory (as if it were
+    activated), so ``hfpatch`` and ``python`` in the program and its children are this
+    environment's too.
 
     Fails here, once, rather than in every child: on a malformed ``HF_PATCH_PACKS`` or
     ``HF_PATCH_STRICT``, on a pack name that is not installed (package metadata is read
@@ -55,19 +65,30 @@ def launch(command: Sequence[str]) -> NoReturn:
         strict_from_env()
     except (HfPatchError, ValueError) as exc:  # a bad choice, a pack installed twice, a bad HF_PATCH_STRICT
         raise LaunchError(str(exc)) from None
-    executable = _which(command[0])
+    environment = {**os.environ, AUTORUN_ENV: "1"}
+    scripts = os.path.dirname(sys.executable)
+    path = environment.get("PATH", os.defpath)
+    if sys.prefix != sys.base_prefix and scripts and path.split(os.pathsep)[0] != scripts:
+        # as in an activated virtual environment: python, hfpatch and the environment's
+        # other commands, in the program and in every process it starts, are this one's
+        environment["PATH"] = scripts + os.pathsep + path
+    if command[0] in PYTHON_NAMES and sys.executable:
+        executable: str | None = sys.executable
+        command[0] = sys.executable  # the child's sys.executable, found from argv[0]
+    else:
+        executable = _which(command[0], environment.get("PATH"))
     if executable is None:
         raise LaunchError(f"command not found: {command[0]}")
     sys.stdout.flush()
     sys.stderr.flush()
-    os.execve(executable, command, {**os.environ, AUTORUN_ENV: "1"})
+    os.execve(executable, command, environment)
 
 
-def _which(name: str) -> str | None:
+def _which(name: str, path: str | None) -> str | None:
     # shutil.which, without importing shutil (and what it imports) on the start-up path
     if os.path.dirname(name):
         return name if os.access(name, os.X_OK) and not os.path.isdir(name) else None
-    for directory in os.get_exec_path():
+    for directory in os.get_exec_path(None if path is None else {"PATH": path}):
         path = os.path.join(directory, name)
         if os.access(path, os.X_OK) and not os.path.isdir(path):
             return path

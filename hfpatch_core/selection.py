@@ -70,15 +70,27 @@ def _error(source: str, problem: str) -> SelectionError:
     )
 
 
+def _join(spec: object) -> str:
+    """The items of ``enable(packs=[...])`` as one text; anything but strings is an error, not a TypeError."""
+    items = list(spec) if isinstance(spec, Iterable) and not isinstance(spec, bytes | Mapping) else None
+    if items is None or not all(isinstance(item, str) for item in items):
+        raise SelectionError(
+            f"packs={spec!r} is not a pack choice: pass a string in {PACKS_ENV} syntax ('a,b', '-a', "
+            "'all,-a', 'a@+10', 'none'), a list of such items, or None for the variable's value."
+        )
+    return ",".join(items)
+
+
 def parse_selection(spec: str | Iterable[str] | None) -> SelectionSpec:
     """Parse a pack choice; ``None`` (the variable unset) means every pack.
 
     Raises:
-        SelectionError: the text does not follow the grammar in this module's docstring.
+        SelectionError: the text does not follow the grammar in this module's docstring, or
+            ``spec`` is neither a string nor an iterable of strings.
     """
     if spec is None:
         return SelectionSpec(mode="all", source=UNSET)
-    source = spec if isinstance(spec, str) else ",".join(spec)
+    source = spec if isinstance(spec, str) else _join(spec)
     items = [item.strip() for item in source.split(",") if item.strip()]
     if not items or items == ["none"]:
         return SelectionSpec(mode="none", source=source)
@@ -149,6 +161,8 @@ def _unknown(name: str, installed: Sequence[str], source: str) -> SelectionError
 
     close = difflib.get_close_matches(name, installed, n=1)
     hint = f"; did you mean {close[0]!r}?" if close else ""
+    if name.lower() in _RESERVED:
+        hint = f"; did you mean the keyword {name.lower()!r}? (keywords are lower case)"
     return SelectionError(f"{PACKS_ENV}={source!r} names pack {name!r}, which is not installed ({listing}){hint}")
 
 

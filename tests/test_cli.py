@@ -7,14 +7,26 @@ import sys
 import textwrap
 from pathlib import Path
 
+import transformers
+
+import hfpatch_core
 from packs import DOUBLING_PACK, MLP_PACK, NORM_PATTERN_PACK, PackSpec, fused_attention_and_mlp_pack, mlp_pack
 
 HFPATCH = str(Path(sys.executable).with_name("hfpatch"))
+#: A source checkout under test (PYTHONPATH=. in it) stays first on the subprocesses' path.
+_ROOT = Path(hfpatch_core.__file__).resolve().parents[1]
+CHECKOUT = str(_ROOT) if (_ROOT / "pyproject.toml").is_file() else ""
+
+
+def environment_with(site: Path | None) -> dict[str, str]:
+    """This process's environment without hfpatch's variables, packs from ``site`` only."""
+    environment = {k: v for k, v in os.environ.items() if not k.startswith(("HF_PATCH", "HFPATCH"))}
+    environment["PYTHONPATH"] = os.pathsep.join(path for path in (str(site) if site else "", CHECKOUT) if path)
+    return environment
 
 
 def run(*args: str, site: Path | None = None, env: dict[str, str] | None = None, timeout: int = 120):
-    environment = {k: v for k, v in os.environ.items() if not k.startswith(("HF_PATCH", "HFPATCH"))}
-    environment["PYTHONPATH"] = str(site) if site else ""
+    environment = environment_with(site)
     environment.update(env or {})
     return subprocess.run(args, capture_output=True, text=True, env=environment, timeout=timeout, check=False)
 
@@ -89,6 +101,8 @@ class SelfAttention(BertSelfAttention):
 
 @hookimpl
 def provide_patches(context):
+    if context.model_type != "bert":
+        return []
     return [Patch(".*Attention$", AnyAttention), Patch("BertSelfAttention", SelfAttention)]
 """
 
@@ -140,20 +154,121 @@ def provide_patches(context):
 """
 
 
-def test_check_with_model_types_checks_a_pack_that_needs_a_config(install, capsys) -> None:
-    from hfpatch_core.cli import main  # in-process: three runs of check in subprocesses cost ~20 s
+NOTHING_PACK = """
+from hfpatch_core import hookimpl
 
-    install(PackSpec("sized", CONFIG_ONLY_PACK))
-    assert main(["check", "sized"]) == 0
+@hookimpl
+def provide_patches(context):
+    return []
+"""
+
+DECLARING_PACK = (
+    CONFIG_ONLY_PACK
+    + """
+
+@hookimpl
+def provide_model_types():
+    return ["llama", "lama"]
+"""
+)
+
+
+def test_check_finds_what_a_pack_that_needs_a_config_targets(install, capsys) -> None:
+    from hfpatch_core.cli import main  # in-process: the probe's tiny configs are built once
+
+    install(PackSpec("sized", CONFIG_ONLY_PACK), PackSpec("nothing", NOTHING_PACK))
+    assert main(["check", "sized"]) == 0  # asked with a tiny config of every model type
+    assert capsys.readouterr().out == "ok    sized 1.0.0: targets llama\n"
+    assert main(["check", "nothing"]) == 1  # passing while testing nothing is a failure
     found = capsys.readouterr().out
-    assert "ok    sized 1.0.0: targets no model type" in found
-    assert "if it decides from the config, pass --model-type TYPE" in found
+    assert "FAIL  nothing 1.0.0: targets no model type" in found and "nothing was checked" in found
     assert main(["check", "sized", "--model-type", "llama"]) == 0
     assert "ok    sized 1.0.0: targets llama" in capsys.readouterr().out
-    assert main(["check", "sized", "--model-type", "mistral", "--model-type", "lama"]) == 1
-    wrong = capsys.readouterr().out
-    assert "pack 'sized' returns no patch and no converter for mistral (default config)" in wrong
-    assert "'lama' is not a model type of transformers" in wrong and "did you mean 'llama'" in wrong
+    assert main(["check", "sized", "--model-type", "mistral"]) == 1
+    assert "pack 'sized' returns no patch and no converter for mistral" in capsys.readouterr().out
+
+
+def test_a_pack_can_declare_its_model_types(install, capsys) -> None:
+    from hfpatch_core.cli import main
+
+    install(PackSpec("declaring", DECLARING_PACK))
+    assert main(["check", "declaring"]) == 1
+    found = capsys.readouterr().out
+    assert "FAIL  declaring 1.0.0: targets llama\n" in found
+    assert "pack 'declaring' declares model type 'lama': 'lama' is not a model type" in found
+
+
+def test_an_unknown_model_type_is_bad_input_said_once(install, capsys) -> None:
+    from hfpatch_core.cli import main
+
+    install(PackSpec("mlp", MLP_PACK), PackSpec("sized", CONFIG_ONLY_PACK))
+    for command in ("check", "verify"):
+        assert main([command, "--model-type", "llama", "--model-type", "lama"]) == 2
+        captured = capsys.readouterr()
+        assert captured.out == ""
+        assert captured.err == (
+            f"hfpatch: error: --model-type 'lama' is not a model type of transformers {transformers.__version__}; "
+            "did you mean 'llama', 'mllama', 'llama4'?\n"
+        )
+
+
+def test_check_several_packs_checks_them_together(install, capsys) -> None:
+    from hfpatch_core.cli import main
+
+    install(PackSpec("mlp", MLP_PACK), PackSpec("other", mlp_pack("OtherMLP")), PackSpec("norm", NORM_PATTERN_PACK))
+    assert main(["check", "mlp", "norm"]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == "ok    together: mlp, norm"
+    assert main(["check", "mlp", "other"]) == 1  # each is fine alone; every llama load would raise
+    found = capsys.readouterr().out
+    assert "ok    mlp 1.0.0: targets llama" in found and "ok    other 1.0.0: targets llama" in found
+    assert "FAIL  together: mlp, other" in found
+    assert "mlp + other on llama: every load of a llama model would raise" in found
+    assert "packs 'mlp' and 'other' both replace 'LlamaMLP'" in found and "HF_PATCH_PACKS=all,mlp@+1" in found
+    assert main(["check", "mlp", "other@+1"]) == 0  # the fix it names
+
+
+BROAD_PACK = """
+from hfpatch_core import Patch, hookimpl
+from transformers.models.llama.modeling_llama import LlamaMLP
+
+class AnyMLP(LlamaMLP):
+    pass
+
+@hookimpl
+def provide_patches(context):
+    return [Patch("Llama.*", AnyMLP)] if context.model_type == "llama" else []
+"""
+
+
+def test_check_flags_a_pattern_that_replaces_a_model_class_or_a_container(install, capsys) -> None:
+    from hfpatch_core.cli import main
+
+    install(PackSpec("broad", BROAD_PACK), PackSpec("attn", NESTING_PACK))
+    assert main(["check", "broad"]) == 1
+    found = capsys.readouterr().out
+    assert "pattern 'Llama.*' matches the model classes LlamaForCausalLM" in found
+    assert "a load would replace the model itself with hfpatch_test_pack_broad.AnyMLP" in found
+    assert main(["check", "attn"]) == 1
+    assert "'.*Attention$' of pack 'attn' replaces BertAttention, which contains BertSelfAttention" in (
+        capsys.readouterr().out
+    )
+
+
+def test_explain_prints_a_patterns_nesting_warning_once(install) -> None:
+    site = install(PackSpec("broad", BROAD_PACK))
+    result = run(HFPATCH, "explain", "llama", site=site)
+    assert result.returncode == 0, result.stderr
+    (warning,) = [line for line in result.stdout.splitlines() if line.startswith("warning:")]
+    assert "replaces LlamaForCausalLM, which contains LlamaModel, LlamaDecoderLayer" in warning
+
+
+def test_verify_fails_a_selected_pack_it_cannot_verify(install, capsys) -> None:
+    from hfpatch_core.cli import main
+
+    install(PackSpec("nothing", NOTHING_PACK))
+    assert main(["verify", "nothing"]) == 1
+    found = capsys.readouterr().out
+    assert "nothing: not verified: pack 'nothing' targets no model type" in found and "--model-type TYPE" in found
 
 
 PROGRAM = """
@@ -275,3 +390,45 @@ def test_new_rejects_a_bad_name_in_one_line(tmp_path: Path) -> None:
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("hfpatch: error:") and "bad-name" in lines[0]
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+
+
+def test_output_to_a_reader_that_went_away_ends_quietly(install) -> None:
+    site = install(PackSpec("mlp", MLP_PACK))
+    environment = environment_with(site)
+    # hfpatch list | head: the reader is gone before the first line is written
+    process = subprocess.Popen(
+        [HFPATCH, "list"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=environment, text=True
+    )
+    assert process.stdout is not None and process.stderr is not None
+    process.stdout.close()
+    returncode = process.wait(timeout=120)
+    assert process.stderr.read() == "" and returncode == 141
+
+
+def test_run_python_is_this_environments_interpreter_not_the_first_on_path(tmp_path: Path) -> None:
+    # without an activated environment, the first python on PATH is another one
+    other = tmp_path / "other-bin"
+    other.mkdir()
+    for name in ("python", "python3"):
+        (other / name).write_text("#!/bin/sh\necho 'the other python'\n")
+        (other / name).chmod(0o755)
+    environment = {"PATH": f"{other}{os.pathsep}/usr/bin{os.pathsep}/bin"}
+    show = (
+        "import os, sys; print(sys.executable, os.environ['PATH'].split(os.pathsep)[0], os.environ['HFPATCH_AUTORUN'])"
+    )
+    ours = os.path.dirname(sys.executable)
+    for name in ("python", "python3"):
+        result = run(HFPATCH, "run", "--", name, "-c", show, env=environment)
+        assert result.returncode == 0, result.stderr
+        assert result.stdout.split() == [sys.executable, ours, "1"]
+    # the program's own children that start "python" get this environment's too
+    child = "import subprocess; subprocess.run(['python', '-c', 'import sys; print(sys.prefix)'], check=True)"
+    result = run(HFPATCH, "run", "--", "python", "-c", child, env=environment)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == sys.prefix
+
+
+def test_run_help_says_what_python_means() -> None:
+    result = run(HFPATCH, "run", "--help")
+    assert result.returncode == 0
+    assert "'python' or 'python3' as CMD is this environment's interpreter" in " ".join(result.stdout.split())

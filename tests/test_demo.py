@@ -2,8 +2,9 @@ from __future__ import annotations
 
 import io
 
+from hfpatch_core.cli import main
 from hfpatch_core.demo import EXAMPLE_PACK, run_demo
-from packs import PackSpec
+from packs import MLP_PACK, PackSpec
 
 
 def test_demo_with_the_example_pack_on_llama(snapshot) -> None:
@@ -30,3 +31,40 @@ def provide_patches(context):
     out = io.StringIO()
     report = run_demo(str(llama_checkpoint), "doubled", out=out)
     assert not report.ok and "FAIL  logits match" in out.getvalue() and "PASS  classes replaced" in out.getvalue()
+
+
+def test_demo_follows_hf_patch_packs_like_every_other_command(install, llama_checkpoint, monkeypatch) -> None:
+    install(PackSpec("mlp", MLP_PACK))
+    monkeypatch.setenv("HF_PATCH_PACKS", "mlp")
+    out = io.StringIO()
+    report = run_demo(str(llama_checkpoint), out=out)
+    assert report.ok and report.replaced == {"LlamaMLP": "PackMLP"}
+    assert "then with HF_PATCH_PACKS=mlp ..." in out.getvalue()
+
+
+def test_an_empty_choice_means_no_pack_whichever_way_it_is_given(install, monkeypatch, capsys) -> None:
+    install(PackSpec("mlp", MLP_PACK))
+    assert main(["demo", "--packs", ""]) == 0
+    by_option = capsys.readouterr().out
+    monkeypatch.setenv("HF_PATCH_PACKS", "")
+    assert main(["demo"]) == 0
+    assert capsys.readouterr().out == by_option == "No pack to demonstrate: HF_PATCH_PACKS='' selects none.\n"
+
+
+def test_bad_input_is_exit_2_before_any_work(install, monkeypatch, capsys, tmp_path) -> None:
+    install(PackSpec("mlp", MLP_PACK))
+    monkeypatch.setattr("hfpatch_core.testing.tiny_checkpoint", _no_work)
+    assert main(["demo", "--packs", "mpl"]) == 2
+    typo = capsys.readouterr()
+    assert (
+        typo.out == "" and "names pack 'mpl', which is not installed" in typo.err and "did you mean 'mlp'" in typo.err
+    )
+    assert main(["demo", "--model", str(tmp_path / "nonexistent"), "--packs", "mlp"]) == 2
+    missing = capsys.readouterr()
+    assert missing.out == "" and "nonexistent': the path does not exist" in missing.err
+    assert main(["demo", "--model", str(tmp_path), "--packs", "mlp"]) == 2
+    assert "no config.json in it" in capsys.readouterr().err
+
+
+def _no_work(*args: object, **kwargs: object) -> None:
+    raise AssertionError("a checkpoint was built for bad input")

@@ -246,3 +246,15 @@ def test_the_site_builds_in_strict_mode(tmp_path: Path) -> None:
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert (tmp_path / "site" / "api" / "index.html").is_file()
+
+
+def test_the_readme_names_every_dependency() -> None:
+    """README.md's Install section lists what ``pip install hfpatch-core`` brings in."""
+    import tomllib
+    from packaging.requirements import Requirement
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]
+    install = README.read_text(encoding="utf-8").split("## Install", 1)[1].split("\n## ", 1)[0]
+    named = set(re.findall(r"`([A-Za-z0-9_.-]+)(?:[<>=!~][^`]*)?`", install))
+    missing = [Requirement(text).name for text in project["dependencies"] if Requirement(text).name not in named]
+    assert not missing, f"README.md's Install section does not name {missing}"

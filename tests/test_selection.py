@@ -96,3 +96,17 @@ def test_unknown_pack_lists_installed_and_closest(text: str) -> None:
 def test_unknown_pack_when_nothing_is_installed() -> None:
     with pytest.raises(SelectionError, match=r"no pack is installed"):
         select(parse_selection("a"), Discovery(packs={}), "5.24.0")
+
+
+@pytest.mark.parametrize("packs", [42, [1], b"a", {"a": 1}, ["a", None]])
+def test_a_choice_that_is_not_text_is_a_selection_error(packs: object) -> None:
+    import hfpatch_core
+
+    with pytest.raises(SelectionError, match=r"is not a pack choice: pass a string in HF_PATCH_PACKS syntax"):
+        hfpatch_core.enable(packs)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("text", "keyword"), [("ALL", "all"), ("NONE", "none"), ("None,alpha", "none")])
+def test_a_keyword_in_upper_case_gets_a_hint(text: str, keyword: str) -> None:
+    with pytest.raises(SelectionError, match=rf"did you mean the keyword '{keyword}'\? \(keywords are lower case\)"):
+        select(parse_selection(text), DISCOVERY, "5.24.0")

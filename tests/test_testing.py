@@ -1,6 +1,9 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -55,7 +58,7 @@ def test_a_shrunk_hybrid_model_keeps_a_full_attention_layer(tmp_path) -> None:
 
 
 def test_tiny_checkpoint_explains_what_to_do_when_it_cannot_shrink() -> None:
-    with pytest.raises(TinyCheckpointError, match="not a model type"):
+    with pytest.raises(TinyCheckpointError, match=r"not a model type .*; did you mean 'llama'"):
         tiny_checkpoint("lama")
     with pytest.raises(TinyCheckpointError, match=r"pass an explicit config: tiny_checkpoint\(MyConfig\(...\)\)"):
         tiny_checkpoint("llama", hidden_act="no-such-activation")
@@ -204,3 +207,34 @@ def test_discover_from_wheel_lists_a_first_party_pack_from_its_wheel(tmp_path) -
         installed.run_python("-c", "print('out'); raise SystemExit(3)")
     with pytest.raises(FileExistsError, match="pass a fresh directory"):
         discover_from_wheel(project, "qwen-moe", tmp_path)
+
+
+LEAVES_NOTHING = """
+import os, sys
+from hfpatch_core.testing import check_pack_equivalence, tiny_checkpoint
+first, second = tiny_checkpoint("llama", num_hidden_layers=1), tiny_checkpoint("llama", num_hidden_layers=1)
+assert first != second and (first / "model.safetensors").is_file() and (second / "config.json").is_file()
+pid = os.fork()
+if pid == 0:  # a forked child that exits normally must not remove its parent's checkpoints
+    sys.exit(0)
+os.waitpid(pid, 0)
+assert (first / "model.safetensors").is_file()
+report = check_pack_equivalence("mlp", "llama", generate_tokens=2)
+assert report.ok, report.failures
+print(len(os.listdir(os.environ["TMPDIR"])))
+"""
+
+
+def test_tiny_checkpoints_without_a_directory_leave_nothing_behind(install, tmp_path) -> None:
+    site = install(PackSpec("mlp", MLP_PACK))
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    checkout = str(Path(hfpatch_core.__file__).resolve().parents[1])
+    environment = {k: v for k, v in os.environ.items() if not k.startswith(("HF_PATCH", "HFPATCH"))}
+    environment.update(TMPDIR=str(scratch), PYTHONPATH=os.pathsep.join([str(site), checkout]))
+    result = subprocess.run(
+        [sys.executable, "-c", LEAVES_NOTHING], capture_output=True, text=True, env=environment, timeout=300
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["1"]  # while it runs: one folder, however many checkpoints
+    assert list(scratch.iterdir()) == []  # after it exits: nothing

@@ -7,6 +7,9 @@
 
 from __future__ import annotations
 
+import atexit
+import os
+import shutil
 import tempfile
 from collections.abc import Mapping
 from pathlib import Path
@@ -41,6 +44,25 @@ SHRINK: Mapping[str, int] = {
 }
 
 
+#: The folder that holds the checkpoints ``tiny_checkpoint`` saves without a directory: one per
+#: process, removed when the process exits (by the process that made it, not a forked child).
+_scratch: dict[int, Path] = {}
+
+
+def _remove(path: Path, pid: int) -> None:
+    if os.getpid() == pid:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _scratch_directory() -> Path:
+    pid = os.getpid()
+    path = _scratch.get(pid)
+    if path is None or not path.is_dir():
+        path = _scratch[pid] = Path(tempfile.mkdtemp(prefix="hfpatch-tiny-"))
+        atexit.register(_remove, path, pid)
+    return path
+
+
 class TinyCheckpointError(HfPatchError, ValueError):
     """A model type whose default config cannot be shrunk: pass an explicit config."""
 
@@ -48,10 +70,12 @@ class TinyCheckpointError(HfPatchError, ValueError):
 def tiny_config(model_type: str, **overrides: Any) -> Any:
     """The default config of ``model_type`` with its size fields shrunk (``SHRINK``), then ``overrides``."""
     from transformers import AutoConfig
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 
-    if model_type not in CONFIG_MAPPING_NAMES:
-        raise TinyCheckpointError(f"{model_type!r} is not a model type transformers knows")
+    from ..inspection import unknown_model_type
+
+    unknown = unknown_model_type(model_type)
+    if unknown is not None:
+        raise TinyCheckpointError(unknown)
     defaults = AutoConfig.for_model(model_type)
     values: dict[str, Any] = {}
     for name, value in SHRINK.items():
@@ -98,7 +122,9 @@ def tiny_checkpoint(
 
     Args:
         model_type_or_config: ``"llama"``, ``"qwen2_moe"``, ... or a config object.
-        directory: where to save (default: a new temporary directory).
+        directory: where to save; the caller owns it.  Default: a new folder in a
+            temporary directory that is removed, with everything in it, when this
+            process exits (pass a directory to keep the checkpoint longer).
         seed: the random seed of the weights.
         config_overrides: config fields to set after shrinking.
 
@@ -111,7 +137,7 @@ def tiny_checkpoint(
         config = model_type_or_config
         for name, value in config_overrides.items():
             setattr(config, name, value)
-    target = Path(directory) if directory is not None else Path(tempfile.mkdtemp(prefix="hfpatch-tiny-"))
+    target = Path(directory) if directory is not None else Path(tempfile.mkdtemp(dir=_scratch_directory()))
     from ..scope import vanilla
 
     try:

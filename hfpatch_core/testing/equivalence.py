@@ -19,6 +19,7 @@ without the pack and runs each check in turn, collecting every failure in a ``Re
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import tempfile
 from collections.abc import Iterator, Sequence
@@ -134,12 +135,15 @@ def _first_divergence(
     return "no single module diverges beyond atol (the difference builds up across modules)"
 
 
-def _source_checkpoint(checkpoint_or_model_type: str | Path) -> Path:
-    """The checkpoint directory given, or a tiny checkpoint of the model type given."""
+@contextlib.contextmanager
+def _source_checkpoint(checkpoint_or_model_type: str | Path) -> Iterator[Path]:
+    """The checkpoint directory given, or a tiny checkpoint of the model type given (removed afterwards)."""
     source = Path(checkpoint_or_model_type)
-    if not source.is_dir():
-        source = tiny_checkpoint(str(checkpoint_or_model_type))
-    return source
+    if source.is_dir():
+        yield source
+        return
+    with tempfile.TemporaryDirectory(prefix="hfpatch-tiny-") as directory:
+        yield tiny_checkpoint(str(checkpoint_or_model_type), Path(directory) / "checkpoint")
 
 
 def _tolerance(atol: float | None, dtype: torch.dtype) -> float:
@@ -293,8 +297,23 @@ def check_pack_equivalence(
     expected_replacements: Sequence[str] | None = None,
     apply_path: bool = False,
 ) -> Report:
-    """Run every check of ``assert_pack_equivalent`` and return the report."""
-    source = _source_checkpoint(checkpoint_or_model_type)
+    """Run every check of ``assert_pack_equivalent`` and return the report.
+
+    A tiny checkpoint built for a model type is removed before this returns.
+    """
+    with _source_checkpoint(checkpoint_or_model_type) as source:
+        return _check_equivalence(pack, source, atol, expect, dtype, generate_tokens, expected_replacements)
+
+
+def _check_equivalence(
+    pack: str,
+    source: Path,
+    atol: float | None,
+    expect: Literal["same", "different"],
+    dtype: torch.dtype,
+    generate_tokens: int,
+    expected_replacements: Sequence[str] | None,
+) -> Report:
     vanilla = _load_vanilla(source, dtype)
     report = Report(pack=pack, model_type=str(vanilla.config.model_type))
     try:

@@ -63,6 +63,7 @@ __all__ = [
     "detect_for",
     "fusions_for",
     "provide_converters",
+    "provide_model_types",
     "provide_patches",
 ]
 
@@ -187,6 +188,16 @@ def fusions_for(context: LoadContext) -> list[Fusion]:
         original = getattr(modeling, family.mlp)
         fusions.append(Fusion(original, fused_mlp_class(original), mlp))
     return sorted(fusions, key=lambda fusion: fusion.original.__name__)
+
+
+@hfpatch_core.hookimpl
+def provide_model_types() -> list[str]:
+    """The model types of ``FAMILIES``: ``hfpatch check`` and ``verify`` check the pack on these.
+
+    The pack decides from the config (the sizes come from it), so asked with
+    ``config=None`` it returns nothing; this says where to look instead.
+    """
+    return list(FAMILIES)
 
 
 @hfpatch_core.hookimpl

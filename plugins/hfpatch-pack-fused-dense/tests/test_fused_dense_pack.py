@@ -497,3 +497,13 @@ def test_the_pack_is_discovered_from_an_installed_wheel(checkpoints: dict[str, P
     assert Path(found["module_file"]).resolve().is_relative_to(installed.site.resolve())
     assert found["replaced"] == {"Qwen2Attention": PACK, "Qwen2MLP": PACK}
     assert found["attention"] == "hfpatch_pack_fused_dense.modules"
+
+
+def test_hfpatch_check_covers_every_family(capsys: pytest.CaptureFixture[str]) -> None:
+    """The pack decides from the config; ``provide_model_types`` tells ``check`` and ``verify`` where to look."""
+    from hfpatch_core.cli import main
+
+    assert hfpatch_pack_fused_dense.provide_model_types() == list(FAMILIES)
+    assert main(["check", PACK]) == 0
+    version = hfpatch_pack_fused_dense.__version__
+    assert capsys.readouterr().out == f"ok    {PACK} {version}: targets {', '.join(FAMILIES)}\n"

@@ -310,6 +310,25 @@ def test_from_config_initialises_and_saves_the_original_layout(
     assert {key: tuple(value.shape) for key, value in safetensors_of(tmp_path).items()} == expected
 
 
+@pytest.mark.parametrize("name", ["qwen2_moe", "qwen3_moe"])
+def test_a_model_built_inside_patched_saves_the_original_layout(
+    checkpoints: dict[str, Path], name: str, tmp_path: Path
+) -> None:
+    """What the README says of ``patched()``: the original layout, holding the fused modules' values."""
+    config = CASES[name].config
+    hfpatch_core.enable(PACK)
+    with hfpatch_core.patched(config):
+        model = AutoModelForCausalLM._model_mapping[type(config)](config)
+    hfpatch_core.disable()
+    assert type(model.model.layers[0].self_attn) is FAMILIES[name].fused_attention
+    model.save_pretrained(tmp_path)
+    written = safetensors_of(tmp_path)
+    expected = {key: tuple(value.shape) for key, value in safetensors_of(checkpoints[name]).items()}
+    assert {key: tuple(value.shape) for key, value in written.items()} == expected
+    parts = [written[f"model.layers.0.self_attn.{part}_proj.weight"] for part in ("q", "k", "v")]
+    assert torch.equal(torch.cat(parts), model.model.layers[0].self_attn.qkv_proj.weight)
+
+
 # --- the reason the pack exists ---------------------------------------------------------
 
 

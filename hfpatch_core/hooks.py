@@ -13,6 +13,7 @@ while another thread's replacements are installed.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import types
@@ -89,14 +90,15 @@ def _managed(cls: type, load: Callable[[], Any], code: types.CodeType, *, loadin
 @contextmanager
 def _apply_patches() -> Iterator[None]:
     """hfpatch's ``modeling_utils.apply_patches``: plan a pending load with its loader's config, then apply."""
-    session = live_session()
-    if session is not None:
+    with contextlib.ExitStack() as applied:
         try:
-            session.resolve_pending()
+            session = live_session()
+            if session is not None:
+                session.resolve_pending()
+            applied.enter_context(application.apply_registered_patches())
         except BaseException:
-            unwind_entered_contexts()
+            unwind_entered_contexts()  # raising from __enter__: transformers' other contexts stay entered otherwise
             raise
-    with application.apply_registered_patches():
         yield
 
 

@@ -302,7 +302,7 @@ def check_pack_equivalence(
     A tiny checkpoint built for a model type is removed before this returns.
     """
     with _source_checkpoint(checkpoint_or_model_type) as source:
-        return _check_equivalence(pack, source, atol, expect, dtype, generate_tokens, expected_replacements)
+        return _check_equivalence(pack, source, atol, expect, dtype, generate_tokens, expected_replacements, apply_path)
 
 
 def _check_equivalence(
@@ -313,6 +313,7 @@ def _check_equivalence(
     dtype: torch.dtype,
     generate_tokens: int,
     expected_replacements: Sequence[str] | None,
+    apply_path: bool,
 ) -> Report:
     vanilla = _load_vanilla(source, dtype)
     report = Report(pack=pack, model_type=str(vanilla.config.model_type))

@@ -314,13 +314,15 @@ def test_from_config_initialises_and_saves_the_original_layout(
 def test_a_model_built_inside_patched_saves_the_original_layout(
     checkpoints: dict[str, Path], name: str, tmp_path: Path
 ) -> None:
-    """What the README says of ``patched()``: the original layout, holding the fused modules' values."""
+    """What the README says of ``patched()``: the original layout, holding the fused modules' values,
+    written through hfpatch's save-time check."""
     config = CASES[name].config
     hfpatch_core.enable(PACK)
     with hfpatch_core.patched(config):
         model = AutoModelForCausalLM._model_mapping[type(config)](config)
     hfpatch_core.disable()
     assert type(model.model.layers[0].self_attn) is FAMILIES[name].fused_attention
+    assert type(model.save_pretrained).__name__ == "SaveGuard" and model.save_pretrained.__self__ is model
     model.save_pretrained(tmp_path)
     written = safetensors_of(tmp_path)
     expected = {key: tuple(value.shape) for key, value in safetensors_of(checkpoints[name]).items()}

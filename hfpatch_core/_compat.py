@@ -112,3 +112,11 @@ def fusion_conflict_patterns(exc: BaseException) -> tuple[str, ...] | None:
     if isinstance(patterns, str):
         patterns = [patterns]
     return tuple(str(pattern) for pattern in patterns)
+
+
+def hub_kernels_on_by_default() -> bool:
+    """Whether ``from_pretrained`` kernelizes with hub kernels unless told not to (5.25:
+    ``use_kernels=None`` is on unless ``USE_HUB_KERNELS`` is false; before, off)."""
+    from transformers.integrations import hub_kernels
+
+    return hasattr(hub_kernels, "_ensure_kernels_enabled")

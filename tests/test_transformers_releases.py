@@ -6,6 +6,7 @@ on the others what those releases do instead (see ``hfpatch_core._compat``).
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 import types
 from pathlib import Path
@@ -224,3 +225,25 @@ def test_a_pack_converter_and_a_fusion_on_the_same_tensors(install, vision_check
     with pytest.raises(Exception, match="patch_embed"):
         VISION.from_pretrained(vision_checkpoint, fusion_config={"patch_embeddings": True})
     monkey_patching.clear_patch_mapping()
+
+
+# --- hub kernels --------------------------------------------------------------------------
+
+
+def test_equivalence_compares_the_packs_forward_with_hub_kernels_off(
+    install, llama_checkpoint: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``assert_pack_equivalent`` loads both sides with ``use_kernels=False``: it compares the
+    pack's own forward with transformers', whatever ``USE_HUB_KERNELS`` says.  5.25 turns
+    hub kernels on by default, and without the ``kernels`` package a default load raises."""
+    from transformers import AutoModelForCausalLM
+
+    from hfpatch_core.testing import assert_pack_equivalent
+
+    monkeypatch.delenv("USE_HUB_KERNELS", raising=False)
+    install(PackSpec("mlp", MLP_PACK))
+    if _compat.hub_kernels_on_by_default() and importlib.util.find_spec("kernels") is None:
+        with pytest.raises(Exception, match=r"(?i)kernels"):
+            AutoModelForCausalLM.from_pretrained(llama_checkpoint)
+    report = assert_pack_equivalent("mlp", llama_checkpoint, generate_tokens=2)
+    assert report.ok, report.failures

@@ -247,3 +247,37 @@ def test_equivalence_compares_the_packs_forward_with_hub_kernels_off(
             AutoModelForCausalLM.from_pretrained(llama_checkpoint)
     report = assert_pack_equivalent("mlp", llama_checkpoint, generate_tokens=2)
     assert report.ok, report.failures
+
+
+# --- conversion drift -------------------------------------------------------------------
+
+
+def test_a_sized_converter_reverses_through_transformers_own_copy() -> None:
+    """``WeightTransform`` gained ``__slots__`` (5.6) and ``copy()`` (5.21), which
+    ``reverse_transform`` uses to build the saving transform: hfpatch's sized operations
+    are ``ConversionOps`` passed to it, not transform subclasses, and keep their sizes."""
+    from transformers.core_model_loading import WeightConverter
+
+    from hfpatch_core import SizedConcatenate, SizedSplit
+
+    fuse = WeightConverter(
+        source_patterns=["q_proj.weight", "k_proj.weight", "v_proj.weight"],
+        target_patterns="qkv_proj.weight",
+        operations=[SizedConcatenate(dim=0, sizes=(4, 2, 2))],
+    )
+    (split,) = fuse.reverse_transform().operations
+    assert isinstance(split, SizedSplit) and split.sizes == (4, 2, 2)
+    (again,) = fuse.reverse_transform().reverse_transform().operations
+    assert isinstance(again, SizedConcatenate) and again.sizes == (4, 2, 2)
+
+
+def test_conversion_lists_are_registered_by_position() -> None:
+    """``register_checkpoint_conversion_mapping``'s first argument was renamed in 5.9:
+    hfpatch passes it by position, which every release accepts."""
+    import inspect
+
+    from transformers import conversion_mapping
+
+    parameters = list(inspect.signature(conversion_mapping.register_checkpoint_conversion_mapping).parameters.values())
+    assert parameters[0].kind is inspect.Parameter.POSITIONAL_OR_KEYWORD
+    assert [parameter.name for parameter in parameters[1:3]] == ["mapping", "overwrite"]

@@ -4,6 +4,7 @@
 PYTHON ?= python3.11
 VENV ?= .venv
 VENV_OLDEST ?= .venv-oldest
+VENV_COMPAT ?= .venv-compat
 PIP_FLAGS ?= --disable-pip-version-check --quiet --quiet
 BIN := $(VENV)/bin
 BIN_OLDEST := $(VENV_OLDEST)/bin
@@ -18,14 +19,23 @@ PYTEST_WORKERS ?= -n 2
 # `pip install hfpatch-pack-...` would make them visible.
 PACKS_SITE := $(VENV)/first-party-packs
 PACKS_SITE_OLDEST := $(VENV_OLDEST)/first-party-packs
+# transformers 5.25 (constraints.txt) requires kernels>=0.19.1, which the package index does
+# not serve: it is installed --no-deps, then these, its other requirements (pinned in
+# constraints.txt), and hfpatch-core's own.  Without kernels 5.25 must not turn hub kernels
+# on (its default), or every load raises "Kernels are not available".
+TRANSFORMERS_REQUIREMENTS := huggingface-hub numpy packaging pyyaml regex tokenizers typer safetensors tqdm
+CORE_REQUIREMENTS := torch pluggy importlib-metadata cookiecutter
+export USE_HUB_KERNELS := 0
 
-.PHONY: all venv venv-oldest demo test lint typecheck docs unit unit-oldest clean
+.PHONY: all venv venv-oldest demo test lint typecheck docs unit unit-oldest compat clean
 
 all: test
 
 $(VENV)/.installed: pyproject.toml constraints.txt requirements-dev.txt docs/requirements.txt _hfpatch_autorun.py
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install $(PIP_FLAGS) -c constraints.txt -r requirements-dev.txt -r docs/requirements.txt -e .
+	$(BIN)/python -m pip install $(PIP_FLAGS) -c constraints.txt --no-deps transformers
+	$(BIN)/python -m pip install $(PIP_FLAGS) -c constraints.txt $(TRANSFORMERS_REQUIREMENTS) $(CORE_REQUIREMENTS) -r requirements-dev.txt -r docs/requirements.txt
+	$(BIN)/python -m pip install $(PIP_FLAGS) --no-deps -e .
 	touch $@
 
 $(VENV_OLDEST)/.installed: pyproject.toml constraints-oldest.txt docs/requirements.txt _hfpatch_autorun.py
@@ -74,5 +84,19 @@ unit-oldest: venv-oldest
 
 test: lint typecheck docs unit unit-oldest
 
+# Every release in range, newest first, in one reused venv: hfpatch verify of the
+# first-party packs and a core smoke run per release, as a table (docs/compatibility.md).
+# Not part of `make test`: it installs eight transformers releases.
+$(VENV_COMPAT)/.installed: pyproject.toml constraints-oldest.txt $(PLUGIN_SOURCES)
+	$(PYTHON) -m venv $(VENV_COMPAT)
+	$(VENV_COMPAT)/bin/python -m pip install $(PIP_FLAGS) -c constraints-oldest.txt $(CORE_REQUIREMENTS) safetensors packaging pytest pytest-xdist hypothesis hatchling
+	$(VENV_COMPAT)/bin/python -m pip install $(PIP_FLAGS) --no-deps -e .
+	rm -rf $(VENV_COMPAT)/first-party-packs
+	$(VENV_COMPAT)/bin/python -m pip install $(PIP_FLAGS) --no-deps --no-build-isolation --target $(VENV_COMPAT)/first-party-packs $(PLUGINS)
+	touch $@
+
+compat: $(VENV_COMPAT)/.installed
+	$(PYTHON) .ci/compat.py --venv $(VENV_COMPAT) --packs-site $(VENV_COMPAT)/first-party-packs --write docs/compatibility.md
+
 clean:
-	rm -rf $(VENV) $(VENV_OLDEST) .site .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(VENV_OLDEST) $(VENV_COMPAT) .site .pytest_cache .mypy_cache .ruff_cache

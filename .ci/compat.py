@@ -103,7 +103,7 @@ def main() -> int:
     python = str(args.venv / "bin" / "python")
     env = {**os.environ, "USE_HUB_KERNELS": "0"}
     env.pop("HF_PATCH_PACKS", None)
-    rows: list[tuple[str, dict[str, str], str]] = []
+    rows: list[Row] = []
     for release in args.releases:
         print(f"== transformers {release}", flush=True)
         error = install(python, release, args.pip_flags.split())
@@ -114,6 +114,17 @@ def main() -> int:
         core = smoke(python, env)
         rows.append((release, packs, core))
         print(f"   packs: {packs}\n   core smoke: {core}", flush=True)
+        if args.write is not None:  # after each release: a long run interrupted keeps what it found
+            write(args.write, rows)
+    print(table_of(rows))
+    failed = any(value != "ok" for _, packs, core in rows for value in (*packs.values(), core))
+    return 1 if failed else 0
+
+
+Row = tuple[str, dict[str, str], str]
+
+
+def table_of(rows: list[Row]) -> str:
     names = sorted({name for _, packs, _ in rows for name in packs})
     lines = [
         "| transformers | " + " | ".join(f"`{name}`" for name in names) + " | core smoke |",
@@ -122,20 +133,20 @@ def main() -> int:
     for release, packs, core in rows:
         cells = " | ".join(cell(packs.get(name, "-")) for name in names)
         lines.append(f"| {release} | {cells} | {cell(core)} |")
-    table = "\n".join(lines)
-    print(table)
-    if args.write is not None:
-        today = datetime.date.today().isoformat()
-        args.write.write_text(PAGE.format(date=today, table=table, smoke=", ".join(f"`{f}`" for f in SMOKE)))
-    failed = any(value != "ok" for _, packs, core in rows for value in (*packs.values(), core))
-    return 1 if failed else 0
+    return "\n".join(lines)
+
+
+def write(page: Path, rows: list[Row]) -> None:
+    today = datetime.date.today().isoformat()
+    page.write_text(PAGE.format(date=today, table=table_of(rows), smoke=", ".join(f"`{f}`" for f in SMOKE)))
 
 
 PAGE = """# Compatibility
 
 `make compat` (`.ci/compat.py`) installs each transformers release below in one reused
 virtual environment, newest first, runs `hfpatch verify` on the first-party packs (each
-pack on tiny checkpoints of every model type it targets) and a fast core smoke run
+pack on tiny checkpoints of every model type it targets; `fused-dense`, which decides from
+the config, on llama, mistral, qwen2 and qwen3) and a fast core smoke run
 ({smoke}). transformers is installed `--no-deps` next to its other requirements, without
 `kernels` (5.25 requires `kernels>=0.19.1`, which the package index of our CI does not
 serve), and every run has `USE_HUB_KERNELS=0`. `make test` runs the full suites on the

@@ -4,6 +4,7 @@
 PYTHON ?= python3.11
 VENV ?= .venv
 VENV_OLDEST ?= .venv-oldest
+VENV_COMPAT ?= .venv-compat
 PIP_FLAGS ?= --disable-pip-version-check --quiet --quiet
 BIN := $(VENV)/bin
 BIN_OLDEST := $(VENV_OLDEST)/bin
@@ -18,19 +19,28 @@ PYTEST_WORKERS ?= -n 2
 # `pip install hfpatch-pack-...` would make them visible.
 PACKS_SITE := $(VENV)/first-party-packs
 PACKS_SITE_OLDEST := $(VENV_OLDEST)/first-party-packs
+# transformers 5.25 (constraints.txt) requires kernels>=0.19.1, which the package index does
+# not serve: it is installed --no-deps, then these, its other requirements (pinned in
+# constraints.txt), and hfpatch-core's own.  Without kernels 5.25 must not turn hub kernels
+# on (its default), or every load raises "Kernels are not available".
+TRANSFORMERS_REQUIREMENTS := huggingface-hub numpy packaging pyyaml regex tokenizers typer safetensors tqdm
+CORE_REQUIREMENTS := torch pluggy importlib-metadata cookiecutter
+export USE_HUB_KERNELS := 0
 
-.PHONY: all venv venv-oldest demo test lint typecheck docs unit unit-oldest interop clean
+.PHONY: all venv venv-oldest demo test lint typecheck docs unit unit-oldest compat interop clean
 
 all: test
 
 $(VENV)/.installed: pyproject.toml constraints.txt requirements-dev.txt docs/requirements.txt _hfpatch_autorun.py
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install $(PIP_FLAGS) -c constraints.txt -r requirements-dev.txt -r docs/requirements.txt -e .
+	$(BIN)/python -m pip install $(PIP_FLAGS) -c constraints.txt --no-deps transformers
+	$(BIN)/python -m pip install $(PIP_FLAGS) -c constraints.txt $(TRANSFORMERS_REQUIREMENTS) $(CORE_REQUIREMENTS) -r requirements-dev.txt -r docs/requirements.txt
+	$(BIN)/python -m pip install $(PIP_FLAGS) --no-deps -e .
 	touch $@
 
 $(VENV_OLDEST)/.installed: pyproject.toml constraints-oldest.txt docs/requirements.txt _hfpatch_autorun.py
 	$(PYTHON) -m venv $(VENV_OLDEST)
-	$(BIN_OLDEST)/python -m pip install $(PIP_FLAGS) -c constraints-oldest.txt -r docs/requirements.txt pytest pytest-xdist hypothesis hatchling ruff -e .
+	$(BIN_OLDEST)/python -m pip install $(PIP_FLAGS) -c constraints-oldest.txt -r docs/requirements.txt pytest pytest-xdist hypothesis hatchling ruff import-linter -e .
 	touch $@
 
 # --no-build-isolation: the venv's hatchling builds the wheels, so nothing is fetched
@@ -74,6 +84,20 @@ unit-oldest: venv-oldest
 
 test: lint typecheck docs unit unit-oldest
 
+# Every release in range, newest first, in one reused venv: hfpatch verify of the
+# first-party packs and a core smoke run per release, as a table (docs/compatibility.md).
+# Not part of `make test`: it installs eight transformers releases.
+$(VENV_COMPAT)/.installed: pyproject.toml constraints-oldest.txt $(PLUGIN_SOURCES)
+	$(PYTHON) -m venv $(VENV_COMPAT)
+	$(VENV_COMPAT)/bin/python -m pip install $(PIP_FLAGS) -c constraints-oldest.txt $(CORE_REQUIREMENTS) safetensors packaging pytest pytest-xdist hypothesis hatchling
+	$(VENV_COMPAT)/bin/python -m pip install $(PIP_FLAGS) --no-deps -e .
+	rm -rf $(VENV_COMPAT)/first-party-packs
+	$(VENV_COMPAT)/bin/python -m pip install $(PIP_FLAGS) --no-deps --no-build-isolation --target $(VENV_COMPAT)/first-party-packs $(PLUGINS)
+	touch $@
+
+compat: $(VENV_COMPAT)/.installed
+	$(PYTHON) .ci/compat.py --venv $(VENV_COMPAT) --packs-site $(VENV_COMPAT)/first-party-packs --write docs/compatibility.md
+
 # llm-compressor interop (not part of `make test` / .ci/run): llmcompressor 0.14.0.1 pins
 # transformers 5.17.0, so it gets a venv of its own, torch pinned to the CPU wheel
 # (constraints-interop.txt). The suite is interop/, outside the default testpaths.
@@ -95,4 +119,4 @@ interop: $(VENV_INTEROP)/.installed $(PACKS_SITE_INTEROP)/.installed
 	cd interop && USE_HUB_KERNELS=0 PYTHONPATH=$(CURDIR)/$(PACKS_SITE_INTEROP) $(CURDIR)/$(BIN_INTEROP)/python -m pytest $(PYTEST_FLAGS) -p no:cacheprovider test_llmcompressor.py
 
 clean:
-	rm -rf $(VENV) $(VENV_OLDEST) $(VENV_INTEROP) .site .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(VENV_OLDEST) $(VENV_COMPAT) $(VENV_INTEROP) .site .pytest_cache .mypy_cache .ruff_cache

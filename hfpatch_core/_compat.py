@@ -75,3 +75,48 @@ def router_returns_probabilities(router_class: type) -> bool:
         # logits (3, 1) sum to 4, probabilities to 1
         found = _router_probes[router_class] = bool(abs(float(first.sum()) - 1.0) < 1e-3)
     return found
+
+
+def fusion_patches() -> str | None:
+    """How a load's ``fusion_config`` replaces module classes.
+
+    ``None``: the release has no ``fusion_config`` (5.3).  ``"registered"``: transformers
+    registers the fused classes with ``register_patch_mapping`` (and their transforms in
+    the conversion registry) for good, before the load is planned (5.24).  ``"scoped"``:
+    it passes them to ``apply_patches(mapping)`` for that load only, and appends the
+    fused modules' transforms to the load's conversion list (5.25).
+    """
+    import sys
+
+    from transformers import modeling_utils  # noqa: F401  (it imports fusion_mapping where there is one)
+
+    module = sys.modules.get("transformers.fusion_mapping")
+    if module is None:
+        return None
+    return "scoped" if hasattr(module, "get_fusion_patch_mapping") else "registered"
+
+
+def fusion_conflict_patterns(exc: BaseException) -> tuple[str, ...] | None:
+    """The source patterns of the fused modules' transform that transformers (5.25) refused
+    because a registered conversion has the same ones, or ``None`` if ``exc`` is not that."""
+    import ast
+
+    message = str(exc)
+    marker = "conflict with its conversion mapping for source patterns "
+    if not isinstance(exc, ValueError) or marker not in message:
+        return None
+    try:
+        patterns = ast.literal_eval(message.split(marker, 1)[1].rstrip("."))
+    except (ValueError, SyntaxError):
+        return None
+    if isinstance(patterns, str):
+        patterns = [patterns]
+    return tuple(str(pattern) for pattern in patterns)
+
+
+def hub_kernels_on_by_default() -> bool:
+    """Whether ``from_pretrained`` kernelizes with hub kernels unless told not to (5.25:
+    ``use_kernels=None`` is on unless ``USE_HUB_KERNELS`` is false; before, off)."""
+    from transformers.integrations import hub_kernels
+
+    return hasattr(hub_kernels, "_ensure_kernels_enabled")

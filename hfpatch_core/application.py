@@ -69,15 +69,28 @@ _lazy_dir = _LazyModule.__dir__
 
 
 def attribute_names(module: types.ModuleType) -> list[str]:
-    """The names ``dir(module)`` lists, without ``_LazyModule.__dir__``'s quadratic scan."""
+    """The names ``dir(module)`` lists, without ``_LazyModule.__dir__``'s quadratic scan, and
+    without importing anything.
+
+    A module with a ``__dir__`` of its own (transformers 5.6 to 5.17 register alias
+    modules, such as ``transformers.models.aria.image_processing_aria_fast``, whose
+    ``__dir__`` imports their target, which may need torchvision) lists what its namespace
+    holds: the target, once imported, is a module of its own and is patched there.  A
+    module of another type whose ``dir()`` raises lists its namespace too: listing a
+    module never makes a load fail.
+    """
     namespace = module.__dict__
+    if "__dir__" in namespace:
+        return list(namespace)
     kind = type(module).__dir__
-    if "__dir__" not in namespace:
-        if kind is _plain_dir:
-            return list(namespace)
-        if kind is _lazy_dir:
-            return list(dict.fromkeys([*namespace, *getattr(module, "__all__", ())]))
-    return dir(module)
+    if kind is _plain_dir:
+        return list(namespace)
+    if kind is _lazy_dir:
+        return list(dict.fromkeys([*namespace, *getattr(module, "__all__", ())]))
+    try:
+        return dir(module)
+    except Exception:
+        return list(namespace)
 
 
 def _newest(namespace: Mapping[str, object]) -> str | None:
@@ -241,7 +254,7 @@ def apply_mapping(mapping: Mapping[str, type]) -> Iterator[list[tuple[types.Modu
                     installed[(name, id(replacement))] = original
                     replaced.append((module, name, original))
                     setattr(module, name, replacement)
-                except (AttributeError, TypeError, ImportError):
+                except Exception:  # a name that fails to resolve (an import error, a missing backend) is skipped
                     continue
             yield replaced
         finally:

@@ -14,8 +14,11 @@ import sys
 import types
 from typing import Any
 
-from .errors import PackError
-from .plan import Claim, Plan
+from . import _compat
+from .conversion import source_patterns_of
+from .errors import ConverterConflictError, HfPatchError, PackError
+from .plan import BUILTIN, Claim, Plan
+from .settings import PACKS_ENV
 
 _INTERNAL = ("hfpatch_core", "transformers", "contextlib", "importlib")
 
@@ -75,11 +78,15 @@ def unwind_entered_contexts() -> None:
         frame = frame.f_back  # type: ignore[assignment]
 
 
-def blame(exc: BaseException, plan: Plan) -> PackError | None:
+def blame(exc: BaseException, plan: Plan) -> HfPatchError | None:
     """A PackError naming the replacement class whose code raised ``exc``, if one did; else the
     claim that replaced the class of a model being built (a catch-all pattern such as ``".*"``
     also replaces the model class and every config class, and transformers' code then fails
-    far from the pack)."""
+    far from the pack); or a ``ConverterConflictError`` when ``exc`` is transformers refusing a
+    fused module's transform that a pack's converter competes with (see ``fusion_conflict``)."""
+    conflict = fusion_conflict(exc, plan)
+    if conflict is not None:
+        return conflict
     claims: dict[type, Claim] = {claim.patch.replacement: claim for each in plan.all_plans() for claim in each.entries}
     culprit = None
     traceback = exc.__traceback__
@@ -114,4 +121,36 @@ def _blame_model_class_patch(exc: BaseException, plan: Plan) -> PackError | None
             "pattern to the module classes it means (e.g. '^LlamaMLP$') or use exact names.",
             stage="load",
         )
+    return None
+
+
+def fusion_conflict(exc: BaseException, plan: Plan) -> ConverterConflictError | None:
+    """The pack whose converter converts the tensors of a ``fusion_config`` fusion, named.
+
+    transformers 5.25 appends the transforms of a load's fused modules to its conversion
+    list and raises ``ValueError`` when one has the same source patterns as a registered
+    transform (its loader uses the first match, so one of them would never run).  When
+    that registered transform is a pack's, the pack and the fusion are named instead.
+    """
+    patterns = _compat.fusion_conflict_patterns(exc)
+    if patterns is None:
+        return None
+    for each in plan.all_plans():
+        for key, entries in each.conversions.lists.items():
+            for entry in entries:
+                if entry.origin == BUILTIN:
+                    continue
+                written = source_patterns_of(entry.transform)
+                if patterns not in (written, tuple(entry.transform.source_patterns)):
+                    continue
+                config = each.context.config if each.context is not None else None
+                fusions = sorted(getattr(config, "fusion_config", None) or {}) or ["fusion_config"]
+                return ConverterConflictError(
+                    f"pack {entry.origin!r}'s converter for {key!r} and transformers' fusion "
+                    f"{', '.join(map(repr, fusions))} both convert checkpoint tensors {list(patterns)}: "
+                    "transformers would apply only one of them. Load without that fusion "
+                    f"(fusion_config={{{fusions[0]!r}: False}}), disable the pack "
+                    f"({PACKS_ENV}=all,-{entry.origin}), "
+                    "or tie the converter to the patch the fusion replaces (Converter(..., patch_targets=...))."
+                )
     return None

@@ -17,8 +17,8 @@ import contextlib
 import functools
 import logging
 import types
-from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 import torch.nn as nn
@@ -87,9 +87,26 @@ def _managed(cls: type, load: Callable[[], Any], code: types.CodeType, *, loadin
     return result
 
 
+def _apply_patches(mapping: Mapping[str, type] | None = None) -> AbstractContextManager[None]:
+    """hfpatch's ``modeling_utils.apply_patches``.
+
+    Without ``mapping``: plan a pending load with its loader's config, then apply the
+    registry.  transformers 5.25 calls it a second time with the patches of the load's
+    ``fusion_config``, in the same init contexts, before entering either: the mapping is
+    recorded on the pending load, which is planned with it as a direct registration
+    (``Frame.fusion``), and applied inside the registry's block minus the targets a
+    pack's claim won (the claim set ``overwrite=True``).
+    """
+    if mapping is None:
+        return _apply_registry()
+    session = live_session()
+    if session is not None:
+        session.expect_fusion(mapping)
+    return _apply_fusion(mapping)
+
+
 @contextmanager
-def _apply_patches() -> Iterator[None]:
-    """hfpatch's ``modeling_utils.apply_patches``: plan a pending load with its loader's config, then apply."""
+def _apply_registry() -> Iterator[None]:
     with contextlib.ExitStack() as applied:
         try:
             session = live_session()
@@ -99,6 +116,15 @@ def _apply_patches() -> Iterator[None]:
         except BaseException:
             unwind_entered_contexts()  # raising from __enter__: transformers' other contexts stay entered otherwise
             raise
+        yield
+
+
+@contextmanager
+def _apply_fusion(mapping: Mapping[str, type]) -> Iterator[None]:
+    session = live_session()
+    plan = session.current_plan() if session is not None else None
+    won = plan.mapping if plan is not None else {}
+    with application.apply_mapping({key: value for key, value in mapping.items() if key not in won}):
         yield
 
 

@@ -19,7 +19,7 @@ import contextvars
 import dataclasses
 import threading
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 
 from transformers import monkey_patching
@@ -78,8 +78,13 @@ class Session:
                 warnings.warn(message, PackWarning, stacklevel=caller_stacklevel())
 
     # planning -----------------------------------------------------------------------
-    def plan(self, context: LoadContext, class_names: Iterable[str] = ()) -> Plan:
+    def plan(
+        self, context: LoadContext, class_names: Iterable[str] = (), fusion: Mapping[str, type] | None = None
+    ) -> Plan:
         """The plan of a load of ``context`` made now, on this thread (see ``planning.plan_load``).
+
+        ``fusion``: the patches of the load's ``fusion_config`` (transformers 5.25 applies
+        them for the load only, see ``Frame.fusion``), planned as if registered directly.
 
         Raises:
             PackError: strict mode, and a pack failed or was skipped.
@@ -91,7 +96,7 @@ class Session:
             self.packs,
             priority_offsets=self.selection.spec.priority_offsets,
             class_names=class_names,
-            registered=monkey_patching.get_patch_mapping(),
+            registered={**monkey_patching.get_patch_mapping(), **(fusion or {})},
             overridable=self._owned(),
             report=self.report,
         )
@@ -135,6 +140,27 @@ class Session:
         context = LoadContext.for_model(model_class, frame.loader.config(), parent=self.current)
         frame.resolve(context, class_names_for(model_class))
 
+    def expect_fusion(self, mapping: Mapping[str, type]) -> Plan | None:
+        """Record the fusion patches transformers will apply in the innermost load on this thread.
+
+        transformers 5.25 builds a load's init contexts (``apply_patches()``, then
+        ``apply_patches(fusion mapping)``) before entering any: the mapping is known here
+        before the load is planned, and planned with it (see ``Frame.fusion``).  Returns
+        the load's plan when it is already made (the mapping then came too late to plan).
+        """
+        frames = self.frames()
+        if not frames:
+            return None
+        frame = frames[-1]
+        if frame.plan is None:
+            frame.fusion.update(mapping)
+        return frame.plan
+
+    def current_plan(self) -> Plan | None:
+        """The plan of the innermost load on this thread, once made."""
+        frames = self.frames()
+        return frames[-1].plan if frames else None
+
     def in_root_load(self) -> bool:
         """Whether the innermost load on this thread is a root: no loader runs around it (a
         load inside ``patched()`` is one; a composite model's text model is not)."""
@@ -150,11 +176,15 @@ class Frame:
     loader: Loader | None = None
     plan: Plan | None = None
     nested: list[Plan] = dataclasses.field(default_factory=list)
+    #: transformers' fusion patches for this load (5.25's ``apply_patches(mapping)``): they
+    #: rank as a direct registration, so a pack's claim on one of their classes wins only
+    #: with ``overwrite=True``
+    fusion: dict[str, type] = dataclasses.field(default_factory=dict)
     cleanup: contextlib.ExitStack = dataclasses.field(default_factory=contextlib.ExitStack)
 
     def resolve(self, context: LoadContext, class_names: Iterable[str]) -> Plan:
         """Make this load's plan and register it until the load ends."""
-        plan = self.session.plan(context, class_names)
+        plan = self.session.plan(context, class_names, self.fusion)
         (self.root or self).cleanup.enter_context(registered_conversions(plan.conversions))
         if self.root is not None:
             self.root.nested.append(plan)

@@ -8,7 +8,7 @@ from transformers.models.qwen2_vl import modeling_qwen2_vl
 from transformers.models.qwen2_vl.configuration_qwen2_vl import Qwen2VLVisionConfig
 
 import hfpatch_core
-from hfpatch_core import plan_of
+from hfpatch_core import _compat, plan_of
 from packs import PackSpec
 
 VISION_PACK = """
@@ -27,8 +27,8 @@ VISION = modeling_qwen2_vl.Qwen2VisionTransformerPretrainedModel
 
 
 def test_registrations_transformers_makes_during_a_load_stay_and_ours_go(install, tmp_path) -> None:
-    """A fusion_config load registers transformers' own patch and conversion for good;
-    hfpatch removes only its own entries."""
+    """A fusion_config load registers transformers' own patch and conversion for good (5.24;
+    5.25 registers nothing); hfpatch removes only its own entries."""
     config = Qwen2VLVisionConfig(
         depth=1,
         embed_dim=32,
@@ -63,8 +63,12 @@ def test_registrations_transformers_makes_during_a_load_stay_and_ours_go(install
     assert type(model.patch_embed).__name__ == "FusedPatchEmbed"  # transformers' fusion, in the same load
     left = monkey_patching.get_patch_mapping()
     assert "VisionMlp" not in left  # ours is gone
-    assert left["PatchEmbed"].__name__ == "FusedPatchEmbed"  # transformers' own registration stays
-    assert conversion_mapping.get_checkpoint_conversion_mapping(model_type) is not None  # and its conversion
+    if _compat.fusion_patches() == "scoped":  # 5.25 applies the fusion for the load only
+        assert left == {}
+        assert conversion_mapping.get_checkpoint_conversion_mapping(model_type) is None
+    else:
+        assert left["PatchEmbed"].__name__ == "FusedPatchEmbed"  # transformers' own registration stays
+        assert conversion_mapping.get_checkpoint_conversion_mapping(model_type) is not None  # and its conversion
     with torch.no_grad():
         output = model(pixels, grid_thw=grid)
     torch.testing.assert_close(getattr(output, "last_hidden_state", output), expected, atol=1e-5, rtol=0)

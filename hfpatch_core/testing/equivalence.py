@@ -160,7 +160,7 @@ def _load_vanilla(source: str | Path, dtype: torch.dtype) -> Any:
     from ..scope import vanilla
 
     with vanilla():
-        return AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
+        return AutoModelForCausalLM.from_pretrained(source, dtype=dtype, use_kernels=False)
 
 
 def _load_with_pack(pack: str, source: Path, dtype: torch.dtype) -> tuple[Any, dict[str, Any]]:
@@ -168,7 +168,12 @@ def _load_with_pack(pack: str, source: Path, dtype: torch.dtype) -> tuple[Any, d
     from transformers import AutoModelForCausalLM
 
     with _enabled(pack):
-        loaded: Any = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, output_loading_info=True)
+        # kernels off on both sides: a hub kernel would replace the forward of the pack's class
+        # (it inherits its parent's kernel_layer_name) and of transformers' alike, and the
+        # comparison would prove nothing about the pack (docs/authors-guide.md, "Hub kernels")
+        loaded: Any = AutoModelForCausalLM.from_pretrained(
+            source, dtype=dtype, output_loading_info=True, use_kernels=False
+        )
     return loaded[0], loaded[1]
 
 

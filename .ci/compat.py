@@ -1,0 +1,162 @@
+"""`make compat`: the first-party packs and a fast core smoke run on every transformers release in range.
+
+One virtual environment (``--venv``, already holding hfpatch-core and the test tools) is
+reused: for each release, newest first, transformers is installed ``--no-deps`` with its
+own requirements except ``kernels`` (5.25 requires ``kernels>=0.19.1``, which the package
+index does not serve; ``USE_HUB_KERNELS=0`` is set), then ``hfpatch verify --json`` runs
+on the first-party packs and ``pytest`` on a few core files.  Prints a release x pack table
+and, with ``--write PAGE``, writes it as a Markdown page with the date.  Not part of
+``.ci/run``: it installs eight releases and takes a while.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+RELEASES = ("5.25.0", "5.24.0", "5.21.0", "5.17.0", "5.13.0", "5.9.0", "5.6.0", "5.3.0")
+SMOKE = ("tests/test_transformers_releases.py", "tests/test_loading.py", "tests/test_transformers_registrations.py")
+#: packs that decide from the config, so verify needs their model types (README's table)
+FROM_CONFIG = {"fused-dense": ("llama", "mistral", "qwen2", "qwen3")}
+#: requirements transformers declares that are not installed (see the module docstring)
+LEFT_OUT = {"kernels"}
+
+REQUIREMENTS = """
+import importlib.metadata, re
+from packaging.requirements import Requirement
+for line in importlib.metadata.requires("transformers") or ():
+    requirement = Requirement(line)
+    if requirement.marker is None and requirement.name not in {left_out!r}:
+        print(requirement)
+"""
+
+
+def run(command: list[str], **kwargs: object) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(command, text=True, capture_output=True, **kwargs)  # type: ignore[call-overload]
+
+
+def install(python: str, release: str, pip_flags: list[str]) -> str | None:
+    """Install ``release`` and its requirements; the error, or ``None``."""
+    step = run([python, "-m", "pip", "install", *pip_flags, "--no-deps", f"transformers=={release}"])
+    if step.returncode:
+        return step.stderr.strip().splitlines()[-1] if step.stderr.strip() else "pip failed"
+    listed = run([python, "-c", REQUIREMENTS.format(left_out=LEFT_OUT)])
+    requirements = listed.stdout.split()
+    step = run([python, "-m", "pip", "install", *pip_flags, *requirements])
+    if step.returncode:
+        return step.stderr.strip().splitlines()[-1] if step.stderr.strip() else "pip failed"
+    return None
+
+
+def verify(venv: Path, packs_site: str, env: dict[str, str]) -> dict[str, str]:
+    """``hfpatch verify --json`` of every pack (and of each ``FROM_CONFIG`` pack on its model
+    types): for each pack, ``ok`` or the first failure."""
+    found: dict[str, str] = {}
+    for pack, model_types in (("", ()), *FROM_CONFIG.items()):
+        arguments = [pack, *(f"--model-type={model_type}" for model_type in model_types)] if pack else []
+        found.update(_verify(venv, packs_site, env, arguments))
+    return found
+
+
+def _verify(venv: Path, packs_site: str, env: dict[str, str], arguments: list[str]) -> dict[str, str]:
+    command = [str(venv / "bin" / "hfpatch"), "verify", "--json", *arguments]
+    step = run(command, env={**env, "PYTHONPATH": packs_site}, cwd="/")
+    try:
+        reports = json.loads(step.stdout)["reports"]
+    except (ValueError, KeyError):
+        tail = (step.stderr or step.stdout).strip().splitlines()
+        return {"(verify)": f"error: {tail[-1] if tail else step.returncode}"}
+    found: dict[str, str] = {}
+    for report in reports:
+        pack, failures = report["pack"], report.get("failures") or []
+        if failures and found.get(pack, "ok") == "ok":
+            found[pack] = f"fails on {report['model_type']}: {failures[0]}"
+        else:
+            found.setdefault(pack, "ok")
+    return found
+
+
+def smoke(python: str, env: dict[str, str]) -> str:
+    step = run([python, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *SMOKE], env=env)
+    last = step.stdout.strip().splitlines()[-1] if step.stdout.strip() else ""
+    return "ok" if step.returncode == 0 else f"fails: {last}"
+
+
+def cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")[:160]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--venv", type=Path, required=True)
+    parser.add_argument("--packs-site", required=True)
+    parser.add_argument("--releases", nargs="*", default=list(RELEASES))
+    parser.add_argument("--pip-flags", default="--disable-pip-version-check --quiet --quiet")
+    parser.add_argument("--write", type=Path, help="write the table to this Markdown page")
+    args = parser.parse_args()
+    args.venv = args.venv.absolute()
+    python = str(args.venv / "bin" / "python")
+    env = {**os.environ, "USE_HUB_KERNELS": "0"}
+    env.pop("HF_PATCH_PACKS", None)
+    rows: list[Row] = []
+    for release in args.releases:
+        print(f"== transformers {release}", flush=True)
+        error = install(python, release, args.pip_flags.split())
+        if error is not None:
+            rows.append((release, {"(install)": f"error: {error}"}, "not run"))
+            continue
+        packs = verify(args.venv, os.path.abspath(args.packs_site), env)
+        core = smoke(python, env)
+        rows.append((release, packs, core))
+        print(f"   packs: {packs}\n   core smoke: {core}", flush=True)
+        if args.write is not None:  # after each release: a long run interrupted keeps what it found
+            write(args.write, rows)
+    print(table_of(rows))
+    failed = any(value != "ok" for _, packs, core in rows for value in (*packs.values(), core))
+    return 1 if failed else 0
+
+
+Row = tuple[str, dict[str, str], str]
+
+
+def table_of(rows: list[Row]) -> str:
+    names = sorted({name for _, packs, _ in rows for name in packs})
+    lines = [
+        "| transformers | " + " | ".join(f"`{name}`" for name in names) + " | core smoke |",
+        "|---" * (len(names) + 2) + "|",
+    ]
+    for release, packs, core in rows:
+        cells = " | ".join(cell(packs.get(name, "-")) for name in names)
+        lines.append(f"| {release} | {cells} | {cell(core)} |")
+    return "\n".join(lines)
+
+
+def write(page: Path, rows: list[Row]) -> None:
+    today = datetime.date.today().isoformat()
+    page.write_text(PAGE.format(date=today, table=table_of(rows), smoke=", ".join(f"`{f}`" for f in SMOKE)))
+
+
+PAGE = """# Compatibility
+
+`make compat` (`.ci/compat.py`) installs each transformers release below in one reused
+virtual environment, newest first, runs `hfpatch verify` on the first-party packs (each
+pack on tiny checkpoints of every model type it targets; `fused-dense`, which decides from
+the config, on llama, mistral, qwen2 and qwen3) and a fast core smoke run
+({smoke}). transformers is installed `--no-deps` next to its other requirements, without
+`kernels` (5.25 requires `kernels>=0.19.1`, which the package index of our CI does not
+serve), and every run has `USE_HUB_KERNELS=0`. `make test` runs the full suites on the
+oldest (5.3.0) and the newest (5.25.0) release only.
+
+Results of {date} (CPU, Python 3.11, torch 2.13.0):
+
+{table}
+"""
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -6,13 +6,24 @@ pages document (docs/index.md, "About the examples"):
 
 * the working directory is a fresh temporary directory holding ``./my-checkpoint``, a
   tiny random llama checkpoint from ``hfpatch_core.testing.tiny_checkpoint``;
-* the example packs of ``docs/examples/`` are installed as real distributions on a
-  temporary ``sys.path`` entry: ``fused-mlp`` and ``rival-mlp`` (README.md gets
-  ``my-pack`` instead, the name its pytest example uses);
+* the example packs, the projects ``docs/examples/fused-mlp`` and ``docs/examples/rival-mlp``,
+  are built into wheels (hatchling, no build isolation) and installed on temporary
+  ``sys.path`` entries, so discovery reads their own metadata; README.md gets ``my-pack``
+  instead, built the same way from the files of its "Writing a pack" section;
 * a block that defines ``test_*`` functions is a test module: after the page's blocks,
   each such function is called with the pytest fixtures its parameters name
   (``tiny_checkpoint``, ``hfpatch_disabled``, ...), with hfpatch disabled and the
   environment as it was before the page, like a separate pytest run.
+
+Shown output is checked (the preamble in docs/index.md says how):
+
+* a ```` ```text ```` block right after a python block (nothing but blank lines between) is
+  that block's whole standard output;
+* in a python block, a comment at the end of a top-level ``print(...)`` line, or else the
+  comment lines right below it, is what that call prints.
+
+Both compare line by line, trailing spaces ignored; a 12-digit hexadecimal word (a plan
+fingerprint) matches any such word, and ``0x...`` (a memory address) any address.
 
 A line ``--8<-- "path"`` inside a block is replaced by ``docs/path``, as the
 ``pymdownx.snippets`` extension does when the site is built.  Blocks in other languages
@@ -22,25 +33,33 @@ environment, working directory, logging and imported example modules are restore
 """
 
 from __future__ import annotations
+import __future__
 
+import ast
+import contextlib
 import dataclasses
+import functools
 import importlib.util
 import inspect
+import io
+import json
 import logging
+import operator
 import os
 import re
 import subprocess
 import sys
+import tokenize
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+import transformers
 from transformers import AutoConfig, LlamaForCausalLM
 
 import hfpatch_core
-from hfpatch_core.testing import tiny_checkpoint
-from packs import PackSpec, install_packs
+from hfpatch_core.testing import install_wheel, tiny_checkpoint
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
@@ -56,30 +75,15 @@ _FENCE = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>`{3,}|~{3,})[ \t]*(?P<info>[^
 _INCLUDE = re.compile(r'^[ \t]*--8<--[ \t]+"(?P<path>[^"]+)"[ \t]*$')
 
 
-def _source(name: str) -> str:
-    return (EXAMPLES / name).read_text(encoding="utf-8")
+#: The example packs the pages use: installable projects in docs/examples/.
+EXAMPLE_PROJECTS = (EXAMPLES / "fused-mlp", EXAMPLES / "rival-mlp")
+EXAMPLE_MODULES = ("hfpatch_pack_fused_mlp", "hfpatch_pack_rival_mlp", "hfpatch_pack_my_pack")
 
+#: The transformers release whose outputs the pages show (docs/index.md, "About the examples").
+SHOWN_WITH = "5.24.0"
 
-#: The example packs the pages use, installed from their sources in docs/examples/.
-DOC_PACKS = (
-    PackSpec(
-        "fused-mlp",
-        _source("hfpatch_pack_fused_mlp.py"),
-        module="hfpatch_pack_fused_mlp",
-        summary="Llama MLP with fused gate/up projections",
-    ),
-    PackSpec(
-        "rival-mlp",
-        _source("hfpatch_pack_rival_mlp.py"),
-        module="hfpatch_pack_rival_mlp",
-        summary="Another LlamaMLP replacement (priority -1)",
-    ),
-)
-
-#: README.md's examples name their pack ``my-pack``; it is the ``fused-mlp`` example.
-README_PACKS = (dataclasses.replace(DOC_PACKS[0], name="my-pack", distribution="hfpatch-pack-my-pack"),)
-
-EXAMPLE_MODULES = ("hfpatch_pack_fused_mlp", "hfpatch_pack_rival_mlp")
+_FINGERPRINT = re.compile(r"\b[0-9a-f]{12}\b")
+_ADDRESS = re.compile(r"\b0x[0-9a-fA-F]+\b")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,6 +92,8 @@ class Block:
     line: int  # 1-based line of the first line of code
     language: str
     code: str
+    end: int = 0  # 1-based line of the closing fence
+    follows: bool = False  # only blank lines between the previous block's closing fence and this one
 
 
 def blocks(path: Path) -> list[Block]:
@@ -115,7 +121,8 @@ def blocks(path: Path) -> list[Block]:
         else:
             raise AssertionError(f"{path}:{start - 1}: unclosed code fence")
         index += 1
-        found.append(Block(path, start, language, "\n".join(body) + "\n"))
+        follows = bool(found) and all(not text.strip() for text in lines[found[-1].end : start - 2])
+        found.append(Block(path, start, language, "\n".join(body) + "\n", end=index, follows=follows))
     return found
 
 
@@ -135,6 +142,55 @@ def python_blocks(path: Path) -> list[Block]:
 @pytest.fixture(scope="module")
 def docs_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tiny_checkpoint("llama", tmp_path_factory.mktemp("docs") / "my-checkpoint")
+
+
+def build_packs(projects: list[Path], into: Path) -> list[Path]:
+    """Build each project into a wheel and install it on a site of its own; the sites."""
+    sites = []
+    for project in projects:
+        site = into / f"site-{project.name}"
+        install_wheel(project, site)
+        sites.append(site)
+    return sites
+
+
+def use_sites(sites: list[Path]) -> None:
+    """Put installed sites first on ``sys.path`` (``conftest._isolation`` restores it)."""
+    for site in reversed(sites):
+        sys.path.insert(0, str(site))
+    importlib.invalidate_caches()
+
+
+@pytest.fixture(scope="module")
+def example_sites(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
+    """The example packs of docs/examples/, built and installed as wheels once per module."""
+    return build_packs(list(EXAMPLE_PROJECTS), tmp_path_factory.mktemp("example-packs"))
+
+
+def readme_pack_files() -> dict[str, str]:
+    """The files of README.md's "Writing a pack": blocks whose first line is ``# <file name>``."""
+    section = README.read_text(encoding="utf-8").split("\n## Writing a pack\n", 1)[1].split("\n## ", 1)[0]
+    start = next(
+        number
+        for number, line in enumerate(README.read_text(encoding="utf-8").splitlines(), 1)
+        if line == "## Writing a pack"
+    )
+    files = {}
+    for block in blocks(README):
+        first = block.code.splitlines()[0] if block.code.strip() else ""
+        if block.line > start and block.code in section and re.fullmatch(r"# [\w.-]+\.(py|toml)", first):
+            files[first[2:]] = block.code
+    return files
+
+
+@pytest.fixture(scope="module")
+def readme_site(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
+    """README.md's "Writing a pack" example, written out, built into a wheel and installed."""
+    project = tmp_path_factory.mktemp("readme") / "my-pack"
+    project.mkdir()
+    for name, text in readme_pack_files().items():
+        (project / name).write_text(text, encoding="utf-8")
+    return build_packs([project], project.parent)
 
 
 @pytest.fixture
@@ -165,13 +221,80 @@ def page_state(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, docs_checkpoint:
                 del sys.modules[name]
 
 
+def normalized(text: str) -> list[str]:
+    """Output lines as compared: trailing spaces and blank edges dropped, fingerprints and addresses masked."""
+    text = _ADDRESS.sub("0x...", _FINGERPRINT.sub("<fingerprint>", text))
+    return [line.rstrip() for line in text.strip("\n").splitlines()]
+
+
+def matches(printed: str, shown: str) -> bool:
+    """Whether ``printed`` is what a page shows: ``normalized`` lines equal, where a shown
+    line that is only ``...`` stands for any number of lines (an elision)."""
+    pattern = "".join(
+        r"(?:[^\n]*\n)*?" if line.strip() == "..." else re.escape(line) + r"\n" for line in normalized(shown)
+    )
+    return re.fullmatch(pattern, "".join(line + "\n" for line in normalized(printed))) is not None
+
+
+def shown_output(code_lines: list[str], statement: ast.stmt) -> str | None:
+    """What the page shows a top-level ``print(...)`` printing, or ``None`` when it shows nothing."""
+    call = statement.value if isinstance(statement, ast.Expr) else None
+    if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Name) and call.func.id == "print"):
+        return None
+    last = code_lines[statement.end_lineno - 1]  # type: ignore[operator]
+    tokens = list(tokenize.generate_tokens(io.StringIO(last + "\n").readline))
+    trailing = [token.string for token in tokens if token.type == tokenize.COMMENT]
+    if trailing:
+        return trailing[-1][1:].strip()
+    below = []
+    for line in code_lines[statement.end_lineno :]:  # type: ignore[misc]
+        if not line.lstrip().startswith("#"):
+            break
+        below.append(line.lstrip()[1:].strip())
+    return "\n".join(below) if below else None
+
+
+def run_block(block: Block, namespace: dict[str, Any]) -> str:
+    """Run one block statement by statement; check each shown ``print``; its whole output."""
+    code = "\n" * (block.line - 1) + expand_includes(block.code)
+    code_lines = code.splitlines()
+    tree = ast.parse(code, str(block.path))
+    flags = 0
+    everything = io.StringIO()
+    for statement in tree.body:
+        if isinstance(statement, ast.ImportFrom) and statement.module == "__future__":
+            flags |= functools.reduce(
+                operator.or_, (getattr(__future__, alias.name).compiler_flag for alias in statement.names), 0
+            )
+        compiled = compile(
+            ast.Module([statement], type_ignores=[]), str(block.path), "exec", flags=flags, dont_inherit=True
+        )
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):
+            exec(compiled, namespace)
+        everything.write(printed.getvalue())
+        expected = shown_output(code_lines, statement)
+        if expected is not None:
+            assert matches(printed.getvalue(), expected), (
+                f"{block.path.name}:{statement.lineno}: printed {printed.getvalue()!r}, the page shows {expected!r}"
+            )
+    return everything.getvalue()
+
+
 def run_page(path: Path, namespace: dict[str, Any], request: pytest.FixtureRequest) -> None:
     tests: dict[str, Any] = {}
     environment = dict(os.environ)
-    for block in python_blocks(path):
+    page = blocks(path)
+    for number, block in enumerate(page):
+        if block.language not in RUNNABLE:
+            continue
         before = {name: value for name, value in namespace.items() if name.startswith("test")}
-        code = "\n" * (block.line - 1) + expand_includes(block.code)
-        exec(compile(code, str(path), "exec"), namespace)
+        printed = run_block(block, namespace)
+        after = page[number + 1] if number + 1 < len(page) else None
+        if after is not None and after.follows and after.language == "text":
+            assert matches(printed, after.code), (
+                f"{path.name}:{after.line}: the block above printed\n{printed}\nthe page shows\n{after.code}"
+            )
         for name, value in namespace.items():
             if name.startswith("test") and inspect.isfunction(value) and before.get(name) is not value:
                 tests[name] = value
@@ -192,21 +315,115 @@ def run_page(path: Path, namespace: dict[str, Any], request: pytest.FixtureReque
 
 
 @pytest.mark.parametrize("page", PAGES, ids=[page.name for page in PAGES])
-def test_page_examples_run(page: Path, page_state: Path, tmp_path: Path, request: pytest.FixtureRequest) -> None:
-    install_packs(tmp_path / "site", DOC_PACKS)
-    run_page(page, {"__name__": f"docs_{page.stem.replace('-', '_')}"}, request)
+def test_page_examples_run(
+    page: Path, page_state: Path, example_sites: list[Path], request: pytest.FixtureRequest
+) -> None:
+    use_sites(example_sites)
+    run_page(page, {"__name__": "__main__"}, request)
 
 
-def test_readme_examples_run(page_state: Path, tmp_path: Path, request: pytest.FixtureRequest) -> None:
+def test_readme_examples_run(page_state: Path, readme_site: list[Path], request: pytest.FixtureRequest) -> None:
     """README.md's blocks with the preamble they need: ``./my-checkpoint``, the pack
-    ``my-pack``, and for the ``patched()`` example a ``config`` and ``LlamaForCausalLM``."""
-    install_packs(tmp_path / "site", README_PACKS)
+    ``my-pack`` of its "Writing a pack" section, and for the ``patched()`` example a
+    ``config`` and ``LlamaForCausalLM``."""
+    use_sites(readme_site)
     namespace = {
-        "__name__": "docs_readme",
+        "__name__": "__main__",
         "config": AutoConfig.from_pretrained(page_state / "my-checkpoint"),
         "LlamaForCausalLM": LlamaForCausalLM,
     }
     run_page(README, namespace, request)
+
+
+def test_the_readme_pack_is_complete(readme_site: list[Path]) -> None:
+    """ "Writing a pack" gives both files, and the wheel they build is a pack ``hfpatch list`` shows."""
+    assert set(readme_pack_files()) == {"pyproject.toml", "hfpatch_pack_my_pack.py"}
+    use_sites(readme_site)
+    info = hfpatch_core.discover().packs["my-pack"]
+    assert (info.distribution, info.version) == ("hfpatch-pack-my-pack", "0.1.0")
+
+
+@pytest.mark.parametrize("project", EXAMPLE_PROJECTS, ids=[project.name for project in EXAMPLE_PROJECTS])
+def test_the_example_packs_are_listed(project: Path, example_sites: list[Path], tmp_path: Path) -> None:
+    """``pip install ./docs/examples/<name>`` gives a pack ``hfpatch list`` shows, named after the directory."""
+    site = next(site for site in example_sites if site.name == f"site-{project.name}")
+    result = subprocess.run(
+        [sys.executable, "-m", "hfpatch_core", "list", "--json"],
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", ""), str(ROOT)])},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    rows = {row["name"]: row for row in json.loads(result.stdout)["packs"]}
+    assert rows[project.name]["distribution"] == f"hfpatch-pack-{project.name}"
+    assert rows[project.name]["enabled"], rows[project.name]
+
+
+_COMMAND = re.compile(r"^\$ (?P<env>(?:[A-Z_]+=\S* )*)hfpatch (?P<args>[^&|;#]+?)\s*(?:#.*)?$")
+
+
+def shown_commands(path: Path) -> list[tuple[int, dict[str, str], list[str], str]]:
+    """The ``$ hfpatch ...`` lines of a page's console blocks that are followed by output:
+    (line, environment, arguments, output).  ``hfpatch run`` and ``hfpatch new`` are left out."""
+    found = []
+    for block in blocks(path):
+        if block.language != "console":
+            continue
+        lines = block.code.splitlines()
+        for number, line in enumerate(lines):
+            match = _COMMAND.match(line)
+            if match is None:
+                continue
+            output = []
+            for later in lines[number + 1 :]:
+                if later.startswith("$ "):
+                    break
+                output.append(later)
+            args = match["args"].split()
+            if not "".join(output).strip() or args[0] in ("run", "new"):
+                continue
+            env = dict(item.split("=", 1) for item in match["env"].split())
+            found.append((block.line + number, env, args, "\n".join(output)))
+    return found
+
+
+@pytest.fixture(scope="module")
+def qwen_moe_site(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
+    """The first-party ``qwen-moe``, which quickstart.md installs next to the example packs."""
+    return build_packs([ROOT / "plugins" / "hfpatch-pack-qwen-moe"], tmp_path_factory.mktemp("qwen-moe"))
+
+
+PAGES_WITH_COMMANDS = [page for page in PAGES if shown_commands(page)]
+
+
+@pytest.mark.parametrize("page", PAGES_WITH_COMMANDS, ids=[page.name for page in PAGES_WITH_COMMANDS])
+def test_page_commands_print_what_is_shown(
+    page: Path, page_state: Path, example_sites: list[Path], qwen_moe_site: list[Path]
+) -> None:
+    """A console block's ``$ hfpatch ...`` line followed by output prints that output, run in the
+    page's working directory with the example packs and ``qwen-moe`` installed.  The pages show
+    what transformers 5.24.0 gives (model structure and conversion lists differ between releases)."""
+    if transformers.__version__ != SHOWN_WITH:
+        pytest.skip(f"the pages show the output of transformers {SHOWN_WITH}, not {transformers.__version__}")
+    inherited = [entry for entry in os.environ.get("PYTHONPATH", "").split(os.pathsep) if entry]
+    path = os.pathsep.join([*map(str, [*example_sites, *qwen_moe_site]), *inherited, str(ROOT)])
+    for line, env, args, shown in shown_commands(page):
+        result = subprocess.run(
+            [sys.executable, "-m", "hfpatch_core", *args],
+            cwd=page_state,
+            env={**os.environ, "PYTHONPATH": path, **env},
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=False,
+        )
+        # standard output; standard error (progress bars, log lines) only for a command that prints nothing else
+        printed = result.stdout if result.stdout.strip() else result.stderr
+        assert matches(printed, shown), (
+            f"{page.name}:{line}: hfpatch {' '.join(args)} printed\n{printed}\nthe page shows\n{shown}"
+        )
 
 
 @pytest.mark.parametrize("page", PAGES, ids=[page.name for page in PAGES])

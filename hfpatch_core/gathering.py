@@ -46,13 +46,37 @@ def _same_items(saved: list[Any], now: list[Any]) -> bool:
 
 @dataclasses.dataclass
 class _Registries:
-    """transformers' patch and conversion registries as they were before a hook call."""
+    """transformers' patch and conversion registries as they were before the packs' hooks ran.
+
+    Captured once per pack (after its import) and compared after each of its hook calls (``unchanged`` runs in C:
+    the registry's keys, its list objects and their lengths), so that a pack writing the
+    registries itself is caught and named; a hook that swaps one transform of a list for
+    another in place, keeping its length, is the one edit this does not see.
+    """
 
     patches: dict[str, Any]
     cache: dict[str, Any]
     conversions: dict[str, Any]
     lists: dict[str, list[Any]]
     user_keys: set[str] | None
+    values: list[Any] = dataclasses.field(default_factory=list)
+    lengths: list[int] = dataclasses.field(default_factory=list)
+
+    def unchanged(self) -> bool:
+        """Whether both registries still look as captured (cheap; see the class docstring)."""
+        from transformers import conversion_mapping, monkey_patching
+
+        cache = self.cache
+        if conversion_mapping._checkpoint_conversion_mapping_cache is not cache:
+            return False
+        if len(cache) != len(self.conversions) or list(cache.values()) != self.values:
+            return False
+        if [len(value) if isinstance(value, list) else -1 for value in self.values] != self.lengths:
+            return False
+        user_keys = _compat.user_registered_conversions()
+        if user_keys is not None and self.user_keys is not None and user_keys != self.user_keys:
+            return False
+        return monkey_patching.get_patch_mapping() == self.patches
 
     @classmethod
     def capture(cls) -> _Registries:
@@ -60,18 +84,23 @@ class _Registries:
 
         cache = _compat.conversion_cache()
         user_keys = _compat.user_registered_conversions()
+        values = list(cache.values())
         return cls(
             patches=monkey_patching.get_patch_mapping(),
             cache=cache,
             conversions=dict(cache),
             lists={key: list(value) for key, value in cache.items() if isinstance(value, list)},
             user_keys=set(user_keys) if user_keys is not None else None,
+            values=values,
+            lengths=[len(value) if isinstance(value, list) else -1 for value in values],
         )
 
     def restore(self) -> list[str]:
         """Put both registries back as captured; what had changed, one phrase each."""
         from transformers import conversion_mapping, monkey_patching
 
+        if self.unchanged():
+            return []
         now = monkey_patching.get_patch_mapping()
         changes = [
             f"register_patch_mapping({{{key!r}: {_name(value)}}})"
@@ -207,7 +236,7 @@ class PackSet:
                 )
         return None
 
-    def _call(self, info: PackInfo, hook: str, context: LoadContext) -> list[Any]:
+    def _call(self, info: PackInfo, hook: str, context: LoadContext, registries: _Registries) -> list[Any]:
         caller = getattr(self._manager.hook, hook)
         results: list[Any] = []
         expected: type
@@ -222,12 +251,10 @@ class PackSet:
                 continue
             arguments = {"context": context}
             try:
-                with LOAD_LOCK:
-                    registries = _Registries.capture()
-                    try:
-                        result = impl.function(*[arguments[name] for name in impl.argnames])
-                    finally:
-                        changes = registries.restore()
+                try:
+                    result = impl.function(*[arguments[name] for name in impl.argnames])
+                finally:
+                    changes = registries.restore()
                 if changes:
                     raise PackError(
                         info.name,
@@ -251,27 +278,31 @@ class PackSet:
         converters: list[ConverterClaim] = []
         packs: list[tuple[str, str]] = []
         failures: list[PackError] = []
-        for name in sorted(self.infos):
-            info = self.infos[name]
-            error = self._load(info)
-            if error is not None:
-                failures.append(error)
-                continue
-            try:
-                patches = self._call(info, "provide_patches", context)
-                pack_converters = self._call(info, "provide_converters", context)
-                _check_patch_targets(name, patches, pack_converters)
-            except PackError as exc:
-                failures.append(exc)
-                continue
-            offset = offsets.get(name, 0)
-            claims.extend(
-                Claim(pack=name, version=info.version, patch=patch, priority=patch.priority + offset, index=index)
-                for index, patch in enumerate(patches)
-            )
-            converters.extend(
-                ConverterClaim(name, info.version, converter, converter.priority + offset, len(converters) + index)
-                for index, converter in enumerate(pack_converters)
-            )
-            packs.append((name, info.version))
+        # the lock held from each capture to its last comparison: a registry change another
+        # thread makes meanwhile is not a pack's
+        with LOAD_LOCK:
+            for name in sorted(self.infos):
+                info = self.infos[name]
+                error = self._load(info)
+                if error is not None:
+                    failures.append(error)
+                    continue
+                registries = _Registries.capture()
+                try:
+                    patches = self._call(info, "provide_patches", context, registries)
+                    pack_converters = self._call(info, "provide_converters", context, registries)
+                    _check_patch_targets(name, patches, pack_converters)
+                except PackError as exc:
+                    failures.append(exc)
+                    continue
+                offset = offsets.get(name, 0)
+                claims.extend(
+                    Claim(pack=name, version=info.version, patch=patch, priority=patch.priority + offset, index=index)
+                    for index, patch in enumerate(patches)
+                )
+                converters.extend(
+                    ConverterClaim(name, info.version, converter, converter.priority + offset, len(converters) + index)
+                    for index, converter in enumerate(pack_converters)
+                )
+                packs.append((name, info.version))
         return Gathered(tuple(claims), tuple(converters), tuple(packs), tuple(failures))

@@ -80,7 +80,7 @@ EXAMPLE_PROJECTS = (EXAMPLES / "fused-mlp", EXAMPLES / "rival-mlp")
 EXAMPLE_MODULES = ("hfpatch_pack_fused_mlp", "hfpatch_pack_rival_mlp", "hfpatch_pack_my_pack")
 
 #: The transformers release whose outputs the pages show (docs/index.md, "About the examples").
-SHOWN_WITH = "5.24.0"
+SHOWN_WITH = "5.25.0"
 
 _FINGERPRINT = re.compile(r"\b[0-9a-f]{12}\b")
 _ADDRESS = re.compile(r"\b0x[0-9a-fA-F]+\b")

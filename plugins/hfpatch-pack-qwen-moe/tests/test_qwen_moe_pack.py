@@ -559,3 +559,36 @@ def test_hfpatch_demo_with_this_pack_passes_every_check() -> None:
     assert "PASS  nothing left behind" in text
     assert "Converters applied:" in text and "SizedConcatenate" in text and "removed WeightConverter" in text
     assert not hfpatch_core.is_enabled()
+
+
+@pytest.mark.parametrize("name", ["qwen2_moe", "qwen3_moe"])
+def test_torchao_int8_weight_only_quantizes_every_expert_within_the_measured_tolerance(
+    checkpoints: dict[str, Path], name: str
+) -> None:
+    """torchao's ``quantize_`` reaches nn.Linear modules only: with the pack, every expert."""
+    from torchao.quantization import Int8WeightOnlyConfig, quantize_
+
+    config = CASES[name].config
+    vanilla = load_model(checkpoints[name])
+    quantize_(vanilla, Int8WeightOnlyConfig())
+    left = [n for n, p in vanilla.named_parameters() if ".mlp.experts." in n and type(p) is nn.Parameter]
+    assert len(left) == 2 * config.num_hidden_layers, "vanilla keeps its experts as fp32 3-D parameters"
+
+    reference = load_model(checkpoints[name], PACK)
+    quantized = load_model(checkpoints[name], PACK)
+    quantize_(quantized, Int8WeightOnlyConfig())
+    assert_patched(quantized)
+    for layer in quantized.model.layers:
+        for expert in layer.mlp.experts:
+            for projection in (expert.gate_proj, expert.up_proj, expert.down_proj):
+                weight = projection.weight
+                assert type(weight).__module__.startswith("torchao"), type(weight)
+        plain = [p for p in layer.mlp.experts.parameters() if type(p) in (torch.Tensor, nn.Parameter)]
+        assert plain == [], "an expert weight is left in floating point"
+    ids, mask = padded_batch(VOCAB, pad_token_id=PAD, seed=4)
+    real = mask.bool()
+    expected, actual = logits_of(reference, ids, mask)[real], logits_of(quantized, ids, mask)[real]
+    assert not torch.equal(actual, expected)
+    assert (actual - expected).abs().max().item() <= INT8_MAX_ABS
+    cosine = F.cosine_similarity(actual, expected, dim=-1)
+    assert cosine.min() >= INT8_MIN_COSINE and cosine.mean() >= INT8_MEAN_COSINE, cosine

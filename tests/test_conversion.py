@@ -103,15 +103,15 @@ def test_a_quantized_patched_model_saves_with_the_check_on_what_vanilla_writes(
     hfpatch_core.enable()
     model = AutoModelForCausalLM.from_pretrained(llama_checkpoint)
     attention = model.model.layers[0].self_attn
-    attention.qkv_proj.register_buffer("weight_scale", torch.ones(1, dtype=torch.float32))
-    with pytest.raises(WeightLayoutError, match=r"qkv_proj.weight_scale: would be written"):
+    attention.qkv_proj.register_buffer("input_scale", torch.ones(1, dtype=torch.float32))
+    with pytest.raises(WeightLayoutError, match=r"qkv_proj.input_scale: would be written"):
         model.save_pretrained(tmp_path / "unquantized")  # an extra tensor on a plain model is refused
-    attention.qkv_proj.register_buffer("weight_zero_point", torch.zeros(1, dtype=torch.int8))
+    attention.qkv_proj.register_buffer("input_zero_point", torch.zeros(1, dtype=torch.int8))
     model.save_pretrained(tmp_path / "quantized")
     written = tensors(tmp_path / "quantized")
     assert "model.layers.0.self_attn.q_proj.weight" in written
     assert "model.layers.0.self_attn.qkv_proj.weight" not in written
-    del attention.qkv_proj.weight_scale  # a quantized model that lost a vanilla weight is still refused
+    del attention.qkv_proj.input_scale  # a quantized model that lost a vanilla weight is still refused
     object.__setattr__(model, "_weight_conversions", [])
     with pytest.raises(WeightLayoutError, match="vanilla transformers expects it"):
         model.save_pretrained(tmp_path / "broken")

@@ -19,6 +19,11 @@ PYTEST_WORKERS ?= -n 2
 # `pip install hfpatch-pack-...` would make them visible.
 PACKS_SITE := $(VENV)/first-party-packs
 PACKS_SITE_OLDEST := $(VENV_OLDEST)/first-party-packs
+# Test-only libraries the pack suites use (torchao, pinned in the constraints files), on a
+# path entry of their own too: importing transformers imports torchao when it is installed,
+# and torchao prints CUDA-library load failures that the core suite must not see.
+PACK_TEST_SITE := $(VENV)/pack-test-libraries
+PACK_TEST_SITE_OLDEST := $(VENV_OLDEST)/pack-test-libraries
 # transformers 5.25 (constraints.txt) requires kernels>=0.19.1, which the package index does
 # not serve: it is installed --no-deps, then these, its other requirements (pinned in
 # constraints.txt), and hfpatch-core's own.  Without kernels 5.25 must not turn hub kernels
@@ -40,7 +45,7 @@ $(VENV)/.installed: pyproject.toml constraints.txt requirements-dev.txt docs/req
 
 $(VENV_OLDEST)/.installed: pyproject.toml constraints-oldest.txt docs/requirements.txt _hfpatch_autorun.py
 	$(PYTHON) -m venv $(VENV_OLDEST)
-	$(BIN_OLDEST)/python -m pip install $(PIP_FLAGS) -c constraints-oldest.txt -r docs/requirements.txt pytest pytest-xdist hypothesis hatchling ruff import-linter torchao -e .
+	$(BIN_OLDEST)/python -m pip install $(PIP_FLAGS) -c constraints-oldest.txt -r docs/requirements.txt pytest pytest-xdist hypothesis hatchling ruff import-linter -e .
 	touch $@
 
 # --no-build-isolation: the venv's hatchling builds the wheels, so nothing is fetched
@@ -54,8 +59,18 @@ $(PACKS_SITE_OLDEST)/.installed: $(VENV_OLDEST)/.installed $(PLUGIN_SOURCES)
 	$(BIN_OLDEST)/python -m pip install $(PIP_FLAGS) --no-deps --no-build-isolation --target $(PACKS_SITE_OLDEST) $(PLUGINS)
 	touch $@
 
-venv: $(VENV)/.installed $(PACKS_SITE)/.installed
-venv-oldest: $(VENV_OLDEST)/.installed $(PACKS_SITE_OLDEST)/.installed
+$(PACK_TEST_SITE)/.installed: $(VENV)/.installed constraints.txt
+	rm -rf $(PACK_TEST_SITE)
+	$(BIN)/python -m pip install $(PIP_FLAGS) --no-deps -c constraints.txt --target $(PACK_TEST_SITE) torchao
+	touch $@
+
+$(PACK_TEST_SITE_OLDEST)/.installed: $(VENV_OLDEST)/.installed constraints-oldest.txt
+	rm -rf $(PACK_TEST_SITE_OLDEST)
+	$(BIN_OLDEST)/python -m pip install $(PIP_FLAGS) --no-deps -c constraints-oldest.txt --target $(PACK_TEST_SITE_OLDEST) torchao
+	touch $@
+
+venv: $(VENV)/.installed $(PACKS_SITE)/.installed $(PACK_TEST_SITE)/.installed
+venv-oldest: $(VENV_OLDEST)/.installed $(PACKS_SITE_OLDEST)/.installed $(PACK_TEST_SITE_OLDEST)/.installed
 
 demo: venv
 	PYTHONPATH=$(PACKS_SITE) $(BIN)/hfpatch demo
@@ -75,12 +90,12 @@ docs: venv
 # The core suite, then each first-party pack's own suite from its directory.
 unit: venv
 	$(BIN)/python -m pytest $(PYTEST_FLAGS) $(PYTEST_WORKERS)
-	@for plugin in $(PLUGINS); do echo "== $$plugin"; (cd $$plugin && PYTHONPATH=$(CURDIR)/$(PACKS_SITE) $(CURDIR)/$(BIN)/python -m pytest $(PYTEST_FLAGS)) || exit 1; done
+	@for plugin in $(PLUGINS); do echo "== $$plugin"; (cd $$plugin && PYTHONPATH=$(CURDIR)/$(PACKS_SITE):$(CURDIR)/$(PACK_TEST_SITE) $(CURDIR)/$(BIN)/python -m pytest $(PYTEST_FLAGS)) || exit 1; done
 
 # The same suites against transformers 5.3.0, the oldest release hfpatch supports.
 unit-oldest: venv-oldest
 	$(BIN_OLDEST)/python -m pytest $(PYTEST_FLAGS) $(PYTEST_WORKERS)
-	@for plugin in $(PLUGINS); do echo "== $$plugin"; (cd $$plugin && PYTHONPATH=$(CURDIR)/$(PACKS_SITE_OLDEST) $(CURDIR)/$(BIN_OLDEST)/python -m pytest $(PYTEST_FLAGS)) || exit 1; done
+	@for plugin in $(PLUGINS); do echo "== $$plugin"; (cd $$plugin && PYTHONPATH=$(CURDIR)/$(PACKS_SITE_OLDEST):$(CURDIR)/$(PACK_TEST_SITE_OLDEST) $(CURDIR)/$(BIN_OLDEST)/python -m pytest $(PYTEST_FLAGS)) || exit 1; done
 
 test: lint typecheck docs unit unit-oldest
 

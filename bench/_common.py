@@ -17,6 +17,7 @@ import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -141,3 +142,18 @@ def describe_ratio(top: Sequence[float], bottom: Sequence[float]) -> str:
     low, high = ratio_interval(top, bottom)
     difference = (median(top) - median(bottom)) * 1e3
     return f"{median(top) / median(bottom):.3f} (95% CI {low:.3f}..{high:.3f}; {difference:+.2f} ms)"
+
+
+def load_causal_lm(path: Path, packs: str | None) -> Any:
+    """``AutoModelForCausalLM.from_pretrained(path)`` in fp32, eval mode; with ``packs`` (strict) when given."""
+    from transformers import AutoModelForCausalLM
+
+    import hfpatch_core
+
+    if packs is not None:
+        hfpatch_core.enable(packs, strict=True)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype="float32")
+    finally:
+        hfpatch_core.disable()
+    return model.eval()

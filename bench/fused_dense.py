@@ -42,7 +42,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from _common import interleaved, machine_info, median, ratio_interval, repeat, spread, table, timed
+from _common import interleaved, load_causal_lm, machine_info, median, ratio_interval, repeat, spread, table, timed
 
 PACK = "fused-dense"
 GOAL = 1.15
@@ -73,20 +73,6 @@ def build_config(args: argparse.Namespace) -> Any:
         max_position_embeddings=4096,
         tie_word_embeddings=False,
     )
-
-
-def load(path: Path, packs: str | None) -> Any:
-    from transformers import AutoModelForCausalLM
-
-    import hfpatch_core
-
-    if packs is not None:
-        hfpatch_core.enable(packs, strict=True)
-    try:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype="float32")
-    finally:
-        hfpatch_core.disable()
-    return model.eval()
 
 
 def materialize(model: Any) -> None:
@@ -362,7 +348,7 @@ def main(argv: list[str] | None = None) -> None:
             f"{args.layers} layers, {args.heads} heads / {args.kv_heads} kv heads, vocab {args.vocab}, fp32: "
             f"{parameters / 1e6:.1f}M parameters (built and saved in {time.perf_counter() - start:.1f} s)"
         )
-        vanilla, fused = load(path, None), load(path, PACK)
+        vanilla, fused = load_causal_lm(path, None), load_causal_lm(path, PACK)
         if args.materialize:
             materialize(vanilla)
             materialize(fused)

@@ -53,7 +53,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from _common import interleaved, machine_info, median, ratio_interval, spread, table
+from _common import interleaved, load_causal_lm, machine_info, median, ratio_interval, spread, table
 
 GOALS = {"fp32": 2.5, "int8": 1.4}
 QUICK = dict(
@@ -96,18 +96,9 @@ def build_config(args: argparse.Namespace) -> Any:
 
 
 def load(path: Path, packs: str | None) -> Any:
-    from transformers import AutoModelForCausalLM
-
-    import hfpatch_core
-
-    if packs is not None:
-        hfpatch_core.enable(packs, strict=True)
-    try:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype="float32")
-    finally:
-        hfpatch_core.disable()
+    model = load_causal_lm(path, packs)
     materialize(model)
-    return model.eval()
+    return model
 
 
 def materialize(model: Any) -> None:

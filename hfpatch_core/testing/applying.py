@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from .models import load_model, logits_of, safetensors_of
+from .models import load_model, logits_of, safetensors_of, tensor_differences
 
 
 def _classes(model: Any) -> dict[str, type]:
@@ -29,17 +29,6 @@ def _weights_differ(expected: dict[str, torch.Tensor], found: dict[str, torch.Te
         or expected[key].shape != found[key].shape
         or expected[key].dtype != found[key].dtype
         or (expected[key].float() - found[key].float()).abs().max().item() > atol
-    ]
-
-
-def _saved_differ(source: dict[str, torch.Tensor], saved: dict[str, torch.Tensor]) -> list[str]:
-    return [
-        key
-        for key in sorted(set(source) | set(saved))
-        if key not in source
-        or key not in saved
-        or source[key].shape != saved[key].shape
-        or not torch.equal(source[key].to(saved[key].dtype), saved[key])
     ]
 
 
@@ -79,7 +68,7 @@ def check_apply_path(comparison: Any) -> None:
     with tempfile.TemporaryDirectory(prefix="hfpatch-apply-") as saved:
         try:
             model.save_pretrained(saved)
-            layout = _saved_differ(safetensors_of(c.source), safetensors_of(saved))
+            layout = tensor_differences(safetensors_of(c.source), safetensors_of(saved))
             if layout:
                 failures.append(f"the applied model does not save the source layout: {', '.join(layout[:10])}")
         except Exception as exc:

@@ -30,7 +30,7 @@ import torch
 import torch.nn as nn
 
 from .checkpoints import tiny_checkpoint
-from .models import _enabled, logits_of, safetensors_of
+from .models import _enabled, logits_of, safetensors_of, tensor_differences
 
 #: The logits tolerance used for bfloat16 comparisons (max abs difference of logits of
 #: tiny random models; bf16 keeps 8 bits of mantissa, and a reordered sum of a few
@@ -240,18 +240,6 @@ def _check_generation(comparison: _Comparison, tokens: int) -> None:
         c.fail(f"greedy generation of {tokens} tokens differs: {a.tolist()} vs {b.tolist()}")
 
 
-def _layout_differences(original: dict[str, torch.Tensor], written: dict[str, torch.Tensor]) -> list[str]:
-    """The tensor names whose presence, shape or values differ between two checkpoints."""
-    return [
-        key
-        for key in sorted(set(original) | set(written))
-        if key not in original
-        or key not in written
-        or original[key].shape != written[key].shape
-        or not torch.equal(original[key].to(written[key].dtype), written[key])
-    ]
-
-
 def _check_saved_layout(comparison: _Comparison, saved: str) -> None:
     """The patched model's ``save_pretrained`` output holds the source checkpoint's tensors, as they were."""
     c = comparison
@@ -263,7 +251,7 @@ def _check_saved_layout(comparison: _Comparison, saved: str) -> None:
         c.fail(f"the saved layout cannot be compared with the source: {exc}")
         return
     if original:
-        layout = _layout_differences(original, written)
+        layout = tensor_differences(original, written)
         c.report.round_trip = not layout
         if layout:
             c.fail(f"save_pretrained does not restore the source layout: {', '.join(layout[:10])}")

@@ -126,3 +126,16 @@ def safetensors_of(directory: str | Path) -> dict[str, torch.Tensor]:
             for key in handle.keys():  # noqa: SIM118 - safe_open is not a mapping
                 found[key] = handle.get_tensor(key)
     return found
+
+
+def tensor_differences(original: dict[str, torch.Tensor], written: dict[str, torch.Tensor]) -> list[str]:
+    """The tensor names whose presence, shape or values differ between two checkpoints
+    (``written``'s dtype is the one compared in)."""
+    return [
+        key
+        for key in sorted(set(original) | set(written))
+        if key not in original
+        or key not in written
+        or original[key].shape != written[key].shape
+        or not torch.equal(original[key].to(written[key].dtype), written[key])
+    ]

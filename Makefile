@@ -45,7 +45,7 @@ $(VENV)/.installed: pyproject.toml constraints.txt requirements-dev.txt docs/req
 
 $(VENV_OLDEST)/.installed: pyproject.toml constraints-oldest.txt docs/requirements.txt _hfpatch_autorun.py
 	$(PYTHON) -m venv $(VENV_OLDEST)
-	$(BIN_OLDEST)/python -m pip install $(PIP_FLAGS) -c constraints-oldest.txt -r docs/requirements.txt pytest pytest-xdist hypothesis hatchling ruff import-linter -e .
+	$(BIN_OLDEST)/python -m pip install $(PIP_FLAGS) -c constraints-oldest.txt -r docs/requirements.txt pytest pytest-xdist hypothesis hatchling ruff import-linter peft accelerate -e .
 	touch $@
 
 # --no-build-isolation: the venv's hatchling builds the wheels, so nothing is fetched

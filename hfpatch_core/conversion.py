@@ -9,6 +9,7 @@ from typing import Any
 from transformers.core_model_loading import ConversionOps, WeightTransform
 
 from .errors import InvalidPatchError
+from .pages import release
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,7 +162,9 @@ class SizedConcatenate(ConversionOps):
                 f"{self!r}: the checkpoint tensors for {source_patterns} have sizes {list(found)} along dim "
                 f"{self.dim}; the converter expects {list(self.sizes)}"
             )
-        return {target_patterns[0]: torch.cat(tensors, dim=self.dim)}
+        fused = torch.cat(tensors, dim=self.dim)
+        release(tensors)  # the checkpoint pages just copied: see pages.py
+        return {target_patterns[0]: fused}
 
     @property
     def reverse_op(self) -> ConversionOps:

@@ -1,0 +1,87 @@
+"""``pages.release``: a converting load gives back the checkpoint pages it copied, and no value changes."""
+
+from __future__ import annotations
+
+import mmap
+import os
+import sys
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from hfpatch_core.conversion import SizedConcatenate
+from hfpatch_core.pages import release
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the pagemap is Linux's")
+
+_FLOATS = 1 << 20  # 4 MiB of float32 per tensor: many whole pages
+
+
+def _resident_pages(tensor: torch.Tensor) -> int:
+    """How many pages of ``tensor``'s bytes are mapped into this process now."""
+    start = tensor.data_ptr()
+    first, last = start // mmap.PAGESIZE, (start + tensor.numel() * tensor.element_size()) // mmap.PAGESIZE
+    fd = os.open("/proc/self/pagemap", os.O_RDONLY)
+    try:
+        entries = memoryview(os.pread(fd, (last - first) * 8, first * 8)).cast("Q")
+    finally:
+        os.close(fd)
+    return sum(1 for entry in entries if entry >> 63)
+
+
+@pytest.fixture
+def checkpoint(tmp_path):
+    path = tmp_path / "model.safetensors"
+    save_file({name: torch.randn(_FLOATS) for name in ("q", "k", "v")}, str(path))
+    handle = safe_open(str(path), "pt")
+    return {name: handle.get_slice(name)[...] for name in ("q", "k", "v")}  # views of the file, as the loader has
+
+
+def test_release_unmaps_file_pages_and_keeps_values(checkpoint):
+    q = checkpoint["q"]
+    expected = q.clone()
+    assert _resident_pages(q) > 250  # the clone read every page
+
+    released = release([q])
+
+    assert released >= (_FLOATS * 4) - 2 * mmap.PAGESIZE  # every whole page, edges excepted
+    assert _resident_pages(q) <= 2
+    assert torch.equal(q, expected)  # read again from the file
+
+
+def test_release_never_touches_anonymous_memory():
+    tensor = torch.randn(_FLOATS)
+    expected = tensor.clone()
+
+    assert release([tensor]) == 0
+    assert torch.equal(tensor, expected)
+    assert _resident_pages(tensor) > 250
+
+
+def test_release_keeps_pages_the_process_wrote(checkpoint):
+    q = checkpoint["q"]
+    middle = _FLOATS // 2
+    q[middle] = 12345.0  # copy-on-write: this page no longer holds the file's bytes
+
+    released = release([q])
+
+    assert released < (_FLOATS * 4) - 2 * mmap.PAGESIZE
+    assert float(q[middle]) == 12345.0
+
+
+def test_release_skips_what_it_cannot_place():
+    strided = torch.randn(64, 64).t()
+    assert release([strided, torch.empty(0), torch.randn(3, device="meta")]) == 0
+
+
+def test_sized_concatenate_releases_its_sources(checkpoint):
+    parts = {name: checkpoint[name] for name in ("q", "k", "v")}
+    copies = {name: tensor.clone() for name, tensor in parts.items()}
+    op = SizedConcatenate(dim=0, sizes=(_FLOATS,) * 3)
+
+    fused = op.convert(dict(parts), ["q", "k", "v"], ["qkv"])["qkv"]
+
+    assert torch.equal(fused, torch.cat([copies["q"], copies["k"], copies["v"]]))
+    assert all(_resident_pages(tensor) <= 2 for tensor in parts.values())

@@ -45,11 +45,12 @@ from pathlib import Path
 from typing import Any
 
 from _common import (
+    describe_paired,
     describe_ratio,
     interleaved,
     machine_info,
     median,
-    ratio_verdict,
+    paired_verdict,
     spread,
     table,
     timed,
@@ -165,8 +166,9 @@ def report(
         goal = ""
         if (top, bottom) in goals:
             limit = goals[(top, bottom)]
-            goal = f"  goal <= {limit}: {ratio_verdict(samples[top], samples[bottom], limit)}"
-        print(f"  ({top})/({bottom}) = {describe_ratio(samples[top], samples[bottom])}{goal}")
+            goal = f"  goal <= {limit}: {paired_verdict(samples[top], samples[bottom], limit)}"
+        print(f"  ({top})/({bottom}) = {describe_ratio(samples[top], samples[bottom])}")
+        print(f"    paired, per round: {describe_paired(samples[top], samples[bottom])}{goal}")
 
 
 def llama_section(work: Path, rounds: dict[str, int], *, profile: bool) -> None:

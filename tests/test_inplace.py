@@ -155,6 +155,32 @@ def test_dtype_requires_grad_training_mode_ties_and_hooks_are_kept(install) -> N
     assert all(after[key].dtype == torch.bfloat16 and torch.equal(after[key], before[key]) for key in before)
 
 
+@pytest.mark.parametrize("context", [torch.no_grad, torch.inference_mode])
+def test_apply_and_revert_under_no_grad_or_inference_mode_keep_requires_grad(install, context) -> None:
+    install(PackSpec("fused", fused_attention_and_mlp_pack()))
+    model = built().train()
+    model.model.layers[0].mlp.down_proj.weight.requires_grad_(False)
+    model.model.layers[1].self_attn.q_proj.weight.requires_grad_(False)  # one part of what is fused
+    trainable = {name: p.requires_grad for name, p in model.named_parameters()}
+    with context():
+        hfpatch_core.apply(model, packs="fused")
+    parameters = dict(model.named_parameters())
+    assert {name: p.requires_grad for name, p in parameters.items() if name in trainable} == {
+        name: value for name, value in trainable.items() if name in parameters
+    }
+    assert parameters["model.layers.1.self_attn.qkv_proj.weight"].requires_grad  # trainable where any part was
+    assert not any(p.is_inference() for p in parameters.values())  # inference tensors could never be trained
+    model(input_ids=ids(), labels=ids()).loss.backward()
+    assert parameters["model.layers.0.mlp.gate_up_proj.weight"].grad is not None
+    model.zero_grad(set_to_none=True)
+    with context():
+        hfpatch_core.revert(model)
+    assert {name: p.requires_grad for name, p in model.named_parameters()} == trainable
+    assert not any(p.is_inference() for p in model.parameters())
+    model(input_ids=ids(), labels=ids()).loss.backward()
+    assert model.model.layers[0].mlp.up_proj.weight.grad is not None
+
+
 def test_a_pack_that_keeps_the_parameters_needs_no_converter(install) -> None:
     install(PackSpec("mlp", MLP_PACK))
     model = built()
@@ -255,7 +281,7 @@ def test_meta_quantized_and_already_patched_models_are_refused(install, llama_ch
         hfpatch_core.apply(model, packs="fused")
     with pytest.raises(ApplyError, match="loaded with packs already"):
         hfpatch_core.apply(load_model(llama_checkpoint, "fused"), packs="fused")
-    with pytest.raises(ApplyError, match="PreTrainedModel, not Linear"):
+    with pytest.raises(ApplyError, match=r"PreTrainedModel \(or a PEFT model\), not Linear"):
         hfpatch_core.apply(nn.Linear(2, 2), packs="fused")
 
 

@@ -395,6 +395,7 @@ def test_verify_checks_the_apply_path_and_fails_a_pack_only_it_catches(install) 
     assert rows["mlp"][-4:] == ["match", "ok", "ok", "PASS"]
     assert rows["training-only"][-4:] == ["match", "ok", "FAILED", "FAIL"]  # only the apply path fails
     assert "training-only on llama: apply() gives other modules than the load at model.layers.0.mlp" in result.stdout
+    assert "revert() failed" not in result.stdout  # it replaced nothing: nothing to revert
 
 
 def test_check_reports_converters_without_patches_or_model(install) -> None:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -291,6 +293,59 @@ def test_a_model_on_several_devices_is_refused(install) -> None:
     model.model.norm.to("meta")
     with pytest.raises(ApplyError, match=r"spread over several devices \(cpu, meta\)"):
         hfpatch_core.apply(model, packs="fused")
+
+
+RANKS = """
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import hfpatch_core
+
+dist.init_process_group("gloo")
+torch.manual_seed(0)
+config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                     num_key_value_heads=2, vocab_size=128)
+model = LlamaForCausalLM(config)
+state = {key: value.clone() for key, value in model.state_dict().items()}
+try:
+    hfpatch_core.apply(model, packs="fused")
+except hfpatch_core.ApplyError as exc:
+    after = model.state_dict()
+    unchanged = sorted(after) == sorted(state) and all(torch.equal(after[key], state[key]) for key in state)
+    # a file per rank: the ranks' standard outputs interleave
+    Path(sys.argv[1], f"rank{dist.get_rank()}").write_text(f"unchanged={unchanged}: {exc}")
+dist.destroy_process_group()
+"""
+
+
+def test_a_model_on_several_ranks_is_refused(install, tmp_path: Path) -> None:
+    """Two real ranks (torchrun, gloo on CPU): each rank's model is refused, as it was."""
+    site = install(PackSpec("fused", fused_attention_and_mlp_pack()))
+    script = tmp_path / "ranks.py"
+    script.write_text(RANKS)
+    checkout = Path(hfpatch_core.__file__).resolve().parents[1]
+    environment = {k: v for k, v in os.environ.items() if not k.startswith(("HF_PATCH", "HFPATCH"))}
+    environment["PYTHONPATH"] = os.pathsep.join([str(site), str(checkout)])
+    torchrun = Path(sys.executable).with_name("torchrun")
+    result = subprocess.run(
+        [str(torchrun), "--standalone", "--nproc_per_node", "2", str(script), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        env=environment,
+        timeout=300,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    found = [(tmp_path / f"rank{rank}").read_text() if (tmp_path / f"rank{rank}").exists() else "" for rank in (0, 1)]
+    expected = (
+        "unchanged=True: LlamaForCausalLM: torch.distributed runs with 2 ranks, and a model sharded across ranks "
+        "cannot be converted in place; load the checkpoint with the packs enabled on every rank (hfpatch run)"
+    )
+    assert found == [expected, expected]
 
 
 def test_dtensor_parameters_are_refused(install, tmp_path: Path) -> None:

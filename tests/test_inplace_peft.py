@@ -146,6 +146,12 @@ def test_a_module_holding_adapters_is_refused_and_nothing_changes(install, tmp_p
     assert "Apply the packs before adding adapters" in message and 'packs="all,-fused"' in message
     assert_as_before(model, before, same_modules=True)
     snapshot.assert_unchanged()
+    reference = logits(model)
+    hfpatch_core.apply(model, packs="fused-mlp")  # the same model, with a pack that leaves the attention alone
+    assert type(model.get_base_model().model.layers[0].mlp).__name__ == "FusedGateUpMLP"
+    torch.testing.assert_close(logits(model), reference, rtol=0, atol=1e-5)
+    hfpatch_core.revert(model)
+    assert_as_before(model, before, same_modules=False)
 
     # a module trained in full (modules_to_save) is an adapter too: its copy would be lost
     wrapped = get_peft_model(built(), lora(target_modules=["o_proj"], modules_to_save=["mlp"]))

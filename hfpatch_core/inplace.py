@@ -207,6 +207,7 @@ def revert(model: nn.Module) -> None:
     record = getattr(model, APPLIED_ATTRIBUTE, None)
     if not isinstance(record, Applied):
         raise ApplyError(f"{type(model).__name__} was not patched by hfpatch_core.apply(): nothing to revert")
+    refuse_adapters(model, [(swap.path, swap.pack) for swap in record.swaps], after=True)
     for swap in record.swaps:
         current = _submodule(model, swap.path)
         if type(current) is not swap.replacement:
@@ -215,7 +216,6 @@ def revert(model: nn.Module) -> None:
                 f"cannot revert {type(model).__name__}: {swap.path} holds {found}, not the "
                 f"{swap.replacement.__name__} pack {swap.pack!r} put there"
             )
-    refuse_adapters(model, [(swap.path, swap.pack) for swap in record.swaps], after=True)
     with LOAD_LOCK, _no_autograd():
         state = _checkpoint_state(model)
         with vanilla():

@@ -90,11 +90,12 @@ def test_a_peft_model_is_patched_around_its_adapters_and_reverts_exactly(
 ) -> None:
     install(PackSpec("fused-mlp", FUSED_MLP_PACK))
     torch.manual_seed(1)
-    model = get_peft_model(load_model(llama_checkpoint), lora()).eval()
+    # LoRA on the attention, and the lm_head trained in full (a modules_to_save copy)
+    model = get_peft_model(load_model(llama_checkpoint), lora(modules_to_save=["lm_head"])).eval()
     model.save_pretrained(tmp_path / "adapter")
     before = snapshot_of(model)
     adapters = {name: p for name, p in model.named_parameters() if p.requires_grad}
-    assert len(adapters) == 8  # lora_A and lora_B of q_proj and v_proj, two layers
+    assert len(adapters) == 9  # lora_A and lora_B of q_proj and v_proj in two layers, the lm_head copy
 
     with load_reports() as reports:
         plan = hfpatch_core.apply(model, packs="fused-mlp", strict=True)
@@ -228,3 +229,11 @@ def test_adapters_added_into_a_swapped_module_after_apply_block_revert(install) 
         "layers added since apply(): qkv_proj (lora.Linear)"
     )
     assert_as_before(model, before, same_modules=True)
+
+    # a swapped module itself wrapped for full training (modules_to_save)
+    other = built()
+    hfpatch_core.apply(other, packs="fused")
+    wrapped = get_peft_model(other, lora(target_modules=["lm_head"], modules_to_save=["mlp"]))
+    with pytest.raises(ApplyError, match=r"model.layers.0.mlp, which pack 'fused' put there, holds PEFT adapter"):
+        hfpatch_core.revert(wrapped)
+    assert type(other.model.layers[0].mlp).__name__ == "ModulesToSaveWrapper"

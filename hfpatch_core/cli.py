@@ -227,7 +227,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
             try:
                 if not args.model and target not in checkpoints:
                     checkpoints[target] = str(tiny_checkpoint(target, os.path.join(scratch, target)))
-                report = check_pack_equivalence(name, checkpoints.get(target, target))
+                report = check_pack_equivalence(name, checkpoints.get(target, target), apply_path=True)
             except Exception as exc:  # one model type that cannot be built is a FAIL row, not the end of the run
                 message = str(exc) if isinstance(exc, TinyCheckpointError) else f"{type(exc).__name__}: {exc}"
                 report = Report(pack=name, model_type=target, failures=[message])
@@ -248,11 +248,13 @@ def cmd_verify(args: argparse.Namespace) -> int:
                 "-" if r.max_abs_diff is None else f"{r.max_abs_diff:.2e}",
                 {True: "match", False: "DIFFERS", None: "-"}[r.generation_match],
                 {True: "ok", False: "FAILED", None: "-"}[r.round_trip],
+                {True: "ok", False: "FAILED", None: "-"}[r.apply_path],
                 "PASS" if r.ok else "FAIL",
             ]
             for r in reports
         ]
-        print(_table(rows, ["pack", "model type", "replaced", "max abs diff", "generation", "round trip", "verdict"]))
+        header = ["pack", "model type", "replaced", "max abs diff", "generation", "round trip", "apply path", "verdict"]
+        print(_table(rows, header))
         for report in reports:
             for failure in report.failures:
                 print(f"\n{report.pack} on {report.model_type}: {failure}")

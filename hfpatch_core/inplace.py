@@ -16,6 +16,10 @@ copying them.
 (the packs' conversions reversed, as a save would), loaded by vanilla transformers,
 and the original classes moved back in.
 
+A PEFT model is patched in the transformers model inside it, around its adapters
+(``adapters``): the weights are written out without them, and a module that holds
+adapter layers is not swapped but refused.
+
 Everything that can refuse runs before the model is touched, and the swap itself is
 undone if it fails half-way: the model is either patched or as it was.
 """
@@ -31,6 +35,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from .adapters import base_model_of, plain_state, refuse_adapters
 from .errors import ApplyError, HfPatchError
 from .frames import blame
 from .hooks import attach, disable, install
@@ -116,8 +121,14 @@ def apply(model: nn.Module, packs: str | Iterable[str] | None = None, strict: bo
     original layout (the save guard of a patched load).  Build optimizers after ``apply``:
     the swapped modules have new parameters.
 
+    A PEFT model (``PeftModel``, or a model with adapters from ``add_adapter``) is patched
+    in its base model: modules that hold no adapter layer are swapped, and the adapters
+    stay as they are (weights, ``requires_grad``, what the adapter's ``save_pretrained``
+    writes).
+
     Args:
-        model: a ``PreTrainedModel`` on one device, not quantized, not sharded.
+        model: a ``PreTrainedModel`` on one device, not quantized, not sharded, or a PEFT
+            model wrapping one.
         packs: which packs, in ``HF_PATCH_PACKS`` syntax; ``None``: the session
             ``enable()`` started, else ``HF_PATCH_PACKS``.
         strict: make every pack failure an error; ``None``: as the session, else
@@ -129,15 +140,17 @@ def apply(model: nn.Module, packs: str | Iterable[str] | None = None, strict: bo
 
     Raises:
         ApplyError: the model cannot be patched in place (already patched, quantized, on
-            the meta device, sharded, on several devices, a PEFT model) or a pack's
-            replacement changes parameters without a converter to carry them over; the
-            message names the pack and the reason.  The model is unchanged.
+            the meta device, sharded, on several devices), a pack's replacement changes
+            parameters without a converter to carry them over, or a module to replace
+            holds PEFT adapter layers; the message names the pack and the reason.  The
+            model is unchanged.
         SelectionError, PackError, PatchConflictError: as for a load.
     """
+    model = base_model_of(model)
     _refuse_model(model)
     _device_of(model)
     session = _session_for(packs, strict)
-    with LOAD_LOCK, torch.no_grad(), _in_force(session):
+    with LOAD_LOCK, _no_autograd(), _in_force(session):
         config = copy.deepcopy(model.config)
         with patched(config, model_class=type(model)) as planned, torch.device("meta"):
             try:
@@ -187,12 +200,14 @@ def revert(model: nn.Module) -> None:
     ``state_dict()`` then has the same keys, shapes, dtypes and values as before ``apply``.
 
     Raises:
-        ApplyError: ``model`` was not patched by ``apply``, or a swapped module was
-            replaced since; the model is unchanged.
+        ApplyError: ``model`` was not patched by ``apply``, a swapped module was replaced
+            since, or PEFT adapter layers were added into one; the model is unchanged.
     """
+    model = base_model_of(model)
     record = getattr(model, APPLIED_ATTRIBUTE, None)
     if not isinstance(record, Applied):
         raise ApplyError(f"{type(model).__name__} was not patched by hfpatch_core.apply(): nothing to revert")
+    refuse_adapters(model, [(swap.path, swap.pack) for swap in record.swaps], after=True)
     for swap in record.swaps:
         current = _submodule(model, swap.path)
         if type(current) is not swap.replacement:
@@ -201,7 +216,7 @@ def revert(model: nn.Module) -> None:
                 f"cannot revert {type(model).__name__}: {swap.path} holds {found}, not the "
                 f"{swap.replacement.__name__} pack {swap.pack!r} put there"
             )
-    with LOAD_LOCK, torch.no_grad():
+    with LOAD_LOCK, _no_autograd():
         state = _checkpoint_state(model)
         with vanilla():
             temporary, info = _from_state_dict(model, state)
@@ -238,6 +253,15 @@ def _session_for(packs: str | Iterable[str] | None, strict: bool | None) -> Sess
 
 
 @contextmanager
+def _no_autograd() -> Iterator[None]:
+    """No graph recorded, and normal tensors even inside ``torch.inference_mode()``: the
+    swapped-in parameters are the model's own from then on, and an inference tensor could
+    never be trained."""
+    with torch.inference_mode(False), torch.no_grad():
+        yield
+
+
+@contextmanager
 def _in_force(session: Session) -> Iterator[None]:
     """``session`` the one loads use, for the block (the load lock held by the caller)."""
     previous = active_session()
@@ -262,7 +286,8 @@ def _checkpoint_state(model: Any) -> dict[str, torch.Tensor]:
     """The model's weights in checkpoint layout, as ``save_pretrained`` writes them (its conversions reversed)."""
     from transformers.core_model_loading import revert_weight_conversion
 
-    state: dict[str, torch.Tensor] = revert_weight_conversion(model, model.state_dict())
+    # without PEFT's adapter layers: the keys the checkpoint has, whatever adapters the model holds
+    state: dict[str, torch.Tensor] = revert_weight_conversion(model, plain_state(model))
     return state
 
 
@@ -326,6 +351,10 @@ def _swaps(model: nn.Module, built: nn.Module, plan: Plan) -> list[tuple[str, Cl
         claim = claims.get(type(module))
         if claim is None or any(path.startswith(done + ".") for done, _, _ in found):
             continue
+        found.append((path, claim, module))
+    # before "no module there": inside a PEFT wrapper the original sits one level down
+    refuse_adapters(model, [(p, c.pack) for p, c, _ in found if p])
+    for path, claim, module in found:
         original = live.get(path)
         if original is None or not path:
             raise ApplyError(
@@ -334,7 +363,6 @@ def _swaps(model: nn.Module, built: nn.Module, plan: Plan) -> list[tuple[str, Cl
                 + ("hfpatch does not replace the model itself" if not path else "the model has no module there")
                 + " (was the model changed after it was built?)"
             )
-        found.append((path, claim, module))
     return found
 
 
@@ -343,16 +371,12 @@ def _refuse_model(model: nn.Module) -> None:
 
     name = type(model).__name__
     if not isinstance(model, PreTrainedModel):
-        peft = " (a PEFT model: apply to its base model before adding adapters)"
-        peft = peft if hasattr(model, "peft_config") else ""
-        raise ApplyError(f"hfpatch_core.apply() takes a transformers PreTrainedModel, not {name}{peft}")
+        raise ApplyError(f"hfpatch_core.apply() takes a transformers PreTrainedModel (or a PEFT model), not {name}")
     if isinstance(getattr(model, APPLIED_ATTRIBUTE, None), Applied):
         raise ApplyError(f"{name} is already patched by hfpatch_core.apply(); revert() it first")
     loaded = plan_of(model)
     if loaded is not None and loaded.entries:
         raise ApplyError(f"{name} was loaded with packs already ({loaded.summary()}); load it without hfpatch")
-    if getattr(model, "_hf_peft_config_loaded", False):
-        raise ApplyError(f"{name} carries PEFT adapters; apply the packs before adding adapters")
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         size = torch.distributed.get_world_size()
         if size > 1:

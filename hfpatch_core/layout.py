@@ -214,7 +214,9 @@ def verify_save_layout(model: nn.Module, plan: Plan) -> None:
 
 def _guarded_save_pretrained(self: Any, *args: Any, **kwargs: Any) -> Any:
     plan = plan_of(self)
-    if plan is not None and kwargs.get("save_original_format", True):
+    # with PEFT adapters loaded (add_adapter), transformers writes the adapter alone, as it is
+    peft = getattr(self, "_hf_peft_config_loaded", False)
+    if plan is not None and kwargs.get("save_original_format", True) and not peft:
         verify_save_layout(self, plan)
     return type(self).save_pretrained(self, *args, **kwargs)
 

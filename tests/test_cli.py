@@ -358,11 +358,44 @@ def test_verify_prints_a_table_and_fails_a_bad_pack(install) -> None:
     assert good.returncode == 0, good.stderr
     (report,) = json.loads(good.stdout)["reports"]
     assert report["model_type"] == "llama" and report["replaced"] == {"LlamaMLP": "PackMLP"} and report["ok"]
+    assert report["apply_path"] is True
     assert "[1/1] verifying mlp on llama" in good.stderr
     bad = run(HFPATCH, "verify", "doubling", "mlp", "--model-type", "llama", site=site)
     assert bad.returncode == 1
     assert "verdict" in bad.stdout and "FAIL" in bad.stdout and "PASS" in bad.stdout
     assert "doubling on llama: logits differ" in bad.stdout
+
+
+# Patches only where autograd records: a load (grad on) replaces LlamaMLP, apply() (which plans under
+# torch.no_grad) replaces nothing, so the apply path differs from the load while the load is fine.
+TRAINING_ONLY_PACK = """
+import torch
+from hfpatch_core import Patch, hookimpl
+from transformers.models.llama.modeling_llama import LlamaMLP
+
+class TrainingMLP(LlamaMLP):
+    pass
+
+@hookimpl
+def provide_patches(context):
+    if context.model_type != "llama" or not torch.is_grad_enabled():
+        return []
+    return [Patch("LlamaMLP", TrainingMLP)]
+"""
+
+
+def test_verify_checks_the_apply_path_and_fails_a_pack_only_it_catches(install) -> None:
+    site = install(PackSpec("mlp", MLP_PACK), PackSpec("training-only", TRAINING_ONLY_PACK))
+    result = run(HFPATCH, "verify", "mlp", "training-only", "--model-type", "llama", site=site)
+    assert result.returncode == 1, result.stderr
+    lines = result.stdout.splitlines()
+    header = [cell.strip() for cell in lines[0].split("  ") if cell.strip()]
+    rows = {line.split()[0]: line.split() for line in lines[2:4]}
+    assert header[-2:] == ["apply path", "verdict"]
+    assert rows["mlp"][-4:] == ["match", "ok", "ok", "PASS"]
+    assert rows["training-only"][-4:] == ["match", "ok", "FAILED", "FAIL"]  # only the apply path fails
+    assert "training-only on llama: apply() gives other modules than the load at model.layers.0.mlp" in result.stdout
+    assert "revert() failed" not in result.stdout  # it replaced nothing: nothing to revert
 
 
 def test_check_reports_converters_without_patches_or_model(install) -> None:

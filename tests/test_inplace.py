@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -155,6 +157,32 @@ def test_dtype_requires_grad_training_mode_ties_and_hooks_are_kept(install) -> N
     assert all(after[key].dtype == torch.bfloat16 and torch.equal(after[key], before[key]) for key in before)
 
 
+@pytest.mark.parametrize("context", [torch.no_grad, torch.inference_mode])
+def test_apply_and_revert_under_no_grad_or_inference_mode_keep_requires_grad(install, context) -> None:
+    install(PackSpec("fused", fused_attention_and_mlp_pack()))
+    model = built().train()
+    model.model.layers[0].mlp.down_proj.weight.requires_grad_(False)
+    model.model.layers[1].self_attn.q_proj.weight.requires_grad_(False)  # one part of what is fused
+    trainable = {name: p.requires_grad for name, p in model.named_parameters()}
+    with context():
+        hfpatch_core.apply(model, packs="fused")
+    parameters = dict(model.named_parameters())
+    assert {name: p.requires_grad for name, p in parameters.items() if name in trainable} == {
+        name: value for name, value in trainable.items() if name in parameters
+    }
+    assert parameters["model.layers.1.self_attn.qkv_proj.weight"].requires_grad  # trainable where any part was
+    assert not any(p.is_inference() for p in parameters.values())  # inference tensors could never be trained
+    model(input_ids=ids(), labels=ids()).loss.backward()
+    assert parameters["model.layers.0.mlp.gate_up_proj.weight"].grad is not None
+    model.zero_grad(set_to_none=True)
+    with context():
+        hfpatch_core.revert(model)
+    assert {name: p.requires_grad for name, p in model.named_parameters()} == trainable
+    assert not any(p.is_inference() for p in model.parameters())
+    model(input_ids=ids(), labels=ids()).loss.backward()
+    assert model.model.layers[0].mlp.up_proj.weight.grad is not None
+
+
 def test_a_pack_that_keeps_the_parameters_needs_no_converter(install) -> None:
     install(PackSpec("mlp", MLP_PACK))
     model = built()
@@ -255,7 +283,7 @@ def test_meta_quantized_and_already_patched_models_are_refused(install, llama_ch
         hfpatch_core.apply(model, packs="fused")
     with pytest.raises(ApplyError, match="loaded with packs already"):
         hfpatch_core.apply(load_model(llama_checkpoint, "fused"), packs="fused")
-    with pytest.raises(ApplyError, match="PreTrainedModel, not Linear"):
+    with pytest.raises(ApplyError, match=r"PreTrainedModel \(or a PEFT model\), not Linear"):
         hfpatch_core.apply(nn.Linear(2, 2), packs="fused")
 
 
@@ -265,6 +293,59 @@ def test_a_model_on_several_devices_is_refused(install) -> None:
     model.model.norm.to("meta")
     with pytest.raises(ApplyError, match=r"spread over several devices \(cpu, meta\)"):
         hfpatch_core.apply(model, packs="fused")
+
+
+RANKS = """
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import hfpatch_core
+
+dist.init_process_group("gloo")
+torch.manual_seed(0)
+config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                     num_key_value_heads=2, vocab_size=128)
+model = LlamaForCausalLM(config)
+state = {key: value.clone() for key, value in model.state_dict().items()}
+try:
+    hfpatch_core.apply(model, packs="fused")
+except hfpatch_core.ApplyError as exc:
+    after = model.state_dict()
+    unchanged = sorted(after) == sorted(state) and all(torch.equal(after[key], state[key]) for key in state)
+    # a file per rank: the ranks' standard outputs interleave
+    Path(sys.argv[1], f"rank{dist.get_rank()}").write_text(f"unchanged={unchanged}: {exc}")
+dist.destroy_process_group()
+"""
+
+
+def test_a_model_on_several_ranks_is_refused(install, tmp_path: Path) -> None:
+    """Two real ranks (torchrun, gloo on CPU): each rank's model is refused, as it was."""
+    site = install(PackSpec("fused", fused_attention_and_mlp_pack()))
+    script = tmp_path / "ranks.py"
+    script.write_text(RANKS)
+    checkout = Path(hfpatch_core.__file__).resolve().parents[1]
+    environment = {k: v for k, v in os.environ.items() if not k.startswith(("HF_PATCH", "HFPATCH"))}
+    environment["PYTHONPATH"] = os.pathsep.join([str(site), str(checkout)])
+    torchrun = Path(sys.executable).with_name("torchrun")
+    result = subprocess.run(
+        [str(torchrun), "--standalone", "--nproc_per_node", "2", str(script), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        env=environment,
+        timeout=300,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    found = [(tmp_path / f"rank{rank}").read_text() if (tmp_path / f"rank{rank}").exists() else "" for rank in (0, 1)]
+    expected = (
+        "unchanged=True: LlamaForCausalLM: torch.distributed runs with 2 ranks, and a model sharded across ranks "
+        "cannot be converted in place; load the checkpoint with the packs enabled on every rank (hfpatch run)"
+    )
+    assert found == [expected, expected]
 
 
 def test_dtensor_parameters_are_refused(install, tmp_path: Path) -> None:

@@ -91,3 +91,31 @@ def test_dtype_and_frozen_parameters_are_kept_both_ways(dtype: torch.dtype) -> N
     assert all(after[key].dtype == dtype and torch.equal(after[key], before[key]) for key in before)
     assert not model.model.layers[0].self_attn.q_proj.weight.requires_grad
     assert model.model.layers[1].self_attn.q_proj.weight.requires_grad
+
+
+def test_lora_on_the_projections_the_pack_fuses_is_refused_and_nothing_changes() -> None:
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_config(CASES["qwen3"].config)
+    model = get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    modules, before = dict(model.named_modules()), {key: value.clone() for key, value in model.state_dict().items()}
+    with pytest.raises(hfpatch_core.ApplyError) as caught:
+        hfpatch_core.apply(model, packs=PACK, strict=True)
+    message = str(caught.value)
+    assert message.startswith(
+        "pack 'fused-dense' cannot replace Qwen3Attention at model.layers.0.self_attn: it holds PEFT adapter layers "
+        "(q_proj (lora.Linear), v_proj (lora.Linear))"
+    )
+    assert 'packs="all,-fused-dense"' in message and "Apply the packs before adding adapters" in message
+    assert all(module is modules[name] for name, module in model.named_modules())
+    after = model.state_dict()
+    assert sorted(after) == sorted(before) and all(torch.equal(after[key], before[key]) for key in before)
+    assert hfpatch_core.plan_of(base) is None
+
+    # the remedy: the packs first, then the adapters (LoRA on the fused projection: issue 20)
+    torch.manual_seed(0)
+    patched = AutoModelForCausalLM.from_config(CASES["qwen3"].config)
+    hfpatch_core.apply(patched, packs=PACK, strict=True)
+    lora = get_peft_model(patched, LoraConfig(r=4, target_modules=["o_proj"]))
+    assert type(lora.get_base_model().model.layers[0].self_attn).__name__ == "FusedQKVQwen3Attention"

@@ -17,7 +17,7 @@ copying them.
 and the original classes moved back in.
 
 A PEFT model is patched in the transformers model inside it, around its adapters
-(``adapters``): the weights are written out without them, and a module that holds
+(``adapter_layers``): the weights are written out without them, and a module that holds
 adapter layers is not swapped but refused.
 
 Everything that can refuse runs before the model is touched, and the swap itself is
@@ -35,7 +35,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from .adapters import base_model_of, plain_state, refuse_adapters
+from .adapter_layers import base_model_of, plain_state, refuse_adapters
 from .errors import ApplyError, HfPatchError
 from .frames import blame
 from .hooks import attach, disable, install

@@ -22,6 +22,7 @@ if TYPE_CHECKING:
 __version__ = "0.1.0"
 
 _EXPORTS = {
+    "AdapterError": "errors",
     "ApplyError": "errors",
     "apply": "inplace",
     "revert": "inplace",
@@ -55,6 +56,7 @@ _EXPORTS = {
 }
 
 __all__ = [
+    "AdapterError",
     "ApplyError",
     "Claim",
     "Converter",
@@ -93,6 +95,7 @@ if TYPE_CHECKING:
     from .conversion import Converter, SizedConcatenate, SizedSplit
     from .discovery import PackInfo, discover
     from .errors import (
+        AdapterError,
         ApplyError,
         ConverterConflictError,
         DuplicatePackError,

@@ -51,6 +51,7 @@ _EXPORTS = {
     "hookimpl": "hookspecs",
     "hookspec": "hookspecs",
     "is_enabled": "hooks",
+    "original_state_dict": "state_dicts",
     "patched": "manual",
     "plan_of": "plan",
 }
@@ -85,6 +86,7 @@ __all__ = [
     "hookimpl",
     "hookspec",
     "is_enabled",
+    "original_state_dict",
     "patched",
     "plan_of",
     "revert",
@@ -113,6 +115,7 @@ if TYPE_CHECKING:
     from .manual import patched
     from .patches import Patch
     from .plan import Claim, Lost, Plan, plan_of
+    from .state_dicts import original_state_dict
 
 
 def __getattr__(name: str) -> Any:

@@ -7,8 +7,10 @@ transformers' ``model.load_adapter`` / ``add_adapter``: all end in
 fused weight.  ``target_modules=["q_proj", "v_proj"]`` then finds them, the adapter
 saved names them as an unpatched model does, and an adapter trained on an unpatched
 model loads.  Targeting a fused name itself (``qkv_proj``) would make an adapter no
-unpatched model can load: that is a ``AdapterError`` naming the pack, before PEFT
-changes anything.
+unpatched model can load: that is an ``AdapterError`` naming the pack, before PEFT
+changes anything.  A module that holds as modules what the original model holds as
+parameters (qwen-moe's per-expert experts) declares ``hfpatch_hidden_from_adapters``:
+lists of names then do not reach inside it, as they do not on the original model.
 
 peft is not imported here: ``watch_peft`` hooks ``BaseTuner.inject_adapter`` when peft
 is imported (at once if it already is), and only once a model with packed modules has
@@ -17,9 +19,11 @@ been built.  The hook stays for the process: it does nothing for other models.
 
 from __future__ import annotations
 
+import copy
 import functools
 import importlib.abc
 import importlib.machinery
+import re
 import sys
 import threading
 from collections.abc import Sequence
@@ -32,6 +36,9 @@ from .errors import AdapterError
 from .packing import PACKED_MODULES, expose_parts, packed_modules
 from .plan import plan_of
 
+#: The class attribute of a module whose submodules PEFT's lists of names must not reach
+#: (``_exclude_hidden``): the original model has no such modules.
+HIDDEN_FROM_ADAPTERS = "hfpatch_hidden_from_adapters"
 #: The peft module defining ``BaseTuner``.
 _TUNERS = "peft.tuners.tuners_utils"
 _HOOKED = "_hfpatch_hooked"
@@ -70,6 +77,10 @@ def prepare_model(model: nn.Module, config: Any) -> int:
             or a fused projection cannot be split into views (quantized, already
             wrapped); the message names the pack and the remedy.
     """
+    hidden = _hidden_modules(model)
+    if hidden:
+        _refuse_converted_targets(model, config, hidden)
+        _exclude_hidden(config, hidden)
     packed = [(name, module) for name, module in model.named_modules() if packed_modules(module)]
     if not packed:
         return 0
@@ -103,6 +114,85 @@ def prepare_model(model: nn.Module, config: Any) -> int:
     return len(packed)
 
 
+def _hidden_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``(path, module)`` of every module whose class declares ``hfpatch_hidden_from_adapters``."""
+    modules = model.named_modules()
+    return [(name, module) for name, module in modules if getattr(type(module), HIDDEN_FROM_ADAPTERS, False)]
+
+
+def _refuse_converted_targets(model: nn.Module, config: Any, hidden: list[tuple[str, nn.Module]]) -> None:
+    """Refuse an adapter that PEFT would put on the original model's parameters that a pack made modules.
+
+    On transformers 5, PEFT rewrites the targets of some MoE model types (qwen3_moe;
+    qwen2_moe on some releases) from the experts' module names to the 3-D expert
+    parameters (``target_parameters``): those do not exist on a model whose experts are
+    modules, so PEFT would adapt the attention only, and only warn.  This runs PEFT's
+    rewrite on a copy of ``config`` and raises where it names parameters the model lacks.
+    """
+    try:
+        from peft.utils.transformers_weight_conversion import convert_peft_config_for_transformers
+    except ImportError:  # a peft without transformers-5 conversions rewrites nothing
+        return
+    probe = copy.deepcopy(config)
+    pack = _pack_of(model, hidden[0][1])
+    remedy = (
+        f"Leave the experts' names out of target_modules (the attention, the shared expert and the router still "
+        f"take adapters), {_remedy(pack)}."
+    )
+    try:
+        convert_peft_config_for_transformers(probe, model=model, conversions=None)
+    except ValueError as exc:
+        raise AdapterError(
+            f"PEFT cannot map this adapter's targets onto the experts of pack {pack!r} ({exc}). {remedy}"
+        ) from exc
+    parameters = [name for name, _ in model.named_parameters()]
+    added = set(getattr(probe, "target_parameters", None) or ()) - set(getattr(config, "target_parameters", None) or ())
+    missing = sorted(name for name in added if not any(key == name or key.endswith(f".{name}") for key in parameters))
+    if missing:
+        raise AdapterError(
+            f"on this transformers release PEFT puts this adapter's expert targets on the experts' 3-D parameters "
+            f"{missing}, which pack {pack!r} holds as one nn.Linear per expert ({hidden[0][0]}): the adapter would "
+            f"leave every expert out here but not on an unpatched model. {remedy}"
+        )
+
+
+def _exclude_hidden(config: Any, hidden: list[tuple[str, nn.Module]]) -> None:
+    """Keep PEFT's lists of names off the modules under a ``hfpatch_hidden_from_adapters`` module.
+
+    Such a module holds, as modules, what the original model holds as parameters
+    (qwen-moe's per-expert ``nn.Linear`` experts): a list such as ``["gate_proj",
+    "up_proj"]`` or ``"all-linear"`` does not reach them on the original model (where
+    PEFT does not rewrite it, ``_refuse_converted_targets``), so it must not here, or
+    the adapter would differ.  A regular expression (``target_modules`` as a string) is
+    taken as written.
+    """
+    from peft.tuners.tuners_utils import check_target_module_exists
+
+    targets = getattr(config, "target_modules", None)
+    if targets is None or (isinstance(targets, str) and targets != "all-linear"):
+        return
+    reached = [
+        f"{name}.{child}"
+        for name, module in hidden
+        for child, submodule in module.named_modules()
+        if child
+        and (
+            isinstance(submodule, nn.Linear)
+            if targets == "all-linear"
+            else bool(check_target_module_exists(config, f"{name}.{child}"))
+        )
+    ]
+    if not reached:
+        return
+    excluded = getattr(config, "exclude_modules", None)
+    if excluded is None:
+        config.exclude_modules = reached
+    elif isinstance(excluded, str):
+        config.exclude_modules = "|".join([f"(?:{excluded})", *(re.escape(name) for name in reached)])
+    else:
+        config.exclude_modules = [*excluded, *reached]
+
+
 def _hook(tuners: ModuleType) -> None:
     """Wrap ``tuners.BaseTuner.inject_adapter`` so that it runs ``prepare_model`` first (once)."""
     base = tuners.BaseTuner
@@ -113,9 +203,16 @@ def _hook(tuners: ModuleType) -> None:
     @functools.wraps(original)
     def inject_adapter(self: Any, model: nn.Module, adapter_name: str, *args: Any, **kwargs: Any) -> Any:
         config = getattr(self, "peft_config", {}).get(adapter_name)
-        if config is not None:
-            prepare_model(model, config)
-        return original(self, model, adapter_name, *args, **kwargs)
+        if config is None:
+            return original(self, model, adapter_name, *args, **kwargs)
+        excluded = getattr(config, "exclude_modules", None)
+        prepare_model(model, config)
+        try:
+            return original(self, model, adapter_name, *args, **kwargs)
+        finally:
+            # the exclusions are for this model's modules: the saved adapter_config keeps the user's
+            if hasattr(config, "exclude_modules"):
+                config.exclude_modules = excluded
 
     setattr(inject_adapter, _HOOKED, True)
     base.inject_adapter = inject_adapter

@@ -8,6 +8,8 @@ transformers.
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -105,3 +107,33 @@ def test_targeting_a_fused_name_is_one_clear_error_and_all_linear_gets_the_origi
     wrapped = get_peft_model(load_model(checkpoints["llama"], PACK), lora("all-linear", 0))
     targeted = {name.rsplit(".", 1)[-1] for name, module in wrapped.named_modules() if hasattr(module, "lora_A")}
     assert targeted == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+
+
+def test_peft_imported_after_the_load_is_hooked_when_it_imports(checkpoints: dict[str, Path]) -> None:
+    """The usual script order puts ``import peft`` anywhere: hfpatch hooks PEFT when it is imported."""
+    script = f"""
+import sys
+from hfpatch_core.testing import load_model
+model = load_model({str(checkpoints["llama"])!r}, {PACK!r})
+assert "peft" not in sys.modules, "hfpatch imported peft"
+from peft import LoraConfig, get_peft_model
+wrapped = get_peft_model(model, LoraConfig(r=2, target_modules=["k_proj", "gate_proj"]))
+print(sorted({{name.rsplit(".", 1)[-1] for name, module in wrapped.named_modules() if hasattr(module, "lora_A")}}))
+"""
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=False)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip().splitlines()[-1] == "['gate_proj', 'k_proj']"
+
+
+def test_a_part_is_a_view_of_the_fused_rows() -> None:
+    from hfpatch_core.packing import PackedLinear
+
+    fused = PackedLinear(torch.nn.Linear(4, 5))
+    part = PackedPart(fused, 2, 5)
+    assert part.weight.data_ptr() == fused.weight[2].data_ptr() and part.bias is not None
+    part.weight = torch.ones(3, 4)  # what PEFT's unwrapping assigns: copied into the rows
+    assert torch.equal(fused.weight[2:], torch.ones(3, 4)) and not list(part.parameters())
+    with pytest.raises(ValueError, match=r"got a \[2, 4\] tensor for rows \[2, 5\)"):
+        part.weight = torch.ones(2, 4)
+    x = torch.randn(2, 4)
+    torch.testing.assert_close(part(x), fused(x)[:, 2:], atol=1e-6, rtol=0)

@@ -109,7 +109,8 @@ def prepare_model(model: nn.Module, config: Any) -> int:
             pack = _pack_of(model, module)
             raise AdapterError(
                 f"cannot put an adapter on {name or type(module).__name__}, fused by pack {pack!r}: {exc}. "
-                f"Add the adapter before quantizing, {_remedy(pack)}."
+                "An adapter on a quantized model (QLoRA) needs the original projections: "
+                f"{_remedy(pack).removeprefix('or ')}."
             ) from exc
     return len(packed)
 

@@ -167,10 +167,12 @@ def expose_parts(module: nn.Module) -> dict[str, tuple[str, ...]]:
             continue
         linear = module._modules.get(fused)
         weight = getattr(linear, "weight", None)
-        if type(linear) is not nn.Linear or type(weight) is not nn.Parameter or not weight.is_floating_point():
+        plain = type(weight) is nn.Parameter and type(weight.data) is torch.Tensor and weight.is_floating_point()
+        if type(linear) is not nn.Linear or not plain:
             raise TypeError(
-                f"{type(module).__name__}.{fused} is {type(linear).__name__} with a "
-                f"{type(weight).__name__} weight, not a plain nn.Linear: its parts {list(parts)} cannot be views of it"
+                f"{type(module).__name__}.{fused} is a {type(linear).__module__}.{type(linear).__qualname__}, not a "
+                "plain nn.Linear with a floating-point weight (quantized?): "
+                f"its parts {list(parts)} cannot be views of it"
             )
         sizes = tuple(sizes_of.get(fused, ()))
         if len(sizes) != len(parts) or sum(sizes) != linear.out_features:

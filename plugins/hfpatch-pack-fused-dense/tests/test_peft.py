@@ -137,3 +137,11 @@ def test_a_part_is_a_view_of_the_fused_rows() -> None:
         part.weight = torch.ones(2, 4)
     x = torch.randn(2, 4)
     torch.testing.assert_close(part(x), fused(x)[:, 2:], atol=1e-6, rtol=0)
+
+
+def test_an_adapter_on_a_quantized_fused_projection_is_one_clear_error(checkpoints: dict[str, Path]) -> None:
+    from torch.ao.quantization import quantize_dynamic
+
+    model = quantize_dynamic(load_model(checkpoints["llama"], PACK), {torch.nn.Linear}, dtype=torch.qint8)
+    with pytest.raises(AdapterError, match=r"fused by pack 'fused-dense'.*not a plain nn.Linear.*-fused-dense"):
+        get_peft_model(model, lora(["v_proj"], 0))

@@ -22,6 +22,7 @@ if TYPE_CHECKING:
 __version__ = "0.1.0"
 
 _EXPORTS = {
+    "AdapterError": "errors",
     "ApplyError": "errors",
     "apply": "inplace",
     "revert": "inplace",
@@ -50,11 +51,13 @@ _EXPORTS = {
     "hookimpl": "hookspecs",
     "hookspec": "hookspecs",
     "is_enabled": "hooks",
+    "original_state_dict": "state_dicts",
     "patched": "manual",
     "plan_of": "plan",
 }
 
 __all__ = [
+    "AdapterError",
     "ApplyError",
     "Claim",
     "Converter",
@@ -83,6 +86,7 @@ __all__ = [
     "hookimpl",
     "hookspec",
     "is_enabled",
+    "original_state_dict",
     "patched",
     "plan_of",
     "revert",
@@ -93,6 +97,7 @@ if TYPE_CHECKING:
     from .conversion import Converter, SizedConcatenate, SizedSplit
     from .discovery import PackInfo, discover
     from .errors import (
+        AdapterError,
         ApplyError,
         ConverterConflictError,
         DuplicatePackError,
@@ -110,6 +115,7 @@ if TYPE_CHECKING:
     from .manual import patched
     from .patches import Patch
     from .plan import Claim, Lost, Plan, plan_of
+    from .state_dicts import original_state_dict
 
 
 def __getattr__(name: str) -> Any:

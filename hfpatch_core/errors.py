@@ -66,3 +66,8 @@ class PackWarning(UserWarning):
 class ApplyError(HfPatchError):
     """``hfpatch_core.apply`` / ``revert`` cannot patch (or unpatch) a built model in place;
     the message names the pack and the reason, and the model is as it was."""
+
+
+class AdapterError(HfPatchError, ValueError):
+    """An adapter (PEFT) cannot be put on a patched model as asked: it would target a module a pack
+    fused (and so not load on an unpatched model), or a fused module cannot be split for it."""

@@ -26,6 +26,9 @@ from typing import Any, ClassVar
 import torch
 import torch.nn as nn
 
+from .adapters import watch_peft
+from .packing import packed_outputs, record_sizes
+
 __all__ = [
     "QKV_PROJECTIONS",
     "AttentionOutput",
@@ -66,7 +69,9 @@ def fuse_projections(module: nn.Module, parts: Sequence[str], fused: str) -> tup
 
     The rows of ``fused``'s weight (and bias) are meant to hold the parts' rows in the
     order given; this builds the module only, and loading the concatenated weights is
-    the converter's job.
+    the converter's job.  The sizes are recorded on ``module``
+    (``hfpatch_core.packing.record_sizes``): with the class's ``hfpatch_packed_modules``
+    declaration, PEFT adapters then target the original names.
 
     Args:
         module: the module holding the parts (an attention or MLP, once its own
@@ -101,6 +106,8 @@ def fuse_projections(module: nn.Module, parts: Sequence[str], fused: str) -> tup
     setattr(module, fused, linear_like(linears[0], sum(sizes)))
     for name in parts:
         delattr(module, name)
+    record_sizes(module, fused, sizes)
+    watch_peft()  # also for a model patched in place (hfpatch_core.apply), which secure() does not see
     return sizes
 
 
@@ -129,6 +136,8 @@ class FusedQKVAttentionBase(nn.Module):
 
     family_module: ClassVar[ModuleType]
     qk_norm: ClassVar[bool] = False
+    #: What ``qkv_proj`` stands for (``hfpatch_core.packing``): adapters name these.
+    hfpatch_packed_modules: ClassVar[dict[str, tuple[str, ...]]] = {"qkv_proj": QKV_PROJECTIONS}
 
     # Set by the original's __init__; declared for the type checker (``Any`` where the
     # families declare types of their own).
@@ -156,7 +165,7 @@ class FusedQKVAttentionBase(nn.Module):
     def _project(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Query, key and value states, ``[batch, heads, seq, head_dim]``, from the fused projection."""
         hidden_shape = (*hidden_states.shape[:-1], -1, self.head_dim)
-        query, key, value = self.qkv_proj(hidden_states).split(self.qkv_sizes, dim=-1)
+        query, key, value = packed_outputs(self, "qkv_proj", self.qkv_sizes, hidden_states)
         query, key, value = query.view(hidden_shape), key.view(hidden_shape), value.view(hidden_shape)
         if self.qk_norm:
             query, key = self.q_norm(query), self.k_norm(key)

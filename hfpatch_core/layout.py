@@ -20,11 +20,13 @@ import torch
 import torch.nn as nn
 
 from . import _compat
+from .adapters import declares_packed_modules, watch_peft
 from .composition import pattern_regex
 from .conversion import source_patterns_of, target_patterns_of
 from .errors import PackWarning, WeightLayoutError
 from .plan import BUILTIN, Plan, plan_of
 from .scope import vanilla
+from .state_dicts import guard_loading
 
 #: The attribute of a patched model holding the unbound ``save_pretrained`` it shadows.
 _SAVE_GUARD = "_hfpatch_save_guard"
@@ -262,9 +264,15 @@ def reversible_conversions(model: Any) -> list[Any]:
 def secure(model: nn.Module, plan: Plan, loading_info: Mapping[str, Any] | None) -> None:
     """What a patched root model gets once built: every weight a pack touches checked
     (``loading_info`` of ``from_pretrained``; ``None`` for a model built from a config,
-    which instead keeps the conversions its save must reverse), and the save guard."""
+    which instead keeps the conversions its save must reverse), the save guard, a
+    ``load_state_dict`` that takes the original layout, and,
+    where a replacement declares packed modules, PEFT's injection hooked (``adapters``)."""
     if loading_info is not None and plan.touches_weights:
         check_loading_info(model, plan, loading_info)
     if loading_info is None and plan.conversions and getattr(model, "_weight_conversions", None) is None:
         object.__setattr__(model, "_weight_conversions", reversible_conversions(model))
     guard_saving(model, plan)
+    if plan.touches_weights:
+        guard_loading(model)  # Trainer's resume loads the original layout (hfpatch_core.state_dicts)
+    if declares_packed_modules([claim.patch.replacement for each in plan.all_plans() for claim in each.entries]):
+        watch_peft()  # adapters name the original projections (hfpatch_core.adapters)

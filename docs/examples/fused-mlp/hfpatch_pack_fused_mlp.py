@@ -6,7 +6,7 @@ the pack also returns a converter: checkpoints load and save in the original lay
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -14,18 +14,24 @@ from transformers.core_model_loading import WeightConverter
 from transformers.models.llama.modeling_llama import LlamaMLP
 
 from hfpatch_core import Converter, LoadContext, Patch, SizedConcatenate, hookimpl
+from hfpatch_core.packing import packed_outputs, record_sizes
 
 
 class FusedGateUpMLP(LlamaMLP):
     """``LlamaMLP`` with one ``gate_up_proj`` linear: same maths, one matmul fewer."""
 
+    # what gate_up_proj stands for: PEFT adapters keep naming gate_proj and up_proj
+    hfpatch_packed_modules: ClassVar[dict[str, tuple[str, ...]]] = {"gate_up_proj": ("gate_proj", "up_proj")}
+
     def __init__(self, config: Any) -> None:
         super().__init__(config)
         del self.gate_proj, self.up_proj
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
+        self.sizes = (config.intermediate_size, config.intermediate_size)
+        record_sizes(self, "gate_up_proj", self.sizes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate, up = packed_outputs(self, "gate_up_proj", self.sizes, x)
         return self.down_proj(self.act_fn(gate) * up)
 
 

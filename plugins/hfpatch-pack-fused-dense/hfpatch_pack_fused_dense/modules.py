@@ -29,6 +29,7 @@ import torch
 import torch.nn as nn
 
 from hfpatch_core.fusion import FusedQKVAttentionBase, forward_for, fuse_projections
+from hfpatch_core.packing import packed_outputs
 
 
 class SlidingWindow(enum.Enum):
@@ -76,6 +77,8 @@ class FusedGateUpMLP(nn.Module):
     gate_up_proj: nn.Linear
     down_proj: nn.Linear
     act_fn: Callable[[torch.Tensor], torch.Tensor]
+    #: What ``gate_up_proj`` stands for (``hfpatch_core.packing``): adapters name these.
+    hfpatch_packed_modules: ClassVar[dict[str, tuple[str, ...]]] = {"gate_up_proj": ("gate_proj", "up_proj")}
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -84,7 +87,7 @@ class FusedGateUpMLP(nn.Module):
         self.gate_up_sizes: tuple[int, int] = (gate, up)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.gate_up_sizes, dim=-1)
+        gate, up = packed_outputs(self, "gate_up_proj", self.gate_up_sizes, x)
         return self.down_proj(self.act_fn(gate) * up)
 
 

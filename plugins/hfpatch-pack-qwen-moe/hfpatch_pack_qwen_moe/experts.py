@@ -48,7 +48,16 @@ class PerExpertExperts(nn.ModuleList):
     transformers' built-in fusion of those keys, and saving writes them back unchanged.
 
     Same constructor (``config``) and forward contract as the class it replaces.
+
+    PEFT: transformers holds these experts as 3-D parameters, which a LoRA
+    ``target_modules`` list (``["gate_proj", "up_proj"]``, ``"all-linear"``) either does
+    not reach or, where PEFT rewrites the list for transformers 5 (qwen3_moe), reaches
+    as ``target_parameters``; ``hfpatch_hidden_from_adapters`` keeps such lists off these
+    experts in the first case and makes the second an ``AdapterError``, so that an
+    adapter never means something else here than on an unpatched model.
     """
+
+    hfpatch_hidden_from_adapters = True
 
     def __init__(self, config: Any) -> None:
         super().__init__(

@@ -39,7 +39,7 @@ from .adapter_layers import base_model_of, plain_state, refuse_adapters
 from .errors import ApplyError, HfPatchError
 from .frames import blame
 from .hooks import attach, disable, install
-from .layout import guard_saving
+from .layout import secure
 from .manual import patched
 from .plan import PLAN_ATTRIBUTE, Claim, Plan, plan_of
 from .scope import LOAD_LOCK, vanilla
@@ -49,7 +49,14 @@ from .session import Session, activate, active_session, new_session
 APPLIED_ATTRIBUTE = "_hfpatch_applied"
 
 #: Instance attributes ``apply`` sets on the model, put back (or removed) by ``revert``.
-_MODEL_ATTRIBUTES = (PLAN_ATTRIBUTE, "_weight_conversions", "save_pretrained", "_hfpatch_save_guard")
+_MODEL_ATTRIBUTES = (
+    PLAN_ATTRIBUTE,
+    "_weight_conversions",
+    "save_pretrained",
+    "_hfpatch_save_guard",
+    "load_state_dict",
+    "_hfpatch_load_guard",
+)
 
 _MISSING: Any = object()
 
@@ -181,7 +188,7 @@ def apply(model: nn.Module, packs: str | Iterable[str] | None = None, strict: bo
         try:
             object.__setattr__(model, "_weight_conversions", getattr(temporary, "_weight_conversions", None))
             attach(model, plan)
-            guard_saving(model, plan)
+            secure(model, plan, None)  # what a patched load gets: the save and load_state_dict guards
             object.__setattr__(model, APPLIED_ATTRIBUTE, record)
         except BaseException:
             _undo_attributes(model, record)

@@ -104,6 +104,11 @@ def test_apply_equals_the_load_keeps_other_modules_and_reverts_exactly(
     model.save_pretrained(tmp_path / "saved")  # the original layout, exactly
     source, saved = safetensors_of(llama_checkpoint), safetensors_of(tmp_path / "saved")
     assert sorted(saved) == sorted(source) and all(torch.equal(saved[key], source[key]) for key in source)
+    # a checkpoint in the original layout loads back into the patched model (Trainer's resume)
+    with torch.no_grad():
+        model.model.layers[0].self_attn.qkv_proj.weight.zero_()
+    assert not model.load_state_dict(source, strict=True).missing_keys
+    torch.testing.assert_close(logits(model), logits(loaded), rtol=0, atol=1e-5)
 
     hfpatch_core.revert(model)
     modules, state, attributes = record

@@ -30,10 +30,11 @@ from collections.abc import Sequence
 from types import ModuleType
 from typing import Any
 
+import torch
 import torch.nn as nn
 
 from .errors import AdapterError
-from .packing import PACKED_MODULES, expose_parts, packed_modules
+from .packing import PACKED_MODULES, PackedPart, expose_parts, packed_modules
 from .plan import plan_of
 
 #: The class attribute of a module whose submodules PEFT's lists of names must not reach
@@ -214,9 +215,55 @@ def _hook(tuners: ModuleType) -> None:
             # the exclusions are for this model's modules: the saved adapter_config keeps the user's
             if hasattr(config, "exclude_modules"):
                 config.exclude_modules = excluded
+            _merge_in_place_on_parts(model)
 
     setattr(inject_adapter, _HOOKED, True)
     base.inject_adapter = inject_adapter
+
+
+def _merge_in_place_on_parts(model: nn.Module) -> None:
+    """Hook ``merge`` of the adapter layer classes that wrap a ``PackedPart`` in ``model`` (once per class)."""
+    for module in model.modules():
+        get_base_layer = getattr(module, "get_base_layer", None)
+        if get_base_layer is None or not isinstance(get_base_layer(), PackedPart):
+            continue
+        cls = type(module)
+        merge = getattr(cls, "merge", None)
+        if merge is not None and not getattr(merge, _HOOKED, False):
+            cls.merge = _safe_merge_in_place(merge)  # type: ignore[attr-defined]
+
+
+def _safe_merge_in_place(merge: Any) -> Any:
+    """``merge`` whose ``safe_merge=True`` works on a fused projection's part.
+
+    PEFT's safe merge adds the delta to a copy of the weight, checks it for NaNs and then
+    rebinds ``weight.data`` to the copy; a part's weight is a view of the fused rows, read
+    at each access, so that rebinding would be lost and the merge silently missing.  On a
+    part the merge is done in place and the check runs after it: a weight that is not
+    finite is put back as it was, with PEFT's own error, as its safe merge leaves it."""
+
+    @functools.wraps(merge)
+    def guarded(self: Any, safe_merge: bool = False, adapter_names: Any = None) -> Any:
+        base = self.get_base_layer()
+        if not safe_merge or not isinstance(base, PackedPart):
+            return merge(self, safe_merge=safe_merge, adapter_names=adapter_names)
+        tensors = [tensor for tensor in (base.weight, base.bias) if tensor is not None]
+        kept, merged = [tensor.detach().clone() for tensor in tensors], list(self.merged_adapters)
+        result = merge(self, safe_merge=False, adapter_names=adapter_names)
+        now = [tensor for tensor in (base.weight, base.bias) if tensor is not None]
+        if not all(bool(torch.isfinite(tensor).all()) for tensor in now):
+            with torch.no_grad():
+                for tensor, value in zip(now, kept, strict=True):
+                    tensor.copy_(value)
+            self.merged_adapters[:] = merged
+            adapters = [name for name in (adapter_names or self.active_adapters) if name not in merged]
+            raise ValueError(
+                f"NaNs detected in the merged weights. The adapter {', '.join(adapters)} seems to be broken"
+            )
+        return result
+
+    setattr(guarded, _HOOKED, True)
+    return guarded
 
 
 class _Watcher(importlib.abc.MetaPathFinder):

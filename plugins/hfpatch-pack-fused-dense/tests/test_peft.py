@@ -84,7 +84,10 @@ def test_an_adapter_trained_on_vanilla_loads_onto_the_patched_model(
     with_load_adapter.load_adapter(str(tmp_path / "adapter"))
     torch.testing.assert_close(logits_of(with_load_adapter, ids, mask), expected, atol=ATOL, rtol=0)
 
+    # PEFT's safe merge (a copy checked for NaNs, then rebound) merges on the fused rows too
+    safely = PeftModel.from_pretrained(load_model(path, PACK), tmp_path / "adapter").merge_and_unload(safe_merge=True)
     merged, vanilla_merged = patched.merge_and_unload(), vanilla.merge_and_unload()
+    torch.testing.assert_close(logits_of(safely, ids, mask), logits_of(vanilla_merged, ids, mask), atol=ATOL, rtol=0)
     assert type(merged.model.layers[0].self_attn).__name__ == "FusedQKVLlamaAttention"
     torch.testing.assert_close(logits_of(merged, ids, mask), logits_of(vanilla_merged, ids, mask), atol=ATOL, rtol=0)
     merged.save_pretrained(tmp_path / "merged")
@@ -93,6 +96,18 @@ def test_an_adapter_trained_on_vanilla_loads_onto_the_patched_model(
     assert sorted(written) == sorted(reference)  # the original layout: q/k/v, gate/up
     for key, value in reference.items():
         torch.testing.assert_close(written[key], value, atol=ATOL, rtol=0, msg=key)
+
+
+def test_a_safe_merge_of_a_broken_adapter_leaves_the_fused_weight_as_it_was(checkpoints: dict[str, Path]) -> None:
+    model = get_peft_model(load_model(checkpoints["llama"], PACK), lora(["q_proj", "v_proj"], 1))
+    layer = model.base_model.model.model.layers[0].self_attn.q_proj
+    fused = model.base_model.model.model.layers[0].self_attn.qkv_proj.weight
+    before = fused.detach().clone()
+    with torch.no_grad():
+        layer.lora_B["default"].weight.fill_(float("nan"))
+    with pytest.raises(ValueError, match="NaNs detected in the merged weights"):
+        layer.merge(safe_merge=True)
+    assert torch.equal(fused, before) and layer.merged_adapters == []
 
 
 def test_targeting_a_fused_name_is_one_clear_error_and_all_linear_gets_the_originals(

@@ -1,0 +1,313 @@
+"""Packs under transformers' own distributed loading, for real: ``torchrun --nproc_per_node 2`` (gloo, CPU).
+
+Each test starts one torchrun for a group of cases (``distributed_cases.py``) and
+asserts what both ranks wrote.  The first-party packs come from the wheels ``make
+venv`` installs into ``<venv>/first-party-packs``, as ``pip install`` would give them;
+a forward-only subclass pack is installed inline.  Tiny grouped-query checkpoints:
+llama 4 heads / 2 kv heads, qwen2_moe 4 / 2 with 4 experts.
+
+What exists where: ``tp_plan="auto"`` and ``DistributedConfig(enable_expert_parallel=True)``
+since 5.3 (the oldest supported release); ``DistributedConfig(fsdp_size=...,
+ep_size=...)`` in 5.25 (``distributed_cases.modes``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from distributed_cases import modes
+
+from hfpatch_core.errors import PackError, PackWarning
+from hfpatch_core.testing import install_pack, tiny_checkpoint
+from packs import PackSpec
+
+HERE = Path(__file__).parent
+PACKS_SITE = Path(sys.prefix) / "first-party-packs"
+ATOL = 1e-5
+
+SUBCLASS_PACK = """
+from hfpatch_core import Patch, hookimpl
+from transformers.models.llama.modeling_llama import LlamaMLP
+
+class ForwardOnlyMLP(LlamaMLP):
+    def forward(self, x):
+        return super().forward(x)
+
+@hookimpl
+def provide_patches(context):
+    return [Patch("LlamaMLP", ForwardOnlyMLP)] if context.model_type == "llama" else []
+"""
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("distributed")
+    return {
+        "llama": str(tiny_checkpoint("llama", root / "llama")),
+        "qwen2_moe": str(tiny_checkpoint("qwen2_moe", root / "qwen2_moe")),
+    }
+
+
+def torchrun(
+    group: str, checkpoints: dict[str, str], out: Path, site: Path, *, launcher: list[str], env: dict[str, str]
+) -> list[dict[str, Any]]:
+    """Run ``distributed_cases.py GROUP`` on 2 ranks; each rank's results."""
+    assert (PACKS_SITE / "hfpatch_pack_fused_dense").is_dir(), f"no first-party packs in {PACKS_SITE}: run make venv"
+    out.mkdir()
+    environment = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(site), str(PACKS_SITE), str(HERE)]),
+        "USE_HUB_KERNELS": "0",
+        "OMP_NUM_THREADS": "1",
+        **env,
+    }
+    command = [
+        *launcher,
+        "--standalone",  # a free port of its own: tests may run in parallel
+        "--nproc_per_node",
+        "2",
+        str(HERE / "distributed_cases.py"),
+        group,
+        str(out),
+        json.dumps(checkpoints),
+    ]
+    done = subprocess.run(command, env=environment, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    ranks = [json.loads((out / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+    assert [rank["rank"] for rank in ranks] == [0, 1]
+    return ranks
+
+
+def _site(tmp_path: Path) -> Path:
+    site = tmp_path / "site"
+    install_pack(site, "subclass", SUBCLASS_PACK, requires=("transformers>=5.3,<6",))
+    return site
+
+
+@pytest.fixture(scope="module")
+def loads(checkpoints: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    tmp = tmp_path_factory.mktemp("load")
+    launcher = [sys.executable, "-m", "torch.distributed.run"]
+    return torchrun("load", checkpoints, tmp / "out", _site(tmp), launcher=launcher, env={})
+
+
+def cases(ranks: list[dict[str, Any]], name: str) -> list[dict[str, Any]]:
+    return [rank["cases"][name] for rank in ranks]
+
+
+def assert_equal_to_vanilla(results: list[dict[str, Any]]) -> None:
+    for rank, result in enumerate(results):
+        assert result["error"] is None, f"rank {rank}: {result['error']}\n{result['extra'].get('traceback', '')}"
+        assert result["max_diff"] is not None and result["max_diff"] <= ATOL, (rank, result["max_diff"])
+        assert result["greedy_equal"], rank
+
+
+def test_every_case_ran_on_both_ranks(loads: list[dict[str, Any]]) -> None:
+    expected = {"llama/tp/fused-dense/strict", "qwen2_moe/ep/qwen-moe/strict"}
+    for mode in modes():
+        expected |= {f"qwen2_moe/{mode}/vanilla", f"qwen2_moe/{mode}/qwen-moe"}
+        if mode != "ep":
+            expected |= {f"llama/{mode}/{packs}" for packs in ("vanilla", "subclass", "fused-dense")}
+        if mode != "fsdp":
+            expected.add(f"qwen2_moe/{mode}/moe-replay")
+    assert [set(rank["cases"]) for rank in loads] == [expected, expected]
+
+
+@pytest.mark.parametrize("case", ["llama/{mode}/vanilla", "qwen2_moe/{mode}/vanilla"])
+def test_vanilla_sharded_loads_equal_a_single_process(loads: list[dict[str, Any]], case: str) -> None:
+    for mode in modes():
+        if case.startswith("llama") and mode == "ep":
+            continue  # a dense model has no expert plan
+        results = cases(loads, case.format(mode=mode))
+        assert_equal_to_vanilla(results)
+        assert [result["replaced"] for result in results] == [{}, {}]
+
+
+def test_a_subclass_that_keeps_the_parameters_applies_under_every_sharding(loads: list[dict[str, Any]]) -> None:
+    for mode in (mode for mode in modes() if mode != "ep"):
+        results = cases(loads, f"llama/{mode}/subclass")
+        assert_equal_to_vanilla(results)
+        assert [result["replaced"] for result in results] == [{"LlamaMLP": "ForwardOnlyMLP"}] * 2
+        assert [result["warnings"] for result in results] == [[], []]
+
+
+def test_moe_replay_applies_under_tp_and_ep_and_replays_per_rank(loads: list[dict[str, Any]]) -> None:
+    for mode in (mode for mode in modes() if mode != "fsdp"):
+        results = cases(loads, f"qwen2_moe/{mode}/moe-replay")
+        assert_equal_to_vanilla(results)
+        router = {"Qwen2MoeTopKRouter": "ReplayableQwen2MoeTopKRouter"}
+        assert [result["replaced"] for result in results] == [router, router]
+        for result in results:
+            assert result["extra"]["routed_layers"] == 2 and result["extra"]["routes_agree"]
+            assert result["extra"]["replay_diff"] <= ATOL
+
+
+@pytest.mark.parametrize(
+    ("case", "modes_of_case", "classes"),
+    [
+        ("llama/{mode}/fused-dense", ("tp", "fsdp"), ("LlamaAttention", "LlamaMLP")),
+        ("qwen2_moe/{mode}/qwen-moe", ("tp", "ep", "fsdp"), ("Qwen2MoeAttention", "Qwen2MoeExperts")),
+    ],
+)
+def test_a_layout_changing_pack_without_a_plan_is_refused_and_the_model_loads_vanilla(
+    loads: list[dict[str, Any]], case: str, modes_of_case: tuple[str, ...], classes: tuple[str, ...]
+) -> None:
+    pack = case.split("/")[-1]
+    for mode in (mode for mode in modes() if mode in modes_of_case):
+        results = cases(loads, case.format(mode=mode))
+        assert_equal_to_vanilla(results)  # no shape error in forward, no converter size error
+        assert [result["replaced"] for result in results] == [{}, {}]
+        warnings = [result["warnings"] for result in results]
+        assert warnings[0] == warnings[1] and len(warnings[0]) == 1, warnings
+        message = warnings[0][0]
+        assert f"pack {pack!r}" in message and "Refused before any weight was read" in message
+        assert all(name in message for name in classes), message
+        assert f"hfpatch_{mode}_plan" in message
+
+
+@pytest.mark.parametrize("case", ["llama/tp/fused-dense/strict", "qwen2_moe/ep/qwen-moe/strict"])
+def test_strict_mode_raises_the_refusal_on_both_ranks(loads: list[dict[str, Any]], case: str) -> None:
+    results = cases(loads, case)
+    errors = [result["error"] for result in results]
+    assert errors[0] == errors[1] and errors[0] is not None and errors[0].startswith("PackError: "), errors
+    assert "Refused before any weight was read" in errors[0]
+
+
+@pytest.fixture(scope="module")
+def training(checkpoints: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    tmp = tmp_path_factory.mktemp("train")
+    hfpatch = Path(sys.executable).parent / "hfpatch"
+    return torchrun(
+        "train",
+        checkpoints,
+        tmp / "out",
+        _site(tmp),
+        launcher=[str(hfpatch), "run", "--", "torchrun"],
+        env={"HF_PATCH_PACKS": "fused-dense"},
+    )
+
+
+def test_ddp_training_under_hfpatch_run_keeps_ranks_alike(training: list[dict[str, Any]]) -> None:
+    assert [rank["enabled_by_autorun"] for rank in training] == [True, True]
+    results = cases(training, "ddp")
+    for rank, result in enumerate(results):
+        assert result["error"] is None, f"rank {rank}: {result['error']}\n{result['extra'].get('traceback', '')}"
+        assert result["replaced"] == {"LlamaAttention": "FusedQKVLlamaAttention", "LlamaMLP": "FusedGateUpLlamaMLP"}
+        fingerprints = result["extra"]["fingerprints"]
+        assert len(set(fingerprints)) == 1 and fingerprints[0] is not None
+        assert result["extra"]["max_param_diff_from_rank0"] == 0.0
+        assert result["extra"]["moved"] > 1e-3  # the steps did train
+
+
+def test_fsdp2_after_a_normal_load_trains_the_fused_model_as_vanilla(training: list[dict[str, Any]]) -> None:
+    for rank, result in enumerate(cases(training, "fsdp2-after-load")):
+        assert result["error"] is None, f"rank {rank}: {result['error']}\n{result['extra'].get('traceback', '')}"
+        assert result["replaced"] == {"LlamaAttention": "FusedQKVLlamaAttention", "LlamaMLP": "FusedGateUpLlamaMLP"}
+        assert result["max_diff"] <= ATOL, result["extra"]["losses"]
+
+
+# --- the rule itself, in process: which claims a sharded load refuses --------------------------------
+
+RULE_PACK = """
+from hfpatch_core import Converter, Patch, hookimpl
+from transformers.core_model_loading import WeightRenaming
+from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, LlamaRMSNorm
+
+class OwnInitMLP(LlamaMLP):
+    def __init__(self, config):
+        super().__init__(config)
+
+class DeclaredMLP(OwnInitMLP):
+    hfpatch_tp_plan = {}
+
+class RenamedAttention(LlamaAttention):
+    pass
+
+class ForwardOnlyNorm(LlamaRMSNorm):
+    def forward(self, hidden_states):
+        return super().forward(hidden_states)
+
+@hookimpl
+def provide_patches(context):
+    mlp = DeclaredMLP if context.config == "declared" else OwnInitMLP
+    return [Patch("LlamaMLP", mlp), Patch("LlamaAttention", RenamedAttention), Patch("LlamaRMSNorm", ForwardOnlyNorm)]
+
+@hookimpl
+def provide_converters(context):
+    rename = WeightRenaming(source_patterns="self_attn.q_proj", target_patterns="self_attn.query")
+    return [Converter("llama", [rename], patch_targets=("LlamaAttention",))]
+"""
+
+
+def _plan(parallel: tuple[str, ...], config: str | None = None):
+    from hfpatch_core.context import LoadContext
+    from hfpatch_core.session import new_session
+
+    context = LoadContext("llama", "LlamaForCausalLM", config=config, parallel=parallel)
+    return new_session("rule").plan(context, ("LlamaMLP", "LlamaAttention", "LlamaRMSNorm"))
+
+
+def test_a_single_process_load_refuses_nothing(install) -> None:
+    install(PackSpec("rule", RULE_PACK))
+    plan = _plan(())
+    assert sorted(plan.mapping) == ["LlamaAttention", "LlamaMLP", "LlamaRMSNorm"]
+
+
+def test_a_sharded_load_refuses_each_class_whose_parameters_change_without_a_plan(install) -> None:
+    install(PackSpec("rule", RULE_PACK))
+    with pytest.warns(PackWarning) as caught:
+        plan = _plan(("tp",))
+    assert list(plan.mapping) == ["LlamaRMSNorm"]  # a forward-only subclass keeps its parameters
+    assert not plan.conversions  # the converter tied to the refused attention went with it
+    assert len(caught) == 1
+    message = str(caught[0].message)
+    assert "OwnInitMLP (replacing 'LlamaMLP')" in message and "its __init__ builds its own parameters" in message
+    assert "RenamedAttention (replacing 'LlamaAttention')" in message and "it has converters" in message
+    assert "hfpatch_tp_plan" in message and "'LlamaMLP', 'LlamaAttention' load as in transformers" in message
+
+
+def test_a_declared_plan_admits_the_class_for_that_parallelism_only(install) -> None:
+    install(PackSpec("rule", RULE_PACK))
+    with pytest.warns(PackWarning):
+        plan = _plan(("tp",), "declared")
+    assert sorted(plan.mapping) == ["LlamaMLP", "LlamaRMSNorm"]
+    with pytest.warns(PackWarning, match="declares no plan for fsdp .hfpatch_fsdp_plan."):
+        plan = _plan(("tp", "fsdp"), "declared")
+    assert list(plan.mapping) == ["LlamaRMSNorm"]
+
+
+def test_strict_mode_raises_the_refusal(install) -> None:
+    from hfpatch_core.context import LoadContext
+    from hfpatch_core.session import new_session
+
+    install(PackSpec("rule", RULE_PACK))
+    context = LoadContext("llama", "LlamaForCausalLM", parallel=("fsdp",))
+    with pytest.raises(PackError, match=r"pack 'rule': LlamaForCausalLM is loaded with FSDP2 sharding"):
+        new_session("rule", strict=True).plan(context, ("LlamaMLP", "LlamaAttention", "LlamaRMSNorm"))
+
+
+def test_the_parallelisms_are_read_from_the_loader_arguments(monkeypatch) -> None:
+    from transformers.distributed import DistributedConfig
+
+    from hfpatch_core._compat import parallel_modes
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert parallel_modes() == ()
+    if "ep_size" in DistributedConfig.__dataclass_fields__:  # 5.25: sizes
+        assert parallel_modes(DistributedConfig(tp_plan="auto")) == ("tp",)
+        assert parallel_modes(DistributedConfig(fsdp_size=2)) == ("fsdp",)
+        assert parallel_modes(DistributedConfig(ep_size=2, tp_plan={})) == ("ep",)
+        assert parallel_modes(DistributedConfig(tp_size=2, ep_size=2)) == ("tp", "ep")
+        monkeypatch.setenv("WORLD_SIZE", "1")
+        assert parallel_modes(DistributedConfig(tp_plan="auto")) == ()  # one process: nothing is sharded
+    else:  # 5.3: tp_plan, and expert parallelism instead of it
+        assert parallel_modes(None, "auto") == ("tp",)
+        assert parallel_modes(DistributedConfig(enable_expert_parallel=True), "auto") == ("ep",)
+        monkeypatch.setenv("WORLD_SIZE", "1")
+        assert parallel_modes(None, "auto") == ()

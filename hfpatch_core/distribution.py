@@ -12,7 +12,8 @@ replacement must declare how its parameters shard, per parallelism, on its class
 * ``hfpatch_tp_plan``, ``hfpatch_ep_plan``, ``hfpatch_fsdp_plan``: a mapping of
   parameter or sub-module path (relative to the replaced module) to a transformers
   parallel style (``{"qkv_proj": "colwise"}``); an empty mapping declares that the
-  module's own parameters shard as the model's plan already says.
+  module's own parameters shard as the model's plan already says.  ``sharding`` adds
+  the declared entries to the model's plans when it is built.
 
 A claim that changes a module's parameters and declares no plan for one of the load's
 parallelisms is refused before anything is registered (so before any weight is read):

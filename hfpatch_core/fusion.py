@@ -33,6 +33,7 @@ __all__ = [
     "forward_for",
     "fuse_projections",
     "linear_like",
+    "local_sizes",
 ]
 
 #: What an attention forward returns: the output and the attention weights (or None).
@@ -104,6 +105,25 @@ def fuse_projections(module: nn.Module, parts: Sequence[str], fused: str) -> tup
     return sizes
 
 
+def local_sizes(sizes: Sequence[int], width: int) -> tuple[int, ...]:
+    """The split sizes of a fused output ``width`` wide: ``sizes``, or this rank's share of each.
+
+    Under tensor parallelism (``colwise``) each rank computes its shard of the fused
+    output, which the converter built as each part's shard concatenated (``q_r; k_r;
+    v_r``: its own heads of each), so the parts keep their proportions.
+
+    Raises:
+        ValueError: ``width`` is not ``sum(sizes)`` divided by a whole number that divides every size.
+    """
+    total = sum(sizes)
+    if width == total:
+        return tuple(sizes)
+    shards, rest = divmod(total, width) if width else (0, 1)
+    if rest or not shards or any(size % shards for size in sizes):
+        raise ValueError(f"a fused output of width {width} is no whole share of parts {list(sizes)}")
+    return tuple(size // shards for size in sizes)
+
+
 class FusedQKVAttentionBase(nn.Module):
     """Mixin for a llama-style attention class: fuses ``q_proj`` / ``k_proj`` / ``v_proj`` into ``qkv_proj``.
 
@@ -156,7 +176,8 @@ class FusedQKVAttentionBase(nn.Module):
     def _project(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Query, key and value states, ``[batch, heads, seq, head_dim]``, from the fused projection."""
         hidden_shape = (*hidden_states.shape[:-1], -1, self.head_dim)
-        query, key, value = self.qkv_proj(hidden_states).split(self.qkv_sizes, dim=-1)
+        fused = self.qkv_proj(hidden_states)
+        query, key, value = fused.split(local_sizes(self.qkv_sizes, fused.shape[-1]), dim=-1)
         query, key, value = query.view(hidden_shape), key.view(hidden_shape), value.view(hidden_shape)
         if self.qk_norm:
             query, key = self.q_norm(query), self.k_norm(key)

@@ -149,17 +149,29 @@ def load_group(checkpoints: dict[str, str]) -> dict[str, Result]:
         if mode != "ep":
             cases.append((f"llama/{mode}/vanilla", sharded("llama", mode, "none")))
             cases.append((f"llama/{mode}/subclass", sharded("llama", mode, "subclass")))
-            cases.append((f"llama/{mode}/fused-dense", sharded("llama", mode, "fused-dense")))
-        cases.append((f"qwen2_moe/{mode}/vanilla", sharded("qwen2_moe", mode, "none")))
-        cases.append((f"qwen2_moe/{mode}/qwen-moe", sharded("qwen2_moe", mode, "qwen-moe")))
+            cases.append((f"llama/{mode}/fused-dense", sharded("llama", mode, "fused-dense", check=local_rows)))
+        cases.append((f"qwen2_moe/{mode}/vanilla", sharded("qwen2_moe", mode, "none", check=local_rows)))
+        cases.append((f"qwen2_moe/{mode}/qwen-moe", sharded("qwen2_moe", mode, "qwen-moe", check=local_rows)))
+        if mode == "tp":  # fused-dense on a MoE: the attention and the shared expert's MLP
+            cases.append(("qwen2_moe/tp/fused-dense", sharded("qwen2_moe", mode, "fused-dense", check=local_rows)))
         if mode != "fsdp":
             cases.append((f"qwen2_moe/{mode}/moe-replay", sharded("qwen2_moe", mode, "moe-replay", check=replays)))
-    cases.append(("llama/tp/fused-dense/strict", sharded("llama", "tp", "fused-dense", strict=True)))
+    if "fsdp" in modes():
+        cases.append(("llama/fsdp/fused-dense/strict", sharded("llama", "fsdp", "fused-dense", strict=True)))
     cases.append(("qwen2_moe/ep/qwen-moe/strict", sharded("qwen2_moe", "ep", "qwen-moe", strict=True)))
     for name, body in cases:
         results[name] = run_case(body)
         dist.barrier()
     return results
+
+
+def local_rows(model: Any, result: Result) -> None:
+    """The rows this rank holds of each projection of layer 0 (its shard, under tensor parallelism)."""
+    layer = model.model.layers[0]
+    for name, parameter in layer.named_parameters():
+        if name.endswith("proj.weight") and ".experts." not in name:
+            local = parameter.to_local() if hasattr(parameter, "to_local") else parameter
+            result.extra[f"rows:{name}"] = int(local.shape[0])
 
 
 def replays(model: Any, result: Result) -> None:

@@ -109,13 +109,15 @@ def assert_equal_to_vanilla(results: list[dict[str, Any]]) -> None:
 
 
 def test_every_case_ran_on_both_ranks(loads: list[dict[str, Any]]) -> None:
-    expected = {"llama/tp/fused-dense/strict", "qwen2_moe/ep/qwen-moe/strict"}
+    expected = {"qwen2_moe/ep/qwen-moe/strict", *(["llama/fsdp/fused-dense/strict"] if "fsdp" in modes() else [])}
     for mode in modes():
         expected |= {f"qwen2_moe/{mode}/vanilla", f"qwen2_moe/{mode}/qwen-moe"}
         if mode != "ep":
             expected |= {f"llama/{mode}/{packs}" for packs in ("vanilla", "subclass", "fused-dense")}
         if mode != "fsdp":
             expected.add(f"qwen2_moe/{mode}/moe-replay")
+        if mode == "tp":
+            expected.add("qwen2_moe/tp/fused-dense")
     assert [set(rank["cases"]) for rank in loads] == [expected, expected]
 
 
@@ -151,8 +153,8 @@ def test_moe_replay_applies_under_tp_and_ep_and_replays_per_rank(loads: list[dic
 @pytest.mark.parametrize(
     ("case", "modes_of_case", "classes"),
     [
-        ("llama/{mode}/fused-dense", ("tp", "fsdp"), ("LlamaAttention", "LlamaMLP")),
-        ("qwen2_moe/{mode}/qwen-moe", ("tp", "ep", "fsdp"), ("Qwen2MoeAttention", "Qwen2MoeExperts")),
+        ("llama/{mode}/fused-dense", ("fsdp",), ("LlamaAttention", "LlamaMLP")),
+        ("qwen2_moe/{mode}/qwen-moe", ("ep", "fsdp"), ("Qwen2MoeExperts",)),
     ],
 )
 def test_a_layout_changing_pack_without_a_plan_is_refused_and_the_model_loads_vanilla(
@@ -171,12 +173,73 @@ def test_a_layout_changing_pack_without_a_plan_is_refused_and_the_model_loads_va
         assert f"hfpatch_{mode}_plan" in message
 
 
-@pytest.mark.parametrize("case", ["llama/tp/fused-dense/strict", "qwen2_moe/ep/qwen-moe/strict"])
-def test_strict_mode_raises_the_refusal_on_both_ranks(loads: list[dict[str, Any]], case: str) -> None:
+@pytest.mark.parametrize(
+    ("case", "mode"), [("llama/fsdp/fused-dense/strict", "fsdp"), ("qwen2_moe/ep/qwen-moe/strict", "ep")]
+)
+def test_strict_mode_raises_the_refusal_on_both_ranks(loads: list[dict[str, Any]], case: str, mode: str) -> None:
+    if mode not in modes() and mode != "ep":  # 5.3 has no fsdp_size; its expert parallelism is refused all the same
+        assert case not in loads[0]["cases"]
+        return
     results = cases(loads, case)
     errors = [result["error"] for result in results]
     assert errors[0] == errors[1] and errors[0] is not None and errors[0].startswith("PackError: "), errors
     assert "Refused before any weight was read" in errors[0]
+
+
+#: Rows of layer 0's fused projections on each rank: (q 64, k 32, v 32) and (gate, up 128 each), halved by TP.
+SHARDED_ROWS = {
+    "llama": {
+        "rows:self_attn.qkv_proj.weight": 64,
+        "rows:mlp.gate_up_proj.weight": 128,
+        "rows:mlp.down_proj.weight": 64,
+    },
+    "qwen2_moe": {"rows:self_attn.qkv_proj.weight": 64},
+}
+
+
+@pytest.mark.parametrize(
+    ("case", "classes"),
+    [
+        ("llama/tp/fused-dense", {"LlamaAttention": "FusedQKVLlamaAttention", "LlamaMLP": "FusedGateUpLlamaMLP"}),
+        (
+            "qwen2_moe/tp/qwen-moe",
+            {"Qwen2MoeAttention": "Qwen2MoeFusedQKVAttention", "Qwen2MoeExperts": "PerExpertExperts"},
+        ),
+    ],
+)
+def test_fused_packs_shard_their_own_heads_under_tensor_parallelism(
+    loads: list[dict[str, Any]], case: str, classes: dict[str, str]
+) -> None:
+    results = cases(loads, case)
+    assert_equal_to_vanilla(results)  # grouped-query: each rank its own heads of q, k and v
+    assert [result["replaced"] for result in results] == [classes, classes]
+    assert [result["warnings"] for result in results] == [[], []]
+    for result in results:
+        rows = {key: value for key, value in result["extra"].items() if key in SHARDED_ROWS[case.split("/")[0]]}
+        assert rows == SHARDED_ROWS[case.split("/")[0]]
+    if case.startswith("qwen2_moe"):  # vanilla shards q/k/v alike: 32 + 16 + 16 rows
+        vanilla = cases(loads, "qwen2_moe/tp/vanilla")[0]["extra"]
+        assert [vanilla[f"rows:self_attn.{p}_proj.weight"] for p in "qkv"] == [32, 16, 16]
+
+
+def test_a_declared_plan_shards_only_modules_the_model_plan_shards(loads: list[dict[str, Any]]) -> None:
+    """qwen2_moe's plan shards the attention but leaves the shared expert whole: so does fused-dense."""
+    results = cases(loads, "qwen2_moe/tp/fused-dense")
+    assert_equal_to_vanilla(results)
+    fused = {"Qwen2MoeAttention": "FusedQKVQwen2MoeAttention", "Qwen2MoeMLP": "FusedGateUpQwen2MoeMLP"}
+    assert [result["replaced"] for result in results] == [fused, fused]
+    for result in results:
+        assert result["extra"]["rows:self_attn.qkv_proj.weight"] == 64  # half of 64 + 32 + 32
+        assert result["extra"]["rows:mlp.shared_expert.gate_up_proj.weight"] == 128  # whole: 2 x 64
+
+
+def test_fused_outputs_split_whole_or_by_rank_share() -> None:
+    from hfpatch_core.fusion import local_sizes
+
+    assert local_sizes((64, 32, 32), 128) == (64, 32, 32)
+    assert local_sizes((64, 32, 32), 64) == (32, 16, 16)
+    with pytest.raises(ValueError, match="no whole share of parts"):
+        local_sizes((64, 32, 32), 48)
 
 
 @pytest.fixture(scope="module")

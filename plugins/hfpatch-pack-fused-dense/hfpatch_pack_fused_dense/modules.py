@@ -28,7 +28,7 @@ from typing import Any, ClassVar
 import torch
 import torch.nn as nn
 
-from hfpatch_core.fusion import FusedQKVAttentionBase, forward_for, fuse_projections
+from hfpatch_core.fusion import FusedQKVAttentionBase, forward_for, fuse_projections, local_sizes
 
 
 class SlidingWindow(enum.Enum):
@@ -73,6 +73,11 @@ class FusedGateUpMLP(nn.Module):
     pack's converter concatenates them in this order).
     """
 
+    #: Under tensor parallelism ``gate_up_proj`` is column-parallel where the model's plan
+    #: shards this MLP (``gate_proj`` / ``up_proj`` colwise): each rank holds its rows of the
+    #: gate and of the up part, which the converter concatenates from their shards.
+    hfpatch_tp_plan: ClassVar[dict[str, str]] = {"gate_up_proj": "colwise"}
+
     gate_up_proj: nn.Linear
     down_proj: nn.Linear
     act_fn: Callable[[torch.Tensor], torch.Tensor]
@@ -84,7 +89,8 @@ class FusedGateUpMLP(nn.Module):
         self.gate_up_sizes: tuple[int, int] = (gate, up)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.gate_up_sizes, dim=-1)
+        fused = self.gate_up_proj(x)
+        gate, up = fused.split(local_sizes(self.gate_up_sizes, fused.shape[-1]), dim=-1)
         return self.down_proj(self.act_fn(gate) * up)
 
 
@@ -102,6 +108,10 @@ class FusedQKVAttention(FusedQKVAttentionBase):
     """
 
     flavor: ClassVar[AttentionFlavor]
+    #: Under tensor parallelism ``qkv_proj`` is column-parallel where the model's plan shards
+    #: q/k/v colwise: each rank holds its own heads of q, of k and of v (grouped-query
+    #: included), which the converter concatenates from their shards.
+    hfpatch_tp_plan: ClassVar[dict[str, str]] = {"qkv_proj": "colwise"}
 
     def _attention_kwargs(self) -> dict[str, Any]:
         window = self.flavor.sliding_window

@@ -12,7 +12,7 @@ checkpoint loads into it without renaming and every expert is reachable.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.nn as nn
@@ -48,7 +48,13 @@ class PerExpertExperts(nn.ModuleList):
     transformers' built-in fusion of those keys, and saving writes them back unchanged.
 
     Same constructor (``config``) and forward contract as the class it replaces.
+
+    Under tensor parallelism the experts stay whole on every rank, as the 3-D experts do:
+    the qwen2_moe / qwen3_moe tensor-parallel plans do not shard them (``hfpatch_tp_plan``
+    adds nothing).  No expert-parallel or FSDP plan: such loads refuse the pack.
     """
+
+    hfpatch_tp_plan: ClassVar[dict[str, str]] = {}
 
     def __init__(self, config: Any) -> None:
         super().__init__(

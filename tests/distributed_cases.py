@@ -166,7 +166,16 @@ def load_group(checkpoints: dict[str, str]) -> dict[str, Result]:
 
 
 def local_rows(model: Any, result: Result) -> None:
-    """The rows this rank holds of each projection of layer 0 (its shard, under tensor parallelism)."""
+    """The rows this rank holds of each projection of layer 0 (its shard, under tensor parallelism),
+    and what ``save_pretrained`` does (a sharded model with converted weights refuses, on every rank)."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as directory:
+        try:
+            model.save_pretrained(directory)
+            result.extra["save"] = "saved"
+        except HfPatchError as exc:
+            result.extra["save"] = f"{type(exc).__name__}: {exc}"
     layer = model.model.layers[0]
     for name, parameter in layer.named_parameters():
         if name.endswith("proj.weight") and ".experts." not in name:

@@ -217,6 +217,8 @@ def test_fused_packs_shard_their_own_heads_under_tensor_parallelism(
     for result in results:
         rows = {key: value for key, value in result["extra"].items() if key in SHARDED_ROWS[case.split("/")[0]]}
         assert rows == SHARDED_ROWS[case.split("/")[0]]
+        # gathered, a rank-wise fused tensor is not the fused layout: saving refuses rather than corrupt
+        assert result["extra"]["save"].startswith("WeightLayoutError: refusing to save"), result["extra"]["save"]
     if case.startswith("qwen2_moe"):  # vanilla shards q/k/v alike: 32 + 16 + 16 rows
         vanilla = cases(loads, "qwen2_moe/tp/vanilla")[0]["extra"]
         assert [vanilla[f"rows:self_attn.{p}_proj.weight"] for p in "qkv"] == [32, 16, 16]

@@ -376,3 +376,35 @@ def test_the_parallelisms_are_read_from_the_loader_arguments(monkeypatch) -> Non
         assert parallel_modes(DistributedConfig(enable_expert_parallel=True), "auto") == ("ep",)
         monkeypatch.setenv("WORLD_SIZE", "1")
         assert parallel_modes(None, "auto") == ()
+
+
+# --- hfpatch verify --distributed ----------------------------------------------------------------------
+
+
+def test_verify_distributed_reports_each_parallelism_from_one_torchrun() -> None:
+    environment = {**os.environ, "PYTHONPATH": str(PACKS_SITE), "USE_HUB_KERNELS": "0", "OMP_NUM_THREADS": "1"}
+    hfpatch = Path(sys.executable).parent / "hfpatch"
+    command = [str(hfpatch), "verify", "fused-dense", "--model-type", "llama", "--distributed", "tp,fsdp", "--json"]
+    done = subprocess.run(command, env=environment, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = {row["mode"]: row for row in json.loads(done.stdout)["distributed"]}
+    assert list(rows) == ["tp", "fsdp"]
+    tp = rows["tp"]
+    assert (tp["outcome"], tp["ok"], tp["generation_match"]) == ("applied", True, True)
+    assert tp["max_abs_diff"] <= ATOL and tp["replaced"] == {
+        "LlamaAttention": "FusedQKVLlamaAttention",
+        "LlamaMLP": "FusedGateUpLlamaMLP",
+    }
+    fsdp = rows["fsdp"]
+    if "fsdp" in modes():
+        assert (fsdp["outcome"], fsdp["ok"], fsdp["max_abs_diff"]) == ("refused", True, 0.0)
+        assert "declares no plan for fsdp" in fsdp["detail"]
+    else:
+        assert (fsdp["outcome"], fsdp["ok"]) == ("unavailable", True)
+
+
+def test_verify_distributed_takes_known_parallelisms_only(capsys) -> None:
+    from hfpatch_core.cli import main
+
+    assert main(["verify", "--distributed", "tp,dp"]) == 2
+    assert "--distributed takes parallelisms among tp,fsdp,ep, got 'tp,dp'" in capsys.readouterr().err

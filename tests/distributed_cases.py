@@ -152,7 +152,8 @@ def load_group(checkpoints: dict[str, str]) -> dict[str, Result]:
             cases.append((f"llama/{mode}/fused-dense", sharded("llama", mode, "fused-dense", check=local_rows)))
         cases.append((f"qwen2_moe/{mode}/vanilla", sharded("qwen2_moe", mode, "none", check=local_rows)))
         cases.append((f"qwen2_moe/{mode}/qwen-moe", sharded("qwen2_moe", mode, "qwen-moe", check=local_rows)))
-        if mode == "tp":  # fused-dense on a MoE: the attention and the shared expert's MLP
+        if mode == "tp":  # per-head q/k norms (qwen3), and on a MoE the attention and the shared expert's MLP
+            cases.append(("qwen3/tp/fused-dense", sharded("qwen3", mode, "fused-dense", check=local_rows)))
             cases.append(("qwen2_moe/tp/fused-dense", sharded("qwen2_moe", mode, "fused-dense", check=local_rows)))
         if mode != "fsdp":
             cases.append((f"qwen2_moe/{mode}/moe-replay", sharded("qwen2_moe", mode, "moe-replay", check=replays)))

@@ -4,7 +4,7 @@ Each test starts one torchrun for a group of cases (``distributed_cases.py``) an
 asserts what both ranks wrote.  The first-party packs come from the wheels ``make
 venv`` installs into ``<venv>/first-party-packs``, as ``pip install`` would give them;
 a forward-only subclass pack is installed inline.  Tiny grouped-query checkpoints:
-llama 4 heads / 2 kv heads, qwen2_moe 4 / 2 with 4 experts.
+llama 4 heads / 2 kv heads, qwen2_moe 4 / 2 with 4 experts, qwen3 4 / 2.
 
 What exists where: ``tp_plan="auto"`` and ``DistributedConfig(enable_expert_parallel=True)``
 since 5.3 (the oldest supported release); ``DistributedConfig(fsdp_size=...,
@@ -51,6 +51,7 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     return {
         "llama": str(tiny_checkpoint("llama", root / "llama")),
         "qwen2_moe": str(tiny_checkpoint("qwen2_moe", root / "qwen2_moe")),
+        "qwen3": str(tiny_checkpoint("qwen3", root / "qwen3")),
     }
 
 
@@ -117,7 +118,7 @@ def test_every_case_ran_on_both_ranks(loads: list[dict[str, Any]]) -> None:
         if mode != "fsdp":
             expected.add(f"qwen2_moe/{mode}/moe-replay")
         if mode == "tp":
-            expected.add("qwen2_moe/tp/fused-dense")
+            expected |= {"qwen2_moe/tp/fused-dense", "qwen3/tp/fused-dense"}
     assert [set(rank["cases"]) for rank in loads] == [expected, expected]
 
 
@@ -184,6 +185,14 @@ def test_strict_mode_raises_the_refusal_on_both_ranks(loads: list[dict[str, Any]
     errors = [result["error"] for result in results]
     assert errors[0] == errors[1] and errors[0] is not None and errors[0].startswith("PackError: "), errors
     assert "Refused before any weight was read" in errors[0]
+
+
+def test_fused_dense_shards_a_qwen3_attention_with_per_head_norms(loads: list[dict[str, Any]]) -> None:
+    results = cases(loads, "qwen3/tp/fused-dense")
+    assert_equal_to_vanilla(results)
+    fused = {"Qwen3Attention": "FusedQKVQwen3Attention", "Qwen3MLP": "FusedGateUpQwen3MLP"}
+    assert [result["replaced"] for result in results] == [fused, fused]
+    assert [result["extra"]["rows:self_attn.qkv_proj.weight"] for result in results] == [64, 64]
 
 
 #: Rows of layer 0's fused projections on each rank: (q 64, k 32, v 32) and (gate, up 128 each), halved by TP.

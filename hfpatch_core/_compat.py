@@ -10,6 +10,7 @@ transformers than the caller already did.
 from __future__ import annotations
 
 import functools
+import types
 from typing import Any
 
 
@@ -120,3 +121,58 @@ def hub_kernels_on_by_default() -> bool:
     from transformers.integrations import hub_kernels
 
     return hasattr(hub_kernels, "_ensure_kernels_enabled")
+
+
+#: The parallelisms transformers' own loader can shard a model with, in the order hfpatch names them.
+PARALLEL_MODES = ("tp", "ep", "fsdp", "pp")
+
+
+def _size(value: Any) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) else 1
+
+
+def parallel_modes(distributed_config: Any = None, tp_plan: Any = None, device_mesh: Any = None) -> tuple[str, ...]:
+    """Which parallelisms a ``from_pretrained`` call shards the model with, from its arguments.
+
+    Read from what every rank passes alike (the loader's ``distributed_config``,
+    ``tp_plan`` and ``device_mesh``), never from rank-local state, so that every rank
+    reaches the same answer.  5.25 resolves ``tp_plan`` / ``tp_size`` into a
+    ``DistributedConfig`` whose sizes say which parallelisms are on (``tp_size``,
+    ``ep_size``, ``fsdp_size * dp_replicate_size``, ``pp_size`` above 1; ``tp_plan={}``
+    applies no tensor-parallel rule, as with the expert-parallel plan alone); 5.3 has
+    ``tp_plan`` (tensor parallelism over its ``device_mesh``) and
+    ``DistributedConfig(enable_expert_parallel=True)``, which swaps the tensor-parallel
+    plan for the expert-parallel one.
+
+    Returns:
+        A sub-tuple of ``PARALLEL_MODES``; empty for a load that is not sharded.
+    """
+    if isinstance(distributed_config, dict):
+        distributed_config = types.SimpleNamespace(**distributed_config)
+    found: set[str] = set()
+    if distributed_config is not None and hasattr(distributed_config, "ep_size"):  # 5.25's sizes
+        sizes = {
+            "tp": _size(getattr(distributed_config, "tp_size", 1)),
+            "ep": _size(getattr(distributed_config, "ep_size", 1)),
+            "fsdp": _size(getattr(distributed_config, "fsdp_size", 1))
+            * _size(getattr(distributed_config, "dp_replicate_size", 1)),
+            "pp": _size(getattr(distributed_config, "pp_size", 1)),
+        }
+        found = {mode for mode, size in sizes.items() if size > 1}
+        if getattr(distributed_config, "tp_plan", None) == {}:  # an explicit "no tensor-parallel rule" (EP alone)
+            found.discard("tp")
+    elif tp_plan is not None or device_mesh is not None or distributed_config is not None:  # 5.3
+        mesh_size = int(device_mesh.size()) if device_mesh is not None and hasattr(device_mesh, "size") else 0
+        if mesh_size > 1 or (mesh_size == 0 and _world_size() > 1):
+            expert = bool(getattr(distributed_config, "enable_expert_parallel", False))
+            found = {"ep"} if expert else {"tp"}
+    return tuple(mode for mode in PARALLEL_MODES if mode in found)
+
+
+def _world_size() -> int:
+    import os
+
+    try:
+        return int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError:
+        return 1

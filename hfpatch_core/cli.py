@@ -204,6 +204,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     from .testing import Report, TinyCheckpointError, check_pack_equivalence, tiny_checkpoint
 
     _check_model_types(args.model_type)
+    distributed = _distributed_modes(args.distributed)
     selection = current_selection(args.packs or None)
     session = Session(selection, strict=False)
     jobs: list[tuple[str, str]] = []
@@ -219,6 +220,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
         if not result.model_types:
             unverified[name] = "; ".join(result.problems) + " (or --model DIR)"
         jobs.extend((name, model_type) for model_type in result.model_types)
+    if distributed:
+        return _verify_distributed(jobs, distributed, unverified, args)
     reports: list[Report] = []
     with tempfile.TemporaryDirectory(prefix="hfpatch-verify-") as scratch:
         checkpoints: dict[str, str] = {}
@@ -263,6 +266,65 @@ def cmd_verify(args: argparse.Namespace) -> int:
             print(f"\n{name}: not verified: {reason}")
         if not reports and not unverified:
             print("No pack to verify.")
+    return EXIT_OK if all(report.ok for report in reports) and not unverified else EXIT_PROBLEMS
+
+
+def _distributed_modes(value: str | None) -> list[str]:
+    """``--distributed tp,fsdp,ep`` as a list (empty without the option); bad input is a usage error."""
+    if value is None:
+        return []
+    from .testing.distributed import MODES
+
+    modes = [mode.strip() for mode in value.split(",") if mode.strip()]
+    unknown = [mode for mode in modes if mode not in MODES]
+    if unknown or not modes:
+        raise _UsageError(f"--distributed takes parallelisms among {','.join(MODES)}, got {value!r}")
+    return list(dict.fromkeys(modes))
+
+
+def _verify_distributed(
+    jobs: list[tuple[str, str]], modes: list[str], unverified: dict[str, str], args: argparse.Namespace
+) -> int:
+    """``verify --distributed``: one torchrun of 2 ranks per pack and model, a row per parallelism."""
+    from .testing import tiny_checkpoint
+    from .testing.distributed import ModeReport, verify_distributed
+
+    reports: list[ModeReport] = []
+    with tempfile.TemporaryDirectory(prefix="hfpatch-verify-") as scratch:
+        for index, (name, target) in enumerate(jobs, 1):
+            print(f"[{index}/{len(jobs)}] verifying {name} on {target} on 2 ranks ...", file=sys.stderr, flush=True)
+            try:
+                checkpoint = target if args.model else str(tiny_checkpoint(target, os.path.join(scratch, target)))
+                reports.extend(verify_distributed(name, checkpoint, modes, model_type=target))
+            except Exception as exc:  # a model type that cannot be built is a FAIL row, not the end of the run
+                reports.extend(ModeReport(name, target, mode, "failed", detail=str(exc)) for mode in modes)
+    if args.json:
+        _print_json(
+            {
+                "distributed": [report.to_json() for report in reports],
+                "unverified": [{"pack": name, "reason": reason} for name, reason in unverified.items()],
+            }
+        )
+    else:
+        rows = [
+            [
+                r.pack,
+                r.model_type,
+                r.mode,
+                r.outcome,
+                "-" if r.max_abs_diff is None else f"{r.max_abs_diff:.2e}",
+                {True: "match", False: "DIFFERS", None: "-"}[r.generation_match],
+                "PASS" if r.ok else "FAIL",
+            ]
+            for r in reports
+        ]
+        if rows:
+            print(_table(rows, ["pack", "model type", "mode", "outcome", "max abs diff", "generation", "verdict"]))
+        for report in reports:
+            if report.outcome in ("failed", "refused", "unavailable") and report.detail:
+                print(f"\n{report.pack} on {report.model_type}, {report.mode}: {report.outcome}: {report.detail}")
+        for name, reason in unverified.items():
+            print(f"\n{name}: not verified: {reason}")
     return EXIT_OK if all(report.ok for report in reports) and not unverified else EXIT_PROBLEMS
 
 
@@ -342,6 +404,11 @@ def build_parser() -> argparse.ArgumentParser:
     verifying.add_argument("--model-type", action="append", help="model types to verify on (repeatable)")
     verifying.add_argument("--model", help="a local checkpoint directory to verify on")
     verifying.add_argument("--json", action="store_true", help="machine-readable output")
+    verifying.add_argument(
+        "--distributed",
+        metavar="MODES",
+        help="also shard as transformers does on 2 local ranks (torchrun, gloo): tp,fsdp,ep",
+    )
     verifying.set_defaults(handler=cmd_verify)
 
     demo = commands.add_parser("demo", help="load a tiny model with and without packs and compare")

@@ -28,6 +28,10 @@ class LoadContext:
         transformers_version: the installed transformers version.
         parent: for a sub-model built inside another load (the text model of a
             multimodal model), the outer load's context; ``None`` for a top-level load.
+        parallel: the parallelisms transformers' loader shards this model with, from the
+            ``from_pretrained`` arguments (``tp_plan``, ``distributed_config``,
+            ``device_mesh``): some of ``"tp"``, ``"ep"``, ``"fsdp"``, ``"pp"``; empty for
+            a load that is not sharded.  The same on every rank.
     """
 
     model_type: str | None
@@ -35,6 +39,7 @@ class LoadContext:
     config: Any = dataclasses.field(default=None, compare=False, repr=False)
     transformers_version: str = dataclasses.field(default_factory=_transformers_version)
     parent: LoadContext | None = dataclasses.field(default=None, compare=False, repr=False)
+    parallel: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.model_class_name, str) or not self.model_class_name:
@@ -43,6 +48,10 @@ class LoadContext:
             )
         if self.model_type is not None and not isinstance(self.model_type, str):
             raise TypeError(f"LoadContext.model_type must be a string or None, got {self.model_type!r}")
+        parallel = (self.parallel,) if isinstance(self.parallel, str) else tuple(self.parallel)
+        if not all(isinstance(mode, str) and mode for mode in parallel):
+            raise TypeError(f"LoadContext.parallel must be parallelism names such as ('tp',), got {self.parallel!r}")
+        object.__setattr__(self, "parallel", parallel)
 
     @property
     def root(self) -> LoadContext:
@@ -53,8 +62,16 @@ class LoadContext:
         return context
 
     @classmethod
-    def for_model(cls, model_class: type, config: Any = None, *, parent: LoadContext | None = None) -> LoadContext:
-        """The context of instantiating ``model_class``, with ``config`` when it is known."""
+    def for_model(
+        cls,
+        model_class: type,
+        config: Any = None,
+        *,
+        parent: LoadContext | None = None,
+        parallel: tuple[str, ...] = (),
+    ) -> LoadContext:
+        """The context of instantiating ``model_class``, with ``config`` when it is known
+        (``parallel``: see the attribute; a sub-model is sharded as its parent is)."""
         model_type = getattr(config, "model_type", None) or getattr(
             getattr(model_class, "config_class", None), "model_type", None
         )
@@ -63,4 +80,5 @@ class LoadContext:
             model_class_name=model_class.__name__,
             config=config,
             parent=parent,
+            parallel=parallel or (parent.parallel if parent is not None else ()),
         )

@@ -122,13 +122,36 @@ def _sizes(sizes: Sequence[int], what: str) -> tuple[int, ...]:
     return values
 
 
+def _rank_shares(found: tuple[int, ...], sizes: tuple[int, ...]) -> bool:
+    """Whether ``found`` is each of ``sizes`` divided by one number of ranks of the running process group.
+
+    In a sharded load transformers reads each source tensor of a converter already cut to
+    the fused parameter's placement on this rank: under tensor parallelism (``colwise``)
+    every part arrives as this rank's rows of it, and their concatenation is exactly this
+    rank's shard of the fused parameter (its own heads of q, of k and of v).
+    """
+    import torch.distributed as dist
+
+    if len(found) != len(sizes) or not dist.is_available() or not dist.is_initialized():
+        return False
+    shards, rest = divmod(sizes[0], found[0]) if found[0] else (0, 1)
+    return (
+        not rest
+        and shards > 1
+        and dist.get_world_size() % shards == 0
+        and all(part * shards == size for part, size in zip(found, sizes, strict=True))
+    )
+
+
 class SizedConcatenate(ConversionOps):
     """Concatenate the source tensors along ``dim``; reverses to ``SizedSplit``.
 
     transformers' ``Concatenate`` reverses to ``Chunk``, which splits into equal parts:
     a grouped-query ``qkv_proj`` (query wider than key and value) would be saved with
     wrong shapes.  This operation knows the size of each part, checks them when loading
-    and splits by them when saving.
+    and splits by them when saving.  In a load sharded by transformers (tensor
+    parallelism) the parts may arrive as this rank's equal share of each: their
+    concatenation is then this rank's shard of the fused tensor.
 
     Args:
         dim: the dimension to concatenate along.
@@ -157,7 +180,7 @@ class SizedConcatenate(ConversionOps):
             value = input_dict.pop(pattern)
             tensors.extend(value if isinstance(value, list) else [value])
         found = tuple(int(tensor.shape[self.dim]) for tensor in tensors)
-        if found != self.sizes:
+        if found != self.sizes and not _rank_shares(found, self.sizes):
             raise ValueError(
                 f"{self!r}: the checkpoint tensors for {source_patterns} have sizes {list(found)} along dim "
                 f"{self.dim}; the converter expects {list(self.sizes)}"

@@ -44,14 +44,24 @@ class Loader:
     model_class: type
     code: types.CodeType
 
-    def config(self) -> Any:
-        """The ``config`` local of the running loader (the config it is about to build with)."""
-        frame = sys._getframe(1)
+    def _locals(self) -> dict[str, Any]:
+        frame = sys._getframe(2)
         while frame is not None:
             if frame.f_code is self.code:
-                return frame.f_locals.get("config")
+                return frame.f_locals
             frame = frame.f_back  # type: ignore[assignment]
-        return None
+        return {}
+
+    def config(self) -> Any:
+        """The ``config`` local of the running loader (the config it is about to build with)."""
+        return self._locals().get("config")
+
+    def parallel(self) -> tuple[str, ...]:
+        """The parallelisms the running loader shards the model with (``_compat.parallel_modes``
+        of its ``distributed_config``, ``tp_plan`` and ``device_mesh`` locals, which every rank
+        passes alike); ``()`` for ``_from_config``, which does not shard."""
+        found = self._locals()
+        return _compat.parallel_modes(found.get("distributed_config"), found.get("tp_plan"), found.get("device_mesh"))
 
 
 def unwind_entered_contexts() -> None:

@@ -27,7 +27,7 @@ import torch
 import torch.nn as nn
 
 from .adapters import watch_peft
-from .packing import packed_outputs, record_sizes
+from .packing import local_sizes, packed_outputs, record_sizes
 
 __all__ = [
     "QKV_PROJECTIONS",
@@ -36,6 +36,7 @@ __all__ = [
     "forward_for",
     "fuse_projections",
     "linear_like",
+    "local_sizes",
 ]
 
 #: What an attention forward returns: the output and the attention weights (or None).

@@ -32,6 +32,7 @@ from .plan import PLAN_ATTRIBUTE, Plan
 from .scope import LOAD_LOCK
 from .selection import Selection
 from .session import Session, activate, active_session, current_session, live_session, new_session, scoped
+from .sharding import add_declared_plans
 
 logger = logging.getLogger("hfpatch")
 
@@ -158,13 +159,29 @@ def _wrap_from_config(original: classmethod) -> classmethod:
     return classmethod(_from_config)
 
 
+def _composing(patch_output_recorders: Callable[[Any], None]) -> Callable[[Any], None]:
+    """``patch_output_recorders``, which transformers calls on a model just built (before it
+    distributes it), preceded by adding the replacements' declared plans to the model's
+    (``sharding``) in a load sharded by transformers."""
+
+    def composing(model: Any) -> None:
+        session = live_session()
+        plan = session.current_plan() if session is not None else None
+        if plan is not None and plan.context is not None and plan.context.parallel:
+            add_declared_plans(model, plan.context.parallel)
+        patch_output_recorders(model)
+
+    composing.__doc__ = patch_output_recorders.__doc__
+    return composing
+
+
 def _hooked() -> list[tuple[Any, str, Callable[[Any], Any]]]:
     """Where hfpatch hooks into transformers: (owner, attribute, wrapper of the original)."""
     return [
         (PreTrainedModel, "from_pretrained", _wrap_from_pretrained),
         (PreTrainedModel, "_from_config", _wrap_from_config),
         (modeling_utils, "apply_patches", lambda _original: _apply_patches),
-        (modeling_utils, "patch_output_recorders", recorders.guarded),
+        (modeling_utils, "patch_output_recorders", lambda original: _composing(recorders.guarded(original))),
     ]
 
 

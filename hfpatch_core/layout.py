@@ -216,6 +216,15 @@ def verify_save_layout(model: nn.Module, plan: Plan) -> None:
 
 def _guarded_save_pretrained(self: Any, *args: Any, **kwargs: Any) -> Any:
     plan = plan_of(self)
+    parallel = plan.context.parallel if plan is not None and plan.context is not None else ()
+    if plan is not None and parallel and plan.touches_weights:
+        # every rank refuses alike (the plan is the same on all), before any collective of the save
+        raise WeightLayoutError(
+            f"refusing to save {type(self).__name__}: it was loaded sharded ({', '.join(parallel)}) with packs "
+            "that convert weights, whose fused tensors hold each rank's share of every part; gathered, they "
+            "are not the fused layout the reverse conversion splits. Save from a load on one process (the "
+            "same checkpoint, without tp_plan / distributed_config)."
+        )
     # with PEFT adapters loaded (add_adapter), transformers writes the adapter alone, as it is
     peft = getattr(self, "_hf_peft_config_loaded", False)
     if plan is not None and kwargs.get("save_original_format", True) and not peft:

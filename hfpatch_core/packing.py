@@ -22,7 +22,7 @@ Imported by its full name (``hfpatch_core.packing``): it imports torch.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import torch
 import torch.nn as nn
@@ -215,5 +215,24 @@ def packed_outputs(module: nn.Module, fused: str, sizes: tuple[int, ...], x: tor
         children = [module._modules[part] for part in parts]
         if any(type(child) is not PackedPart for child in children):
             return tuple(child(x) for child in children)  # type: ignore[misc]
-    outputs: tuple[torch.Tensor, ...] = getattr(module, fused)(x).split(sizes, dim=-1)
-    return outputs
+    output: torch.Tensor = getattr(module, fused)(x)
+    return tuple(output.split(local_sizes(sizes, output.shape[-1]), dim=-1))
+
+
+def local_sizes(sizes: Sequence[int], width: int) -> tuple[int, ...]:
+    """The split sizes of a fused output ``width`` wide: ``sizes``, or this rank's share of each.
+
+    Under tensor parallelism (``colwise``) each rank computes its shard of the fused
+    output, which the converter built as each part's shard concatenated (``q_r; k_r;
+    v_r``: its own heads of each), so the parts keep their proportions.
+
+    Raises:
+        ValueError: ``width`` is not ``sum(sizes)`` divided by a whole number that divides every size.
+    """
+    total = sum(sizes)
+    if width == total:
+        return tuple(sizes)
+    shards, rest = divmod(total, width) if width else (0, 1)
+    if rest or not shards or any(size % shards for size in sizes):
+        raise ValueError(f"a fused output of width {width} is no whole share of parts {list(sizes)}")
+    return tuple(size // shards for size in sizes)

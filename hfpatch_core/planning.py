@@ -22,6 +22,7 @@ import torch.nn as nn
 
 from .composition import compose, scope_for
 from .context import LoadContext
+from .distribution import refuse_unsharded
 from .errors import HfPatchError, PackError
 from .gathering import Gathered, PackSet
 from .plan import Conversions, Plan
@@ -227,6 +228,7 @@ def plan_load(
     gathered = packs.gather(context, priority_offsets)
     class_names = tuple(class_names)
     gathered = _without(gathered, _unknown_targets(gathered, class_names))
+    gathered = refuse_unsharded(gathered, context)
     report(gathered.failures)
     decision = resolve_patches(gathered.claims, registered=registered, overridable=overridable, class_names=class_names)
     conversions = Conversions()

@@ -74,6 +74,11 @@ class FusedGateUpMLP(nn.Module):
     pack's converter concatenates them in this order).
     """
 
+    #: Under tensor parallelism ``gate_up_proj`` is column-parallel where the model's plan
+    #: shards this MLP (``gate_proj`` / ``up_proj`` colwise): each rank holds its rows of the
+    #: gate and of the up part, which the converter concatenates from their shards.
+    hfpatch_tp_plan: ClassVar[dict[str, str]] = {"gate_up_proj": "colwise"}
+
     gate_up_proj: nn.Linear
     down_proj: nn.Linear
     act_fn: Callable[[torch.Tensor], torch.Tensor]
@@ -105,6 +110,10 @@ class FusedQKVAttention(FusedQKVAttentionBase):
     """
 
     flavor: ClassVar[AttentionFlavor]
+    #: Under tensor parallelism ``qkv_proj`` is column-parallel where the model's plan shards
+    #: q/k/v colwise: each rank holds its own heads of q, of k and of v (grouped-query
+    #: included), which the converter concatenates from their shards.
+    hfpatch_tp_plan: ClassVar[dict[str, str]] = {"qkv_proj": "colwise"}
 
     def _attention_kwargs(self) -> dict[str, Any]:
         window = self.flavor.sliding_window

@@ -38,6 +38,10 @@ class FusedQKVAttention(FusedQKVAttentionBase):
     """
 
     passes_sliding_window: ClassVar[bool] = False
+    #: Under tensor parallelism ``qkv_proj`` is column-parallel where the model's plan shards
+    #: q/k/v colwise: each rank holds its own heads of q, of k and of v (grouped-query
+    #: included), which the converter concatenates from their shards.
+    hfpatch_tp_plan: ClassVar[dict[str, str]] = {"qkv_proj": "colwise"}
 
     def _attention_kwargs(self) -> dict[str, Any]:
         return {"sliding_window": self.sliding_window} if self.passes_sliding_window else {}

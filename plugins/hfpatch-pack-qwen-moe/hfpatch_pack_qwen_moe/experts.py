@@ -12,7 +12,7 @@ checkpoint loads into it without renaming and every expert is reachable.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.nn as nn
@@ -55,9 +55,14 @@ class PerExpertExperts(nn.ModuleList):
     as ``target_parameters``; ``hfpatch_hidden_from_adapters`` keeps such lists off these
     experts in the first case and makes the second an ``AdapterError``, so that an
     adapter never means something else here than on an unpatched model.
+
+    Under tensor parallelism the experts stay whole on every rank, as the 3-D experts do:
+    the qwen2_moe / qwen3_moe tensor-parallel plans do not shard them (``hfpatch_tp_plan``
+    adds nothing).  No expert-parallel or FSDP plan: such loads refuse the pack.
     """
 
     hfpatch_hidden_from_adapters = True
+    hfpatch_tp_plan: ClassVar[dict[str, str]] = {}
 
     def __init__(self, config: Any) -> None:
         super().__init__(

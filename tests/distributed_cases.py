@@ -1,0 +1,287 @@
+"""Cases run under ``torchrun --nproc_per_node 2`` (gloo, CPU) by ``test_distributed.py``.
+
+``python -m torch.distributed.run --nproc_per_node 2 distributed_cases.py GROUP OUT LLAMA QWEN_MOE``
+runs every case of GROUP on each rank and writes ``OUT/rank<N>.json``: case name ->
+what that rank saw (the largest logit difference from a single-process vanilla load,
+the classes the load replaced, the warnings, the error).  One process group for all the
+cases of a group: starting torchrun costs more than a tiny model's load.
+
+Groups:
+
+* ``load``: transformers' own sharded loads (``tp_plan="auto"``, ``DistributedConfig``
+  with ``fsdp_size`` / ``ep_size``), vanilla and with packs;
+* ``train``: started by ``hfpatch run -- torchrun``, so hfpatch is enabled by the
+  start-up hook with ``HF_PATCH_PACKS``; DDP training steps and FSDP2 applied after a
+  normal load.
+
+A case that raises is recorded (type and message), never fatal: every rank runs every
+case, so a rank never waits in a collective that the other skipped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+import traceback
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import transformers
+from transformers import AutoModelForCausalLM
+
+import hfpatch_core
+from hfpatch_core.errors import HfPatchError, PackWarning
+from hfpatch_core.plan import plan_of
+
+RANK = int(os.environ.get("RANK", "0"))
+IDS = torch.randint(3, 256, (2, 10), generator=torch.Generator().manual_seed(0))
+
+
+def has_field(name: str) -> bool:
+    """Whether the installed ``DistributedConfig`` has field ``name`` (5.3: no sizes, ``enable_expert_parallel``)."""
+    from transformers.distributed import DistributedConfig
+
+    return name in getattr(DistributedConfig, "__dataclass_fields__", {})
+
+
+def sharding(mode: str) -> dict[str, Any]:
+    """The ``from_pretrained`` arguments of a sharded load, as the installed release spells them."""
+    from transformers.distributed import DistributedConfig
+
+    if mode == "tp":
+        return {"tp_plan": "auto"}
+    if mode == "fsdp":
+        return {"distributed_config": DistributedConfig(fsdp_size=2)}
+    if mode == "ep" and has_field("ep_size"):
+        return {"distributed_config": DistributedConfig(ep_size=2, tp_plan={})}
+    if mode == "ep":
+        return {"distributed_config": DistributedConfig(enable_expert_parallel=True)}
+    raise ValueError(mode)
+
+
+def modes() -> list[str]:
+    """The sharded loads the installed transformers has and can load a vanilla model with.
+
+    5.3's ``DistributedConfig(enable_expert_parallel=True)`` exists but fails on a vanilla
+    qwen2_moe in transformers' own loader (``KeyError: 'model.layers.*.self_attn.k_proj'``):
+    expert parallelism is tested where ``DistributedConfig`` has ``ep_size`` (5.25).  The
+    strict-mode case still runs it on 5.3: the refusal comes before the loader reads a weight.
+    """
+    return ["tp", *(["ep"] if has_field("ep_size") else []), *(["fsdp"] if has_field("fsdp_size") else [])]
+
+
+def logits(model: Any) -> torch.Tensor:
+    with torch.no_grad():
+        output = model(input_ids=IDS).logits
+    local = getattr(output, "full_tensor", None)
+    return (local() if local is not None else output).float()
+
+
+def greedy(model: Any) -> list[list[int]]:
+    with torch.no_grad():
+        out = model.generate(IDS, max_new_tokens=4, do_sample=False)
+    return [list(map(int, row)) for row in out[:, IDS.shape[1] :]]
+
+
+@dataclasses.dataclass
+class Result:
+    """What one rank saw in one case."""
+
+    error: str | None = None
+    max_diff: float | None = None
+    greedy_equal: bool | None = None
+    replaced: dict[str, str] = dataclasses.field(default_factory=dict)
+    warnings: list[str] = dataclasses.field(default_factory=list)
+    extra: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+def run_case(body: Callable[[Result], None]) -> Result:
+    result = Result()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", PackWarning)
+        try:
+            body(result)
+        except Exception as exc:
+            result.error = f"{type(exc).__name__}: {exc}"
+            if not isinstance(exc, HfPatchError):
+                result.extra["traceback"] = traceback.format_exc()[-2000:]
+    result.warnings = [str(w.message) for w in caught if issubclass(w.category, PackWarning)]
+    return result
+
+
+def replaced_of(model: Any) -> dict[str, str]:
+    plan = plan_of(model)
+    return {claim.target: claim.patch.replacement.__name__ for claim in plan.entries} if plan else {}
+
+
+# --- load ------------------------------------------------------------------------------
+
+
+def load_group(checkpoints: dict[str, str]) -> dict[str, Result]:
+    reference: dict[str, tuple[torch.Tensor, list[list[int]]]] = {}
+    for name, path in checkpoints.items():
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)  # hfpatch is not enabled yet
+        reference[name] = (logits(model), greedy(model))
+    results: dict[str, Result] = {}
+
+    def sharded(name: str, mode: str, packs: str, *, strict: bool = False, check: Callable[..., None] | None = None):
+        def body(result: Result) -> None:
+            with hfpatch_core.enabled(packs=packs, strict=strict):
+                model = AutoModelForCausalLM.from_pretrained(checkpoints[name], dtype=torch.float32, **sharding(mode))
+            result.replaced = replaced_of(model)
+            found = logits(model)
+            expected, tokens = reference[name]
+            result.max_diff = float((found - expected).abs().max())
+            result.greedy_equal = greedy(model) == tokens
+            if check is not None:
+                check(model, result)
+
+        return body
+
+    cases: list[tuple[str, Callable[[Result], None]]] = []
+    for mode in modes():
+        if mode != "ep":
+            cases.append((f"llama/{mode}/vanilla", sharded("llama", mode, "none")))
+            cases.append((f"llama/{mode}/subclass", sharded("llama", mode, "subclass")))
+            cases.append((f"llama/{mode}/fused-dense", sharded("llama", mode, "fused-dense", check=local_rows)))
+        cases.append((f"qwen2_moe/{mode}/vanilla", sharded("qwen2_moe", mode, "none", check=local_rows)))
+        cases.append((f"qwen2_moe/{mode}/qwen-moe", sharded("qwen2_moe", mode, "qwen-moe", check=local_rows)))
+        if mode == "tp":  # per-head q/k norms (qwen3), and on a MoE the attention and the shared expert's MLP
+            cases.append(("qwen3/tp/fused-dense", sharded("qwen3", mode, "fused-dense", check=local_rows)))
+            cases.append(("qwen2_moe/tp/fused-dense", sharded("qwen2_moe", mode, "fused-dense", check=local_rows)))
+        if mode != "fsdp":
+            cases.append((f"qwen2_moe/{mode}/moe-replay", sharded("qwen2_moe", mode, "moe-replay", check=replays)))
+    if "fsdp" in modes():
+        cases.append(("llama/fsdp/fused-dense/strict", sharded("llama", "fsdp", "fused-dense", strict=True)))
+    cases.append(("qwen2_moe/ep/qwen-moe/strict", sharded("qwen2_moe", "ep", "qwen-moe", strict=True)))
+    for name, body in cases:
+        results[name] = run_case(body)
+        dist.barrier()
+    return results
+
+
+def local_rows(model: Any, result: Result) -> None:
+    """The rows this rank holds of each projection of layer 0 (its shard, under tensor parallelism),
+    and what ``save_pretrained`` does (a sharded model with converted weights refuses, on every rank)."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as directory:
+        try:
+            model.save_pretrained(directory)
+            result.extra["save"] = "saved"
+        except HfPatchError as exc:
+            result.extra["save"] = f"{type(exc).__name__}: {exc}"
+    layer = model.model.layers[0]
+    for name, parameter in layer.named_parameters():
+        if name.endswith("proj.weight") and ".experts." not in name:
+            local = parameter.to_local() if hasattr(parameter, "to_local") else parameter
+            result.extra[f"rows:{name}"] = int(local.shape[0])
+
+
+def replays(model: Any, result: Result) -> None:
+    """Routes recorded on this rank replay to the same logits (moe-replay's promise, per rank)."""
+    from hfpatch_pack_moe_replay import record_routing, replay_routing
+
+    with torch.no_grad(), record_routing(model) as recording:
+        live = logits(model)
+    routing = recording.routing
+    with torch.no_grad(), replay_routing(model, routing):
+        replayed = logits(model)
+    # the routes as every rank recorded them: the router is replicated, so all ranks agree
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, [layer.tolist() for layer in routing.layers])
+    result.extra["replay_diff"] = float((replayed - live).abs().max())
+    result.extra["routes_agree"] = all(other == gathered[0] for other in gathered)
+    result.extra["routed_layers"] = len(routing.layers)
+
+
+# --- train (under hfpatch run) -----------------------------------------------------------
+
+
+def train_group(checkpoints: dict[str, str]) -> dict[str, Result]:
+    return {
+        "ddp": run_case(lambda result: ddp(checkpoints["llama"], result)),
+        "fsdp2-after-load": run_case(lambda result: fsdp2_after_load(checkpoints["llama"], result)),
+    }
+
+
+def ddp(path: str, result: Result) -> None:
+    from torch.nn.parallel import DistributedDataParallel
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    plan = plan_of(model)
+    result.replaced = replaced_of(model)
+    fingerprints: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(fingerprints, plan.fingerprint if plan else None)
+    result.extra["fingerprints"] = fingerprints
+    wrapped = DistributedDataParallel(model)
+    optimizer = torch.optim.AdamW(wrapped.parameters(), lr=1e-2)
+    ids = torch.randint(3, 256, (2, 10), generator=torch.Generator().manual_seed(100 + RANK))  # each rank its batch
+    for _ in range(3):
+        optimizer.zero_grad()
+        wrapped(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    first = flat.clone()
+    dist.broadcast(first, src=0)
+    result.extra["max_param_diff_from_rank0"] = float((flat - first).abs().max())
+    result.extra["moved"] = float((flat - torch.cat([p.reshape(-1) for p in _fresh(path).parameters()])).abs().max())
+
+
+def _fresh(path: str) -> Any:
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+
+
+def fsdp2_after_load(path: str, result: Result) -> None:
+    """fully_shard on each decoder layer, then the model, as accelerate does: loss equal to vanilla."""
+    from torch.distributed.fsdp import fully_shard
+
+    def sharded_loss(model: Any) -> tuple[float, float]:
+        for layer in model.model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        first = model(input_ids=IDS, labels=IDS).loss
+        first.backward()
+        optimizer.step()
+        second = model(input_ids=IDS, labels=IDS).loss
+        return float(first), float(second)
+
+    patched = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    result.replaced = replaced_of(patched)
+    with hfpatch_core.enabled(packs="none"):
+        vanilla = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    found, expected = sharded_loss(patched), sharded_loss(vanilla)
+    result.extra["losses"] = [found, expected]
+    result.max_diff = max(abs(a - b) for a, b in zip(found, expected, strict=True))
+
+
+def main() -> None:
+    group, out = sys.argv[1], Path(sys.argv[2])
+    checkpoints = json.loads(sys.argv[3])
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    dist.init_process_group("gloo")
+    try:
+        results = {"load": load_group, "train": train_group}[group](checkpoints)
+    finally:
+        dist.barrier()
+    payload = {
+        "rank": RANK,
+        "transformers": transformers.__version__,
+        "enabled_by_autorun": hfpatch_core.is_enabled() if group == "train" else None,
+        "cases": {name: dataclasses.asdict(result) for name, result in results.items()},
+    }
+    (out / f"rank{RANK}.json").write_text(json.dumps(payload, indent=1))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

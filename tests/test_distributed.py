@@ -1,0 +1,419 @@
+"""Packs under transformers' own distributed loading, for real: ``torchrun --nproc_per_node 2`` (gloo, CPU).
+
+Each test starts one torchrun for a group of cases (``distributed_cases.py``) and
+asserts what both ranks wrote.  The first-party packs come from the wheels ``make
+venv`` installs into ``<venv>/first-party-packs``, as ``pip install`` would give them;
+a forward-only subclass pack is installed inline.  Tiny grouped-query checkpoints:
+llama 4 heads / 2 kv heads, qwen2_moe 4 / 2 with 4 experts, qwen3 4 / 2.
+
+What exists where: ``tp_plan="auto"`` and ``DistributedConfig(enable_expert_parallel=True)``
+since 5.3 (the oldest supported release); ``DistributedConfig(fsdp_size=...,
+ep_size=...)`` in 5.25 (``distributed_cases.modes``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from distributed_cases import modes
+
+from hfpatch_core.errors import PackError, PackWarning
+from hfpatch_core.testing import install_pack, tiny_checkpoint
+from packs import PackSpec
+
+HERE = Path(__file__).parent
+PACKS_SITE = Path(sys.prefix) / "first-party-packs"
+ATOL = 1e-5
+
+SUBCLASS_PACK = """
+from hfpatch_core import Patch, hookimpl
+from transformers.models.llama.modeling_llama import LlamaMLP
+
+class ForwardOnlyMLP(LlamaMLP):
+    def forward(self, x):
+        return super().forward(x)
+
+@hookimpl
+def provide_patches(context):
+    return [Patch("LlamaMLP", ForwardOnlyMLP)] if context.model_type == "llama" else []
+"""
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("distributed")
+    return {
+        "llama": str(tiny_checkpoint("llama", root / "llama")),
+        "qwen2_moe": str(tiny_checkpoint("qwen2_moe", root / "qwen2_moe")),
+        "qwen3": str(tiny_checkpoint("qwen3", root / "qwen3")),
+    }
+
+
+def torchrun(
+    group: str, checkpoints: dict[str, str], out: Path, site: Path, *, launcher: list[str], env: dict[str, str]
+) -> list[dict[str, Any]]:
+    """Run ``distributed_cases.py GROUP`` on 2 ranks; each rank's results."""
+    assert (PACKS_SITE / "hfpatch_pack_fused_dense").is_dir(), f"no first-party packs in {PACKS_SITE}: run make venv"
+    out.mkdir()
+    environment = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(site), str(PACKS_SITE), str(HERE)]),
+        "USE_HUB_KERNELS": "0",
+        "OMP_NUM_THREADS": "1",
+        **env,
+    }
+    command = [
+        *launcher,
+        "--standalone",  # a free port of its own: tests may run in parallel
+        "--nproc_per_node",
+        "2",
+        str(HERE / "distributed_cases.py"),
+        group,
+        str(out),
+        json.dumps(checkpoints),
+    ]
+    done = subprocess.run(command, env=environment, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    ranks = [json.loads((out / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+    assert [rank["rank"] for rank in ranks] == [0, 1]
+    return ranks
+
+
+def _site(tmp_path: Path) -> Path:
+    site = tmp_path / "site"
+    install_pack(site, "subclass", SUBCLASS_PACK, requires=("transformers>=5.3,<6",))
+    return site
+
+
+@pytest.fixture(scope="module")
+def loads(checkpoints: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    tmp = tmp_path_factory.mktemp("load")
+    launcher = [sys.executable, "-m", "torch.distributed.run"]
+    return torchrun("load", checkpoints, tmp / "out", _site(tmp), launcher=launcher, env={})
+
+
+def cases(ranks: list[dict[str, Any]], name: str) -> list[dict[str, Any]]:
+    return [rank["cases"][name] for rank in ranks]
+
+
+def assert_equal_to_vanilla(results: list[dict[str, Any]]) -> None:
+    for rank, result in enumerate(results):
+        assert result["error"] is None, f"rank {rank}: {result['error']}\n{result['extra'].get('traceback', '')}"
+        assert result["max_diff"] is not None and result["max_diff"] <= ATOL, (rank, result["max_diff"])
+        assert result["greedy_equal"], rank
+
+
+def test_every_case_ran_on_both_ranks(loads: list[dict[str, Any]]) -> None:
+    expected = {"qwen2_moe/ep/qwen-moe/strict", *(["llama/fsdp/fused-dense/strict"] if "fsdp" in modes() else [])}
+    for mode in modes():
+        expected |= {f"qwen2_moe/{mode}/vanilla", f"qwen2_moe/{mode}/qwen-moe"}
+        if mode != "ep":
+            expected |= {f"llama/{mode}/{packs}" for packs in ("vanilla", "subclass", "fused-dense")}
+        if mode != "fsdp":
+            expected.add(f"qwen2_moe/{mode}/moe-replay")
+        if mode == "tp":
+            expected |= {"qwen2_moe/tp/fused-dense", "qwen3/tp/fused-dense"}
+    assert [set(rank["cases"]) for rank in loads] == [expected, expected]
+
+
+@pytest.mark.parametrize("case", ["llama/{mode}/vanilla", "qwen2_moe/{mode}/vanilla"])
+def test_vanilla_sharded_loads_equal_a_single_process(loads: list[dict[str, Any]], case: str) -> None:
+    for mode in modes():
+        if case.startswith("llama") and mode == "ep":
+            continue  # a dense model has no expert plan
+        results = cases(loads, case.format(mode=mode))
+        assert_equal_to_vanilla(results)
+        assert [result["replaced"] for result in results] == [{}, {}]
+
+
+def test_a_subclass_that_keeps_the_parameters_applies_under_every_sharding(loads: list[dict[str, Any]]) -> None:
+    for mode in (mode for mode in modes() if mode != "ep"):
+        results = cases(loads, f"llama/{mode}/subclass")
+        assert_equal_to_vanilla(results)
+        assert [result["replaced"] for result in results] == [{"LlamaMLP": "ForwardOnlyMLP"}] * 2
+        assert [result["warnings"] for result in results] == [[], []]
+
+
+def test_moe_replay_applies_under_tp_and_ep_and_replays_per_rank(loads: list[dict[str, Any]]) -> None:
+    for mode in (mode for mode in modes() if mode != "fsdp"):
+        results = cases(loads, f"qwen2_moe/{mode}/moe-replay")
+        assert_equal_to_vanilla(results)
+        router = {"Qwen2MoeTopKRouter": "ReplayableQwen2MoeTopKRouter"}
+        assert [result["replaced"] for result in results] == [router, router]
+        for result in results:
+            assert result["extra"]["routed_layers"] == 2 and result["extra"]["routes_agree"]
+            assert result["extra"]["replay_diff"] <= ATOL
+
+
+@pytest.mark.parametrize(
+    ("case", "modes_of_case", "classes"),
+    [
+        ("llama/{mode}/fused-dense", ("fsdp",), ("LlamaAttention", "LlamaMLP")),
+        ("qwen2_moe/{mode}/qwen-moe", ("ep", "fsdp"), ("Qwen2MoeExperts",)),
+    ],
+)
+def test_a_layout_changing_pack_without_a_plan_is_refused_and_the_model_loads_vanilla(
+    loads: list[dict[str, Any]], case: str, modes_of_case: tuple[str, ...], classes: tuple[str, ...]
+) -> None:
+    pack = case.split("/")[-1]
+    for mode in (mode for mode in modes() if mode in modes_of_case):
+        results = cases(loads, case.format(mode=mode))
+        assert_equal_to_vanilla(results)  # no shape error in forward, no converter size error
+        assert [result["replaced"] for result in results] == [{}, {}]
+        warnings = [result["warnings"] for result in results]
+        assert warnings[0] == warnings[1] and len(warnings[0]) == 1, warnings
+        message = warnings[0][0]
+        assert f"pack {pack!r}" in message and "Refused before any weight was read" in message
+        assert all(name in message for name in classes), message
+        assert f"hfpatch_{mode}_plan" in message
+
+
+@pytest.mark.parametrize(
+    ("case", "mode"), [("llama/fsdp/fused-dense/strict", "fsdp"), ("qwen2_moe/ep/qwen-moe/strict", "ep")]
+)
+def test_strict_mode_raises_the_refusal_on_both_ranks(loads: list[dict[str, Any]], case: str, mode: str) -> None:
+    if mode not in modes() and mode != "ep":  # 5.3 has no fsdp_size; its expert parallelism is refused all the same
+        assert case not in loads[0]["cases"]
+        return
+    results = cases(loads, case)
+    errors = [result["error"] for result in results]
+    assert errors[0] == errors[1] and errors[0] is not None and errors[0].startswith("PackError: "), errors
+    assert "Refused before any weight was read" in errors[0]
+
+
+def test_fused_dense_shards_a_qwen3_attention_with_per_head_norms(loads: list[dict[str, Any]]) -> None:
+    results = cases(loads, "qwen3/tp/fused-dense")
+    assert_equal_to_vanilla(results)
+    fused = {"Qwen3Attention": "FusedQKVQwen3Attention", "Qwen3MLP": "FusedGateUpQwen3MLP"}
+    assert [result["replaced"] for result in results] == [fused, fused]
+    assert [result["extra"]["rows:self_attn.qkv_proj.weight"] for result in results] == [64, 64]
+
+
+#: Rows of layer 0's fused projections on each rank: (q 64, k 32, v 32) and (gate, up 128 each), halved by TP.
+SHARDED_ROWS = {
+    "llama": {
+        "rows:self_attn.qkv_proj.weight": 64,
+        "rows:mlp.gate_up_proj.weight": 128,
+        "rows:mlp.down_proj.weight": 64,
+    },
+    "qwen2_moe": {"rows:self_attn.qkv_proj.weight": 64},
+}
+
+
+@pytest.mark.parametrize(
+    ("case", "classes"),
+    [
+        ("llama/tp/fused-dense", {"LlamaAttention": "FusedQKVLlamaAttention", "LlamaMLP": "FusedGateUpLlamaMLP"}),
+        (
+            "qwen2_moe/tp/qwen-moe",
+            {"Qwen2MoeAttention": "Qwen2MoeFusedQKVAttention", "Qwen2MoeExperts": "PerExpertExperts"},
+        ),
+    ],
+)
+def test_fused_packs_shard_their_own_heads_under_tensor_parallelism(
+    loads: list[dict[str, Any]], case: str, classes: dict[str, str]
+) -> None:
+    results = cases(loads, case)
+    assert_equal_to_vanilla(results)  # grouped-query: each rank its own heads of q, k and v
+    assert [result["replaced"] for result in results] == [classes, classes]
+    assert [result["warnings"] for result in results] == [[], []]
+    for result in results:
+        rows = {key: value for key, value in result["extra"].items() if key in SHARDED_ROWS[case.split("/")[0]]}
+        assert rows == SHARDED_ROWS[case.split("/")[0]]
+        # gathered, a rank-wise fused tensor is not the fused layout: saving refuses rather than corrupt
+        assert result["extra"]["save"].startswith("WeightLayoutError: refusing to save"), result["extra"]["save"]
+    if case.startswith("qwen2_moe"):  # vanilla shards q/k/v alike: 32 + 16 + 16 rows
+        vanilla = cases(loads, "qwen2_moe/tp/vanilla")[0]["extra"]
+        assert [vanilla[f"rows:self_attn.{p}_proj.weight"] for p in "qkv"] == [32, 16, 16]
+
+
+def test_a_declared_plan_shards_only_modules_the_model_plan_shards(loads: list[dict[str, Any]]) -> None:
+    """qwen2_moe's plan shards the attention but leaves the shared expert whole: so does fused-dense."""
+    results = cases(loads, "qwen2_moe/tp/fused-dense")
+    assert_equal_to_vanilla(results)
+    fused = {"Qwen2MoeAttention": "FusedQKVQwen2MoeAttention", "Qwen2MoeMLP": "FusedGateUpQwen2MoeMLP"}
+    assert [result["replaced"] for result in results] == [fused, fused]
+    for result in results:
+        assert result["extra"]["rows:self_attn.qkv_proj.weight"] == 64  # half of 64 + 32 + 32
+        assert result["extra"]["rows:mlp.shared_expert.gate_up_proj.weight"] == 128  # whole: 2 x 64
+
+
+def test_fused_outputs_split_whole_or_by_rank_share() -> None:
+    from hfpatch_core.fusion import local_sizes
+
+    assert local_sizes((64, 32, 32), 128) == (64, 32, 32)
+    assert local_sizes((64, 32, 32), 64) == (32, 16, 16)
+    with pytest.raises(ValueError, match="no whole share of parts"):
+        local_sizes((64, 32, 32), 48)
+
+
+@pytest.fixture(scope="module")
+def training(checkpoints: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    tmp = tmp_path_factory.mktemp("train")
+    hfpatch = Path(sys.executable).parent / "hfpatch"
+    return torchrun(
+        "train",
+        checkpoints,
+        tmp / "out",
+        _site(tmp),
+        launcher=[str(hfpatch), "run", "--", "torchrun"],
+        env={"HF_PATCH_PACKS": "fused-dense"},
+    )
+
+
+def test_ddp_training_under_hfpatch_run_keeps_ranks_alike(training: list[dict[str, Any]]) -> None:
+    assert [rank["enabled_by_autorun"] for rank in training] == [True, True]
+    results = cases(training, "ddp")
+    for rank, result in enumerate(results):
+        assert result["error"] is None, f"rank {rank}: {result['error']}\n{result['extra'].get('traceback', '')}"
+        assert result["replaced"] == {"LlamaAttention": "FusedQKVLlamaAttention", "LlamaMLP": "FusedGateUpLlamaMLP"}
+        fingerprints = result["extra"]["fingerprints"]
+        assert len(set(fingerprints)) == 1 and fingerprints[0] is not None
+        assert result["extra"]["max_param_diff_from_rank0"] == 0.0
+        assert result["extra"]["moved"] > 1e-3  # the steps did train
+
+
+def test_fsdp2_after_a_normal_load_trains_the_fused_model_as_vanilla(training: list[dict[str, Any]]) -> None:
+    for rank, result in enumerate(cases(training, "fsdp2-after-load")):
+        assert result["error"] is None, f"rank {rank}: {result['error']}\n{result['extra'].get('traceback', '')}"
+        assert result["replaced"] == {"LlamaAttention": "FusedQKVLlamaAttention", "LlamaMLP": "FusedGateUpLlamaMLP"}
+        assert result["max_diff"] <= ATOL, result["extra"]["losses"]
+
+
+# --- the rule itself, in process: which claims a sharded load refuses --------------------------------
+
+RULE_PACK = """
+from hfpatch_core import Converter, Patch, hookimpl
+from transformers.core_model_loading import WeightRenaming
+from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, LlamaRMSNorm
+
+class OwnInitMLP(LlamaMLP):
+    def __init__(self, config):
+        super().__init__(config)
+
+class DeclaredMLP(OwnInitMLP):
+    hfpatch_tp_plan = {}
+
+class RenamedAttention(LlamaAttention):
+    pass
+
+class ForwardOnlyNorm(LlamaRMSNorm):
+    def forward(self, hidden_states):
+        return super().forward(hidden_states)
+
+@hookimpl
+def provide_patches(context):
+    mlp = DeclaredMLP if context.config == "declared" else OwnInitMLP
+    return [Patch("LlamaMLP", mlp), Patch("LlamaAttention", RenamedAttention), Patch("LlamaRMSNorm", ForwardOnlyNorm)]
+
+@hookimpl
+def provide_converters(context):
+    rename = WeightRenaming(source_patterns="self_attn.q_proj", target_patterns="self_attn.query")
+    return [Converter("llama", [rename], patch_targets=("LlamaAttention",))]
+"""
+
+
+def _plan(parallel: tuple[str, ...], config: str | None = None):
+    from hfpatch_core.context import LoadContext
+    from hfpatch_core.session import new_session
+
+    context = LoadContext("llama", "LlamaForCausalLM", config=config, parallel=parallel)
+    return new_session("rule").plan(context, ("LlamaMLP", "LlamaAttention", "LlamaRMSNorm"))
+
+
+def test_a_single_process_load_refuses_nothing(install) -> None:
+    install(PackSpec("rule", RULE_PACK))
+    plan = _plan(())
+    assert sorted(plan.mapping) == ["LlamaAttention", "LlamaMLP", "LlamaRMSNorm"]
+
+
+def test_a_sharded_load_refuses_each_class_whose_parameters_change_without_a_plan(install) -> None:
+    install(PackSpec("rule", RULE_PACK))
+    with pytest.warns(PackWarning) as caught:
+        plan = _plan(("tp",))
+    assert list(plan.mapping) == ["LlamaRMSNorm"]  # a forward-only subclass keeps its parameters
+    assert not plan.conversions  # the converter tied to the refused attention went with it
+    assert len(caught) == 1
+    message = str(caught[0].message)
+    assert "OwnInitMLP (replacing 'LlamaMLP')" in message and "its __init__ builds its own parameters" in message
+    assert "RenamedAttention (replacing 'LlamaAttention')" in message and "it has converters" in message
+    assert "hfpatch_tp_plan" in message and "'LlamaMLP', 'LlamaAttention' load as in transformers" in message
+
+
+def test_a_declared_plan_admits_the_class_for_that_parallelism_only(install) -> None:
+    install(PackSpec("rule", RULE_PACK))
+    with pytest.warns(PackWarning):
+        plan = _plan(("tp",), "declared")
+    assert sorted(plan.mapping) == ["LlamaMLP", "LlamaRMSNorm"]
+    with pytest.warns(PackWarning, match="declares no plan for fsdp .hfpatch_fsdp_plan."):
+        plan = _plan(("tp", "fsdp"), "declared")
+    assert list(plan.mapping) == ["LlamaRMSNorm"]
+
+
+def test_strict_mode_raises_the_refusal(install) -> None:
+    from hfpatch_core.context import LoadContext
+    from hfpatch_core.session import new_session
+
+    install(PackSpec("rule", RULE_PACK))
+    context = LoadContext("llama", "LlamaForCausalLM", parallel=("fsdp",))
+    with pytest.raises(PackError, match=r"pack 'rule': LlamaForCausalLM is loaded with FSDP2 sharding"):
+        new_session("rule", strict=True).plan(context, ("LlamaMLP", "LlamaAttention", "LlamaRMSNorm"))
+
+
+def test_the_parallelisms_are_read_from_the_loader_arguments(monkeypatch) -> None:
+    from transformers.distributed import DistributedConfig
+
+    from hfpatch_core._compat import parallel_modes
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert parallel_modes() == ()
+    if "ep_size" in DistributedConfig.__dataclass_fields__:  # 5.25: sizes
+        assert parallel_modes(DistributedConfig(tp_plan="auto")) == ("tp",)
+        assert parallel_modes(DistributedConfig(fsdp_size=2)) == ("fsdp",)
+        assert parallel_modes(DistributedConfig(ep_size=2, tp_plan={})) == ("ep",)
+        assert parallel_modes(DistributedConfig(tp_size=2, ep_size=2)) == ("tp", "ep")
+        monkeypatch.setenv("WORLD_SIZE", "1")
+        assert parallel_modes(DistributedConfig(tp_plan="auto")) == ()  # one process: nothing is sharded
+    else:  # 5.3: tp_plan, and expert parallelism instead of it
+        assert parallel_modes(None, "auto") == ("tp",)
+        assert parallel_modes(DistributedConfig(enable_expert_parallel=True), "auto") == ("ep",)
+        monkeypatch.setenv("WORLD_SIZE", "1")
+        assert parallel_modes(None, "auto") == ()
+
+
+# --- hfpatch verify --distributed ----------------------------------------------------------------------
+
+
+def test_verify_distributed_reports_each_parallelism_from_one_torchrun() -> None:
+    environment = {**os.environ, "PYTHONPATH": str(PACKS_SITE), "USE_HUB_KERNELS": "0", "OMP_NUM_THREADS": "1"}
+    hfpatch = Path(sys.executable).parent / "hfpatch"
+    command = [str(hfpatch), "verify", "fused-dense", "--model-type", "llama", "--distributed", "tp,fsdp", "--json"]
+    done = subprocess.run(command, env=environment, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = {row["mode"]: row for row in json.loads(done.stdout)["distributed"]}
+    assert list(rows) == ["tp", "fsdp"]
+    tp = rows["tp"]
+    assert (tp["outcome"], tp["ok"], tp["generation_match"]) == ("applied", True, True)
+    assert tp["max_abs_diff"] <= ATOL and tp["replaced"] == {
+        "LlamaAttention": "FusedQKVLlamaAttention",
+        "LlamaMLP": "FusedGateUpLlamaMLP",
+    }
+    fsdp = rows["fsdp"]
+    if "fsdp" in modes():
+        assert (fsdp["outcome"], fsdp["ok"], fsdp["max_abs_diff"]) == ("refused", True, 0.0)
+        assert "declares no plan for fsdp" in fsdp["detail"]
+    else:
+        assert (fsdp["outcome"], fsdp["ok"]) == ("unavailable", True)
+
+
+def test_verify_distributed_takes_known_parallelisms_only(capsys) -> None:
+    from hfpatch_core.cli import main
+
+    assert main(["verify", "--distributed", "tp,dp"]) == 2
+    assert "--distributed takes parallelisms among tp,fsdp,ep, got 'tp,dp'" in capsys.readouterr().err

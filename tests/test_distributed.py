@@ -87,7 +87,9 @@ def torchrun(
 
 def _site(tmp_path: Path) -> Path:
     site = tmp_path / "site"
+    path = list(sys.path)
     install_pack(site, "subclass", SUBCLASS_PACK, requires=("transformers>=5.3,<6",))
+    sys.path[:] = path  # for the torchrun workers (their PYTHONPATH), not for the tests that follow here
     return site
 
 

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn as nn
-from hfpatch_pack_moe_replay import Routing, record_routing, replay_routing, routers_of
+from hfpatch_pack_moe_replay import Routing, RoutingError, record_routing, replay_routing, routers_of
 
 from conftest import PACK, PAD, VOCAB
 from hfpatch_core.testing import load_model, training_batches
@@ -153,6 +153,24 @@ def test_checkpointing_recomputes_the_replayed_routes_and_records_them_once(
     assert gradients.keys() == expected.keys()
     for key, gradient in expected.items():
         torch.testing.assert_close(gradients[key], gradient, rtol=1e-5, atol=1e-7, msg=key)
+
+
+def test_a_checkpointed_backward_outside_the_replay_is_refused_not_routed_live(checkpoints: dict[str, Path]) -> None:
+    """The recomputation would route live and give the gradients of other experts: an error
+    names the fix instead. A live forward afterwards trains as usual."""
+    model = load_model(checkpoints["qwen3_moe"], PACK).train()
+    batch = training_batches(VOCAB, 1, pad_token_id=PAD, seed=6)[0]
+    ids, mask, labels = batch
+    with torch.no_grad(), record_routing(model) as recording:
+        model(input_ids=ids, attention_mask=mask)
+    perturb_routers(model)
+    enable_checkpointing(model, reentrant=False)
+    with replay_routing(model, recording.routing):
+        loss = model(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False).loss
+    with pytest.raises(RoutingError, match=r"outside replay_routing.*Call loss\.backward\(\) inside the"):
+        loss.backward()
+    _, gradients = training_step(model, batch)  # no replay in forward or backward: fine
+    assert gradients and all(torch.isfinite(g).all() for g in gradients.values())
 
 
 def test_a_routing_is_one_per_training_batch(checkpoints: dict[str, Path]) -> None:

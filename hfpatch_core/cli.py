@@ -230,7 +230,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
             try:
                 if not args.model and target not in checkpoints:
                     checkpoints[target] = str(tiny_checkpoint(target, os.path.join(scratch, target)))
-                report = check_pack_equivalence(name, checkpoints.get(target, target), apply_path=True)
+                report = check_pack_equivalence(
+                    name, checkpoints.get(target, target), apply_path=True, train_steps=args.train_steps
+                )
             except Exception as exc:  # one model type that cannot be built is a FAIL row, not the end of the run
                 message = str(exc) if isinstance(exc, TinyCheckpointError) else f"{type(exc).__name__}: {exc}"
                 report = Report(pack=name, model_type=target, failures=[message])
@@ -252,12 +254,13 @@ def cmd_verify(args: argparse.Namespace) -> int:
                 {True: "match", False: "DIFFERS", None: "-"}[r.generation_match],
                 {True: "ok", False: "FAILED", None: "-"}[r.round_trip],
                 {True: "ok", False: "FAILED", None: "-"}[r.apply_path],
+                *([_training_cell(r)] if args.train_steps else []),
                 "PASS" if r.ok else "FAIL",
             ]
             for r in reports
         ]
-        header = ["pack", "model type", "replaced", "max abs diff", "generation", "round trip", "apply path", "verdict"]
-        print(_table(rows, header))
+        columns = ["pack", "model type", "replaced", "max abs diff", "generation", "round trip", "apply path"]
+        print(_table(rows, [*columns, *(["training"] if args.train_steps else []), "verdict"]))
         for report in reports:
             for failure in report.failures:
                 print(f"\n{report.pack} on {report.model_type}: {failure}")
@@ -326,6 +329,19 @@ def _verify_distributed(
         for name, reason in unverified.items():
             print(f"\n{name}: not verified: {reason}")
     return EXIT_OK if all(report.ok for report in reports) and not unverified else EXIT_PROBLEMS
+
+
+def _training_cell(report: Any) -> str:
+    """``verify --train``'s column: ``ok`` or where training first diverged, for each checkpointing setting."""
+    if not report.training:
+        return "-"
+    if all(training.ok for training in report.training):
+        return "ok"
+    failed = [training for training in report.training if not training.ok]
+    return ", ".join(
+        f"DIVERGES at step {training.first_step}{' (checkpointing)' if training.gradient_checkpointing else ''}"
+        for training in failed
+    )
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -408,6 +424,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--distributed",
         metavar="MODES",
         help="also shard as transformers does on 2 local ranks (torchrun, gloo): tp,fsdp,ep",
+    )
+    verifying.add_argument(
+        "--train",
+        dest="train_steps",
+        action="store_const",
+        const=5,
+        default=0,
+        help="also train with and without each pack for 5 AdamW steps and compare losses, gradients and weights",
     )
     verifying.set_defaults(handler=cmd_verify)
 

@@ -268,6 +268,22 @@ def provide_converters(context):
 
 
 # A pack that changes the math on purpose: the MLP output is doubled.
+# the forward is LlamaMLP's, but down_proj's weight is used detached: it never trains
+DETACHED_PACK = """
+import torch.nn.functional as F
+from hfpatch_core import Patch, hookimpl
+from transformers.models.llama.modeling_llama import LlamaMLP
+
+class DetachedMLP(LlamaMLP):
+    def forward(self, x):
+        hidden = self.act_fn(self.gate_proj(x)) * self.up_proj(x)
+        return F.linear(hidden, self.down_proj.weight.detach())
+
+@hookimpl
+def provide_patches(context):
+    return [Patch("LlamaMLP", DetachedMLP)] if context.model_type == "llama" else []
+"""
+
 DOUBLING_PACK = """
 from hfpatch_core import Patch, hookimpl
 from transformers.models.llama.modeling_llama import LlamaMLP

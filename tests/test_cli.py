@@ -10,7 +10,15 @@ from pathlib import Path
 import transformers
 
 import hfpatch_core
-from packs import DOUBLING_PACK, MLP_PACK, NORM_PATTERN_PACK, PackSpec, fused_attention_and_mlp_pack, mlp_pack
+from packs import (
+    DETACHED_PACK,
+    DOUBLING_PACK,
+    MLP_PACK,
+    NORM_PATTERN_PACK,
+    PackSpec,
+    fused_attention_and_mlp_pack,
+    mlp_pack,
+)
 
 HFPATCH = str(Path(sys.executable).with_name("hfpatch"))
 #: A source checkout under test (PYTHONPATH=. in it) stays first on the subprocesses' path.
@@ -396,6 +404,24 @@ def test_verify_checks_the_apply_path_and_fails_a_pack_only_it_catches(install) 
     assert rows["training-only"][-4:] == ["match", "ok", "FAILED", "FAIL"]  # only the apply path fails
     assert "training-only on llama: apply() gives other modules than the load at model.layers.0.mlp" in result.stdout
     assert "revert() failed" not in result.stdout  # it replaced nothing: nothing to revert
+
+
+def test_verify_train_compares_training_and_fails_a_wrong_backward(install) -> None:
+    site = install(PackSpec("mlp", MLP_PACK), PackSpec("detached", DETACHED_PACK))
+    # the forward of "detached" is right: only training fails it (timeout: 4 models train for 5 steps)
+    result = run(HFPATCH, "verify", "detached", "mlp", "--model-type", "llama", "--train", site=site, timeout=600)
+    assert result.returncode == 1, result.stdout + result.stderr
+    header, _rule, *rows = result.stdout.splitlines()[:4]
+    assert header.split()[-2:] == ["training", "verdict"]
+    cells = " ".join(rows[0].split())
+    assert cells.startswith("detached") and cells.endswith(
+        "match ok ok DIVERGES at step 1, DIVERGES at step 1 (checkpointing) FAIL"  # round trip, apply path
+    )
+    assert rows[1].startswith("mlp") and rows[1].split()[-5:] == ["match", "ok", "ok", "ok", "PASS"]
+    failure = "detached on llama: training (5 AdamW steps, float32, gradient checkpointing off): gradients diverge"
+    assert failure in result.stdout
+    assert "model.layers.0.mlp.down_proj.weight (no gradient in the patched model" in result.stdout
+    assert "mlp on llama:" not in result.stdout
 
 
 def test_check_reports_converters_without_patches_or_model(install) -> None:

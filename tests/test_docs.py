@@ -77,7 +77,12 @@ _INCLUDE = re.compile(r'^[ \t]*--8<--[ \t]+"(?P<path>[^"]+)"[ \t]*$')
 
 #: The example packs the pages use: installable projects in docs/examples/.
 EXAMPLE_PROJECTS = (EXAMPLES / "fused-mlp", EXAMPLES / "rival-mlp")
-EXAMPLE_MODULES = ("hfpatch_pack_fused_mlp", "hfpatch_pack_rival_mlp", "hfpatch_pack_my_pack")
+EXAMPLE_MODULES = (
+    "hfpatch_pack_fused_mlp",
+    "hfpatch_pack_rival_mlp",
+    "hfpatch_pack_my_pack",
+    "hfpatch_pack_moe_replay",
+)
 
 #: The transformers release whose outputs the pages show (docs/index.md, "About the examples").
 SHOWN_WITH = "5.25.0"
@@ -319,6 +324,8 @@ def test_page_examples_run(
     page: Path, page_state: Path, example_sites: list[Path], request: pytest.FixtureRequest
 ) -> None:
     use_sites(example_sites)
+    if page.name == "training.md":  # its RL loop uses the first-party moe-replay
+        use_sites(request.getfixturevalue("moe_replay_site"))
     run_page(page, {"__name__": "__main__"}, request)
 
 
@@ -393,6 +400,12 @@ def shown_commands(path: Path) -> list[tuple[int, dict[str, str], list[str], str
 def qwen_moe_site(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
     """The first-party ``qwen-moe``, which quickstart.md installs next to the example packs."""
     return build_packs([ROOT / "plugins" / "hfpatch-pack-qwen-moe"], tmp_path_factory.mktemp("qwen-moe"))
+
+
+@pytest.fixture(scope="module")
+def moe_replay_site(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
+    """The first-party ``moe-replay``, which training.md's RL loop uses."""
+    return build_packs([ROOT / "plugins" / "hfpatch-pack-moe-replay"], tmp_path_factory.mktemp("moe-replay"))
 
 
 PAGES_WITH_COMMANDS = [page for page in PAGES if shown_commands(page)]

@@ -147,6 +147,7 @@ def test_generated_projects_have_the_pack_layout(generated: Generated) -> None:
         test = (project / "tests" / "test_pack.py").read_text()
         assert f'PACK = "{pack}"\nMODEL_TYPE = "{model_type}"\nTARGET = "{target}"\n' in test
         assert "assert_pack_equivalent(PACK, MODEL_TYPE, expected_replacements=[TARGET])" in test
+        assert "assert_pack_equivalent(PACK, MODEL_TYPE, generate_tokens=0, train_steps=5)" in test
         workflow = (project / ".github" / "workflows" / "tests.yml").read_text()
         for needed in ('python-version: "3.11"', "download.pytorch.org/whl/cpu", 'pip install -e ".[test]"', "pytest"):
             assert needed in workflow
@@ -172,7 +173,7 @@ def test_generated_tests_pass_once_installed(generated: Generated, pack: str) ->
     tests = str(project / "tests")
     result = run(sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", tests, site=generated.site)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "1 passed" in result.stdout
+    assert "2 passed" in result.stdout
 
 
 def test_installed_packs_are_listed_checked_and_can_be_disabled(generated: Generated) -> None:

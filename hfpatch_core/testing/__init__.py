@@ -9,7 +9,9 @@ pack and checks, reporting every failure at once, that
 * no weight is missing or unexpected;
 * logits match (fp32 ``atol=1e-5``; bf16 ``atol=BF16_ATOL``) on a padded batch;
 * greedy generation of ``generate_tokens`` tokens matches;
-* ``save_pretrained`` restores the source layout, and a vanilla reload matches.
+* ``save_pretrained`` restores the source layout, and a vanilla reload matches;
+* with ``train_steps=N``: N AdamW steps give the same losses, gradients and parameters
+  (``check_training_equivalence``, docs/training.md).
 
 A pack that changes outputs on purpose passes ``expect="different"`` (or a larger
 ``atol``) and keeps the structural and round-trip checks.  When outputs differ, the
@@ -26,8 +28,10 @@ The same checks back ``hfpatch verify``; the pytest fixtures live in
 The helpers live in one module per job, and every name is importable from here:
 ``checkpoints`` (``tiny_config``, ``tiny_checkpoint``), ``installs`` (``install_pack``,
 ``install_wheel``, ``discover_from_wheel``), ``models`` (``load_model``,
-``padded_batch``, ``logits_of``, ``safetensors_of``) and ``equivalence``
-(``check_pack_equivalence``, ``assert_pack_equivalent``, ``Report``).
+``padded_batch``, ``logits_of``, ``safetensors_of``), ``equivalence``
+(``check_pack_equivalence``, ``assert_pack_equivalent``, ``Report``) and ``training``
+(``check_training_equivalence``, ``TrainingReport``, ``TrainingTolerances``,
+``training_batches``).
 """
 
 from __future__ import annotations
@@ -36,16 +40,29 @@ from .checkpoints import SHRINK, TinyCheckpointError, tiny_checkpoint, tiny_conf
 from .equivalence import BF16_ATOL, EquivalenceError, Report, assert_pack_equivalent, check_pack_equivalence
 from .installs import DiscoveredWheel, discover_from_wheel, install_pack, install_wheel
 from .models import load_model, logits_of, padded_batch, safetensors_of
+from .training import (
+    BF16_TOLERANCES,
+    FP32_TOLERANCES,
+    TrainingReport,
+    TrainingTolerances,
+    check_training_equivalence,
+    training_batches,
+)
 
 __all__ = [
     "BF16_ATOL",
+    "BF16_TOLERANCES",
+    "FP32_TOLERANCES",
     "SHRINK",
     "DiscoveredWheel",
     "EquivalenceError",
     "Report",
     "TinyCheckpointError",
+    "TrainingReport",
+    "TrainingTolerances",
     "assert_pack_equivalent",
     "check_pack_equivalence",
+    "check_training_equivalence",
     "discover_from_wheel",
     "install_pack",
     "install_wheel",
@@ -55,4 +72,5 @@ __all__ = [
     "safetensors_of",
     "tiny_checkpoint",
     "tiny_config",
+    "training_batches",
 ]

@@ -8,10 +8,11 @@
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import shutil
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -151,3 +152,15 @@ def tiny_checkpoint(
             f"config ({type(exc).__name__}: {exc}); pass an explicit config: tiny_checkpoint(MyConfig(...))"
         ) from exc
     return target
+
+
+@contextlib.contextmanager
+def source_checkpoint(checkpoint_or_model_type: str | Path) -> Iterator[Path]:
+    """The checkpoint directory given, or a tiny checkpoint of the model type given (removed
+    afterwards): what the equivalence and training checks compare on."""
+    source = Path(checkpoint_or_model_type)
+    if source.is_dir():
+        yield source
+        return
+    with tempfile.TemporaryDirectory(prefix="hfpatch-tiny-") as directory:
+        yield tiny_checkpoint(str(checkpoint_or_model_type), Path(directory) / "checkpoint")

@@ -12,14 +12,16 @@ without the pack and runs each check in turn, collecting every failure in a ``Re
 * ``_check_round_trip``: ``save_pretrained`` restores the source layout, and a vanilla
   reload gives the same logits;
 * with ``apply_path=True``, ``applying.check_apply_path``: the pack applied in place to a
-  vanilla model (``hfpatch_core.apply``) gives the loaded model, and ``revert`` undoes it.
+  vanilla model (``hfpatch_core.apply``) gives the loaded model, and ``revert`` undoes it;
+* with ``train_steps=N``, ``training``: N AdamW steps with and without the pack give the
+  same losses, gradients and parameters (checkpoint layout), with gradient checkpointing
+  off and on.
 
 ``assert_pack_equivalent`` raises ``EquivalenceError`` listing the failures.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import tempfile
 from collections.abc import Iterator, Sequence
@@ -29,8 +31,9 @@ from typing import Any, Literal
 import torch
 import torch.nn as nn
 
-from .checkpoints import tiny_checkpoint
+from .checkpoints import source_checkpoint as _source_checkpoint
 from .models import _enabled, logits_of, safetensors_of, tensor_differences
+from .training import TrainingReport, TrainingTolerances
 
 #: The logits tolerance used for bfloat16 comparisons (max abs difference of logits of
 #: tiny random models; bf16 keeps 8 bits of mantissa, and a reordered sum of a few
@@ -57,6 +60,8 @@ class Report:
     generation_match: bool | None = None
     round_trip: bool | None = None
     apply_path: bool | None = None
+    #: one report per gradient checkpointing setting, with ``train_steps``
+    training: list[TrainingReport] = dataclasses.field(default_factory=list)
     failures: list[str] = dataclasses.field(default_factory=list)
     plan: Any = dataclasses.field(default=None, repr=False)
 
@@ -66,6 +71,7 @@ class Report:
 
     def to_json(self) -> dict[str, Any]:
         fields = {field.name: getattr(self, field.name) for field in dataclasses.fields(self) if field.name != "plan"}
+        fields["training"] = [training.to_json() for training in self.training]
         fingerprint = self.plan.fingerprint if self.plan is not None else None
         return {**fields, "fingerprint": fingerprint, "ok": self.ok}
 
@@ -133,17 +139,6 @@ def _first_divergence(
             layer = next((f"layer {parts[i + 1]}" for i, p in enumerate(parts[:-1]) if p == "layers"), "outside layers")
             return f"{layer}, module {name} ({type(tensor).__name__} max abs diff {difference:.3g})"
     return "no single module diverges beyond atol (the difference builds up across modules)"
-
-
-@contextlib.contextmanager
-def _source_checkpoint(checkpoint_or_model_type: str | Path) -> Iterator[Path]:
-    """The checkpoint directory given, or a tiny checkpoint of the model type given (removed afterwards)."""
-    source = Path(checkpoint_or_model_type)
-    if source.is_dir():
-        yield source
-        return
-    with tempfile.TemporaryDirectory(prefix="hfpatch-tiny-") as directory:
-        yield tiny_checkpoint(str(checkpoint_or_model_type), Path(directory) / "checkpoint")
 
 
 def _tolerance(atol: float | None, dtype: torch.dtype) -> float:
@@ -289,13 +284,32 @@ def check_pack_equivalence(
     generate_tokens: int = 20,
     expected_replacements: Sequence[str] | None = None,
     apply_path: bool = False,
+    train_steps: int = 0,
+    train_checkpointing: Sequence[bool] = (False, True),
+    train_tolerances: TrainingTolerances | None = None,
 ) -> Report:
     """Run every check of ``assert_pack_equivalent`` and return the report.
 
     A tiny checkpoint built for a model type is removed before this returns.
     """
     with _source_checkpoint(checkpoint_or_model_type) as source:
-        return _check_equivalence(pack, source, atol, expect, dtype, generate_tokens, expected_replacements, apply_path)
+        report = _check_equivalence(
+            pack, source, atol, expect, dtype, generate_tokens, expected_replacements, apply_path
+        )
+        if train_steps and expect == "same":
+            from .training import training_reports
+
+            for training in training_reports(
+                pack,
+                source,
+                steps=train_steps,
+                dtype=dtype,
+                checkpointing=train_checkpointing,
+                tolerances=train_tolerances,
+            ):
+                report.training.append(training)
+                report.failures.extend(training.failures)
+        return report
 
 
 def _check_equivalence(
@@ -351,6 +365,9 @@ def assert_pack_equivalent(
     generate_tokens: int = 20,
     expected_replacements: Sequence[str] | None = None,
     apply_path: bool = False,
+    train_steps: int = 0,
+    train_checkpointing: Sequence[bool] = (False, True),
+    train_tolerances: TrainingTolerances | None = None,
 ) -> Report:
     """Assert that pack ``pack`` keeps a model correct (see the module docstring).
 
@@ -364,6 +381,12 @@ def assert_pack_equivalent(
         expected_replacements: the original class names the pack must replace.
         apply_path: also apply the pack in place to a vanilla model (``hfpatch_core.apply``)
             and check it equals the load, saves the source layout, and reverts exactly.
+        train_steps: also train both models for this many AdamW steps (0: no training
+            check; 5 is what ``hfpatch verify --train`` runs) and compare losses, gradients
+            and parameters at every step (``check_training_equivalence``, docs/training.md).
+        train_checkpointing: the gradient checkpointing settings to train with, one
+            training comparison each (default: off, then on).
+        train_tolerances: the training tolerances (default ``TrainingTolerances.default(dtype)``).
 
     Raises:
         EquivalenceError: listing every failed check.
@@ -377,6 +400,9 @@ def assert_pack_equivalent(
         generate_tokens=generate_tokens,
         expected_replacements=expected_replacements,
         apply_path=apply_path,
+        train_steps=train_steps,
+        train_checkpointing=train_checkpointing,
+        train_tolerances=train_tolerances,
     )
     if report.failures:
         raise EquivalenceError(report.failures)

@@ -27,7 +27,9 @@ from conftest import CASES, MODELING, PACK, PAD, VOCAB, Case, expected_sites
 from hfpatch_core import LoadContext
 from hfpatch_core.conversion import SizedConcatenate, source_patterns_of
 from hfpatch_core.testing import (
+    BF16_TOLERANCES,
     assert_pack_equivalent,
+    check_training_equivalence,
     discover_from_wheel,
     install_pack,
     load_model,
@@ -60,11 +62,22 @@ def test_the_pack_is_installed_for_these_tests() -> None:
 
 def test_assert_pack_equivalent(checkpoints: dict[str, Path], case: Case) -> None:
     """hfpatch's own proof: replaced classes, no weight lost, padded-batch logits, 20 greedy
-    tokens, the saved layout and a vanilla reload."""
-    report = assert_pack_equivalent(PACK, checkpoints[case.name], expected_replacements=list(case.replaced))
+    tokens, the saved layout and a vanilla reload; and 5 AdamW steps, with gradient
+    checkpointing off and on, give vanilla's losses, gradients and weights (checkpoint layout)."""
+    report = assert_pack_equivalent(
+        PACK, checkpoints[case.name], expected_replacements=list(case.replaced), train_steps=5
+    )
     assert report.replaced == case.replaced
     assert report.max_abs_diff is not None and report.max_abs_diff <= 1e-5
     assert report.generation_match and report.round_trip
+    assert [training.gradient_checkpointing for training in report.training] == [False, True]
+    assert all(training.ok and len(training.losses) == 5 for training in report.training)
+
+
+def test_bf16_training_matches_vanilla_within_the_bf16_tolerances(checkpoints: dict[str, Path]) -> None:
+    report = check_training_equivalence(PACK, checkpoints["llama-bias"], dtype=torch.bfloat16)
+    assert report.ok, report.failures
+    assert report.max_loss_diff is not None and 0 < report.max_loss_diff <= BF16_TOLERANCES.loss
 
 
 def test_every_layer_is_fused_and_logits_match(checkpoints: dict[str, Path], case: Case) -> None:

@@ -29,7 +29,15 @@ import hfpatch_core
 from conftest import CASES, PACK, PAD, VOCAB
 from hfpatch_core import LoadContext
 from hfpatch_core.conversion import SizedConcatenate, source_patterns_of
-from hfpatch_core.testing import discover_from_wheel, load_model, logits_of, padded_batch, safetensors_of
+from hfpatch_core.testing import (
+    FP32_TOLERANCES,
+    check_training_equivalence,
+    discover_from_wheel,
+    load_model,
+    logits_of,
+    padded_batch,
+    safetensors_of,
+)
 
 PACK_DIR = Path(__file__).resolve().parents[1]
 
@@ -191,6 +199,15 @@ def test_the_sliding_window_cases_exercise_the_window(checkpoints: dict[str, Pat
     inside, outside = logits_of(windowed, ids, mask), logits_of(widened, ids, mask)
     torch.testing.assert_close(inside[:, :4], outside[:, :4], rtol=0, atol=1e-5)
     assert (inside[:, 4:] - outside[:, 4:]).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["no-checkpointing", "checkpointing"])
+def test_training_matches_vanilla(checkpoints: dict[str, Path], case: str, checkpointing: bool) -> None:
+    """5 AdamW steps on padded batches: vanilla's losses, gradients (per expert, in the
+    checkpoint layout) and weights, within the fp32 training tolerances."""
+    report = check_training_equivalence(PACK, checkpoints[case], gradient_checkpointing=checkpointing)
+    assert report.ok, report.failures
+    assert report.steps == 5 and report.max_loss_diff is not None and report.max_loss_diff <= FP32_TOLERANCES.loss
 
 
 def test_bf16_logits_match_vanilla_within_the_measured_tolerance(checkpoints: dict[str, Path], case: str) -> None:

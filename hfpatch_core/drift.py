@@ -57,15 +57,16 @@ def record_path(module_file: str | Path) -> Path:
     return path.with_name(f"{path.stem}.{RECORD_NAME}")
 
 
-def signature_text(function: Callable[..., Any]) -> str:
+def signature_text(function: Callable[..., Any], name: str | None = None) -> str:
     """``function``'s parameters as written, without annotations: ``(self, x, scale=1.0, **kwargs)``.
 
     Annotations are left out: how they print differs between Python versions and they do
     not change how a call binds.  A default whose repr holds a memory address is shown
-    by its type.
+    by its type.  A pass-through wrapper is seen through (``_unwrapped``), so that the
+    text does not depend on whether ``kernels`` is installed.
     """
     try:
-        signature = inspect.signature(function)
+        signature = inspect.signature(_unwrapped(function, name or function.__name__))
     except (TypeError, ValueError):  # a builtin without a signature
         return "(?)"
     parts = []
@@ -75,6 +76,39 @@ def signature_text(function: Callable[..., Any]) -> str:
             plain = plain.replace(default=_Shown(f"<{type(parameter.default).__qualname__}>"))
         parts.append(plain)
     return str(signature.replace(parameters=parts, return_annotation=inspect.Signature.empty))
+
+
+def _unwrapped(function: Callable[..., Any], name: str) -> Callable[..., Any]:
+    """The function a decorator wrapped: through ``__wrapped__``, and through a
+    ``(self, *args, **kwargs)`` closure that holds one function called ``name`` (the
+    method's name: ``"__init__"``).
+
+    transformers' ``use_kernelized_func`` replaces an attention's ``__init__`` with such a
+    wrapper (without ``functools.wraps``) when ``kernels`` is installed, and leaves it
+    alone otherwise: the recorded signature must be the class's own either way.
+    """
+    for _ in range(8):  # a few decorators deep at most
+        function = inspect.unwrap(function)
+        try:
+            names = [(p.name, p.kind) for p in inspect.signature(function).parameters.values()]
+        except (TypeError, ValueError):
+            return function
+        if [kind for _, kind in names] != [_POSITIONAL, _VAR_POSITIONAL, _VAR_KEYWORD]:
+            return function
+        inner = [
+            cell.cell_contents
+            for cell in getattr(function, "__closure__", None) or ()
+            if callable(getattr(cell, "cell_contents", None)) and getattr(cell.cell_contents, "__name__", None) == name
+        ]
+        if len(inner) != 1:
+            return function
+        function = inner[0]
+    return function
+
+
+_POSITIONAL = inspect.Parameter.POSITIONAL_OR_KEYWORD
+_VAR_POSITIONAL = inspect.Parameter.VAR_POSITIONAL
+_VAR_KEYWORD = inspect.Parameter.VAR_KEYWORD
 
 
 class _Shown:
@@ -107,8 +141,8 @@ class Target:
         return cls(
             model_type,
             module_class.__name__,
-            signature_text(module_class.forward),  # type: ignore[attr-defined]
-            signature_text(module_class.__init__),  # type: ignore[misc]
+            signature_text(module_class.forward, "forward"),  # type: ignore[attr-defined]
+            signature_text(module_class.__init__, "__init__"),  # type: ignore[misc]
         )
 
     @property

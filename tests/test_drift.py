@@ -23,6 +23,27 @@ def test_signatures_leave_out_annotations_and_addresses() -> None:
     assert Target.of("llama", LlamaMLP) == Target("llama", "LlamaMLP", "(self, x)", "(self, config)")
 
 
+def test_a_pass_through_init_wrapper_is_seen_through() -> None:
+    # what transformers' use_kernelized_func does to an attention class when kernels is installed
+    class Attention(LlamaMLP):
+        def __init__(self, config, layer_idx=0):
+            super().__init__(config)
+
+    original = Attention.__init__
+
+    def new_init(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+
+    Attention.__init__ = new_init  # type: ignore[method-assign]
+    assert Target.of("llama", Attention).init == "(self, config, layer_idx=0)"
+
+    def unrelated(self, *args, **kwargs):  # a closure over nothing called __init__ stays as it is
+        return args
+
+    Attention.__init__ = unrelated  # type: ignore[method-assign]
+    assert Target.of("llama", Attention).init == "(self, *args, **kwargs)"
+
+
 def test_the_record_file_sits_beside_the_module(tmp_path: Path) -> None:
     assert record_path(tmp_path / "pkg" / "__init__.py") == tmp_path / "pkg" / "hfpatch-record.json"
     assert record_path(tmp_path / "hfpatch_pack_x.py") == tmp_path / "hfpatch_pack_x.hfpatch-record.json"

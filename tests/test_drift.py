@@ -159,3 +159,33 @@ def test_a_broken_record_is_a_problem_of_the_pack(install, capsys) -> None:
     assert main(["check", "--record", "mlp"]) == 1  # a record with problems is not overwritten
     assert "not recorded: pack 'mlp' has problems" in capsys.readouterr().out
     assert _record_of(site).read_text() == "[]"
+
+
+TWO_TYPES_PACK = """
+    from hfpatch_core import Patch, hookimpl
+    from transformers.models.llama.modeling_llama import LlamaMLP
+
+    class PackMLP(LlamaMLP):
+        pass
+
+    @hookimpl
+    def provide_patches(context):
+        names = {"llama": "LlamaMLP", "mistral": "MistralMLP"}
+        return [Patch(names[context.model_type], PackMLP)] if context.model_type in names else []
+"""
+
+
+def test_recording_some_model_types_keeps_the_others_of_that_release(install, capsys) -> None:
+    from hfpatch_core.cli import main
+
+    site = install(PackSpec("two", TWO_TYPES_PACK))
+    record = site / "hfpatch_test_pack_two.hfpatch-record.json"
+    assert main(["check", "--record", "two"]) == 0
+    both = json.loads(record.read_text())["releases"][INSTALLED]
+    assert [(entry["model_type"], entry["class"]) for entry in both] == [
+        ("llama", "LlamaMLP"),
+        ("mistral", "MistralMLP"),
+    ]
+    assert main(["check", "--record", "two", "--model-type", "llama"]) == 0
+    assert json.loads(record.read_text())["releases"][INSTALLED] == both
+    capsys.readouterr()

@@ -93,6 +93,20 @@ def _verify(venv: Path, packs_site: str, env: dict[str, str], arguments: list[st
     return found
 
 
+def check(venv: Path, packs_site: str, env: dict[str, str]) -> str:
+    """``hfpatch check`` of every pack (drift against the packs' records included): ``ok``,
+    or how many drift lines and the first, or its first problem line."""
+    step = run([str(venv / "bin" / "hfpatch"), "check"], env={**env, "PYTHONPATH": packs_site}, cwd="/")
+    if step.returncode == 0:
+        return "ok"
+    problems = [line.strip() for line in step.stdout.splitlines() if line.startswith(("FAIL", "      - "))]
+    drifts = [line[len("- drift: ") :] for line in problems if line.startswith("- drift:")]
+    if drifts:
+        return f"{len(drifts)} drift: {drifts[0]}"
+    tail = problems or (step.stderr or step.stdout).strip().splitlines()
+    return f"fails: {tail[-1] if tail else step.returncode}"
+
+
 def smoke(python: str, env: dict[str, str]) -> str:
     step = run([python, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *SMOKE], env=env)
     last = step.stdout.strip().splitlines()[-1] if step.stdout.strip() else ""
@@ -109,25 +123,30 @@ def python_row(python: str, pip_flags: list[str], env: dict[str, str]) -> Python
     probe = run([python, "-c", "import sys; print('%d.%d' % sys.version_info[:2])"])
     if probe.returncode:  # e.g. a pyenv shim of a version that is not selected
         tail = (probe.stderr or probe.stdout).strip().splitlines()
-        return (python, "-", "-", {"(install)": f"error: {python}: {tail[0] if tail else 'not found'}"}, "not run")
+        error = f"error: {python}: {tail[0] if tail else 'not found'}"
+        return (python, "-", "-", {"(install)": error}, "not run", "not run")
     venv = ROOT / f".venv-compat-py{probe.stdout.strip()}"
-    if not (venv / ".installed").exists():
+    projects = [str(ROOT), *sorted(str(path.parent) for path in (ROOT / "plugins").glob("*/pyproject.toml"))]
+    pip = [str(venv / "bin" / "python"), "-m", "pip", "install", *pip_flags]
+    steps = [[python, "-m", "venv", str(venv)], [*pip, *projects]]
+    if (venv / ".installed").exists():  # reused: this checkout's hfpatch-core and packs, not the first run's
+        steps = [[*pip, "--no-deps", "--force-reinstall", *projects]]
+    else:
         shutil.rmtree(venv, ignore_errors=True)
-        packs = sorted(str(path.parent) for path in (ROOT / "plugins").glob("*/pyproject.toml"))
-        pip = [str(venv / "bin" / "python"), "-m", "pip", "install", *pip_flags, str(ROOT), *packs]
-        for step in ([python, "-m", "venv", str(venv)], pip):
-            done = run(step)
-            if done.returncode:
-                tail = (done.stderr or done.stdout).strip().splitlines()
-                return (python, "-", "-", {"(install)": f"error: {tail[-1] if tail else 'failed'}"}, "not run")
-        (venv / ".installed").touch()
+    for step in steps:
+        done = run(step)
+        if done.returncode:
+            tail = (done.stderr or done.stdout).strip().splitlines()
+            return (python, "-", "-", {"(install)": f"error: {tail[-1] if tail else 'failed'}"}, "not run", "not run")
+    (venv / ".installed").touch()
     versions = run([str(venv / "bin" / "python"), "-c", VERSIONS], env=env, cwd="/").stdout.split()
     version, transformers, torch = (*versions, "?", "?", "?")[:3]
     packs = verify(venv, "", env)
+    checked = check(venv, "", env)
     demo = run([str(venv / "bin" / "hfpatch"), "demo"], env=env, cwd="/")
     lines = (demo.stdout + demo.stderr).strip().splitlines()
     shown = "ok" if demo.returncode == 0 else f"fails: {lines[-1] if lines else demo.returncode}"
-    return (version, transformers, torch, packs, shown)
+    return (version, transformers, torch, packs, checked, shown)
 
 
 def cell(text: str) -> str:
@@ -154,12 +173,13 @@ def main() -> int:
         print(f"== transformers {release}", flush=True)
         error = install(python, release, args.pip_flags.split())
         if error is not None:
-            rows.append((release, {"(install)": f"error: {error}"}, "not run"))
+            rows.append((release, {"(install)": f"error: {error}"}, "not run", "not run"))
             continue
         packs = verify(args.venv, os.path.abspath(args.packs_site), env)
+        checked = check(args.venv, os.path.abspath(args.packs_site), env)
         core = smoke(python, env)
-        rows.append((release, packs, core))
-        print(f"   packs: {packs}\n   core smoke: {core}", flush=True)
+        rows.append((release, packs, checked, core))
+        print(f"   packs: {packs}\n   check: {checked}\n   core smoke: {core}", flush=True)
         if args.write is not None:  # after each release: a long run interrupted keeps what it found
             write(args.write, rows, [])
     python_rows: list[PythonRow] = []
@@ -171,38 +191,40 @@ def main() -> int:
             write(args.write, rows, python_rows)
     print(table_of(rows))
     print(python_table_of(python_rows))
-    failed = any(value != "ok" for _, packs, core in rows for value in (*packs.values(), core)) or any(
-        value != "ok" for *_, packs, demo in python_rows for value in (*packs.values(), demo)
+    failed = any(value != "ok" for _, packs, *rest in rows for value in (*packs.values(), *rest)) or any(
+        value != "ok" for *_, packs, checked, demo in python_rows for value in (*packs.values(), checked, demo)
     )
     return 1 if failed else 0
 
 
-Row = tuple[str, dict[str, str], str]
-#: (Python, transformers pip picked, torch pip picked, verify of each pack, demo)
-PythonRow = tuple[str, str, str, dict[str, str], str]
+#: (release, verify of each pack, hfpatch check of the packs, core smoke)
+Row = tuple[str, dict[str, str], str, str]
+#: (Python, transformers pip picked, torch pip picked, verify of each pack, check, demo)
+PythonRow = tuple[str, str, str, dict[str, str], str, str]
 
 
 def table_of(rows: list[Row]) -> str:
-    names = sorted({name for _, packs, _ in rows for name in packs})
+    names = sorted({name for _, packs, _, _ in rows for name in packs})
     lines = [
-        "| transformers | " + " | ".join(f"`{name}`" for name in names) + " | core smoke |",
-        "|---" * (len(names) + 2) + "|",
+        "| transformers | " + " | ".join(f"`{name}`" for name in names) + " | `hfpatch check` | core smoke |",
+        "|---" * (len(names) + 3) + "|",
     ]
-    for release, packs, core in rows:
+    for release, packs, checked, core in rows:
         cells = " | ".join(cell(packs.get(name, "-")) for name in names)
-        lines.append(f"| {release} | {cells} | {cell(core)} |")
+        lines.append(f"| {release} | {cells} | {cell(checked)} | {cell(core)} |")
     return "\n".join(lines)
 
 
 def python_table_of(rows: list[PythonRow]) -> str:
-    names = sorted({name for *_, packs, _ in rows for name in packs})
+    names = sorted({name for *_, packs, _, _ in rows for name in packs})
+    heading = " | ".join(f"`{name}`" for name in names)
     lines = [
-        "| Python | transformers | torch | " + " | ".join(f"`{name}`" for name in names) + " | `hfpatch demo` |",
-        "|---" * (len(names) + 4) + "|",
+        f"| Python | transformers | torch | {heading} | `hfpatch check` | `hfpatch demo` |",
+        "|---" * (len(names) + 5) + "|",
     ]
-    for python, transformers, torch, packs, demo in rows:
+    for python, transformers, torch, packs, checked, demo in rows:
         cells = " | ".join(cell(packs.get(name, "-")) for name in names)
-        lines.append(f"| {python} | {transformers} | {torch} | {cells} | {cell(demo)} |")
+        lines.append(f"| {python} | {transformers} | {torch} | {cells} | {cell(checked)} | {cell(demo)} |")
     return "\n".join(lines)
 
 
@@ -229,8 +251,9 @@ PAGE = """# Compatibility
 `make compat` (`.ci/compat.py`) installs each transformers release below in one reused
 virtual environment, newest first, runs `hfpatch verify` on the first-party packs (each
 pack on tiny checkpoints of every model type it targets; `fused-dense`, which decides from
-the config, on llama, mistral, qwen2 and qwen3) and a fast core smoke run
-({smoke}). transformers is installed `--no-deps` next to its other requirements, without
+the config, on llama, mistral, qwen2 and qwen3), `hfpatch check` on them (which
+compares each pack's [drift record](authors-guide.md#the-drift-record) with the release)
+and a fast core smoke run ({smoke}). transformers is installed `--no-deps` next to its other requirements, without
 `kernels`, as `make test` installs 5.25.0 (constraints.txt says why), and every run has
 `USE_HUB_KERNELS=0`. `make test` runs the full suites on the
 oldest (5.3.0) and the newest (5.25.0) release only. To check a pack of your own the same
@@ -251,8 +274,9 @@ hfpatch-core declares `requires-python >=3.10` and is tested on 3.11 (`make test
 pip picks the newest transformers, torch and the rest that install on that Python, with
 their own requirements (transformers 5.21 and later require Python 3.11; 5.25 brings
 `kernels`). Then `hfpatch verify` runs on the packs (`fused-dense` on llama, mistral,
-qwen2 and qwen3) and `hfpatch demo` with its defaults, both with `USE_HUB_KERNELS=0`
-(hub kernels are downloaded from the Hub, which these runs cannot reach).
+qwen2 and qwen3), `hfpatch check` (with the packs' [drift records](authors-guide.md#the-drift-record))
+and `hfpatch demo` with its defaults, all with `USE_HUB_KERNELS=0` (hub kernels are
+downloaded from the Hub, which these runs cannot reach).
 
 Results of {date} (CPU):
 

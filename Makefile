@@ -9,7 +9,7 @@ PIP_FLAGS ?= --disable-pip-version-check --quiet --quiet
 BIN := $(VENV)/bin
 BIN_OLDEST := $(VENV_OLDEST)/bin
 PLUGINS := $(patsubst %/pyproject.toml,%,$(wildcard plugins/*/pyproject.toml))
-PLUGIN_SOURCES := $(shell find plugins -name '*.py' -not -path '*/tests/*' -o -name pyproject.toml)
+PLUGIN_SOURCES := $(shell find plugins -name '*.py' -not -path '*/tests/*' -o -name pyproject.toml -o -name hfpatch-record.json)
 PYTEST_FLAGS ?= -q
 # the core suite is mostly subprocesses and tiny models: two workers use both CI cores
 PYTEST_WORKERS ?= -n 2
@@ -24,11 +24,10 @@ PACKS_SITE_OLDEST := $(VENV_OLDEST)/first-party-packs
 # and torchao prints CUDA-library load failures that the core suite must not see.
 PACK_TEST_SITE := $(VENV)/pack-test-libraries
 PACK_TEST_SITE_OLDEST := $(VENV_OLDEST)/pack-test-libraries
-# transformers 5.25 (constraints.txt) requires kernels>=0.19.1, which the package index does
-# not serve: it is installed --no-deps, then these, its other requirements (pinned in
-# constraints.txt), and hfpatch-core's own.  Without kernels 5.25 must not turn hub kernels
-# on (its default), or every load raises "Kernels are not available".
-TRANSFORMERS_REQUIREMENTS := huggingface-hub numpy packaging pyyaml regex tokenizers typer safetensors tqdm
+# transformers is installed --no-deps, then these, its requirements (pinned in constraints.txt),
+# and hfpatch-core's own: each pin stays ours.  5.25 turns hub kernels on by default, and they
+# are downloaded from the Hub at load time, which no test may do: USE_HUB_KERNELS=0 everywhere.
+TRANSFORMERS_REQUIREMENTS := huggingface-hub numpy packaging pyyaml regex tokenizers typer safetensors tqdm kernels
 CORE_REQUIREMENTS := torch pluggy importlib-metadata cookiecutter
 export USE_HUB_KERNELS := 0
 
@@ -100,8 +99,9 @@ unit-oldest: venv-oldest
 test: lint typecheck docs unit unit-oldest
 
 # Every release in range, newest first, in one reused venv: hfpatch verify of the
-# first-party packs and a core smoke run per release, as a table (docs/compatibility.md).
-# Not part of `make test`: it installs eight transformers releases.
+# first-party packs and a core smoke run per release, as a table (docs/compatibility.md);
+# then verify and the demo on Python 3.10 and 3.13 (.ci/compat.py says how).
+# Not part of `make test`: it installs eight transformers releases and two environments.
 $(VENV_COMPAT)/.installed: pyproject.toml constraints-oldest.txt $(PLUGIN_SOURCES)
 	$(PYTHON) -m venv $(VENV_COMPAT)
 	$(VENV_COMPAT)/bin/python -m pip install $(PIP_FLAGS) -c constraints-oldest.txt $(CORE_REQUIREMENTS) safetensors packaging pytest pytest-xdist hypothesis hatchling
@@ -110,8 +110,11 @@ $(VENV_COMPAT)/.installed: pyproject.toml constraints-oldest.txt $(PLUGIN_SOURCE
 	$(VENV_COMPAT)/bin/python -m pip install $(PIP_FLAGS) --no-deps --no-build-isolation --target $(VENV_COMPAT)/first-party-packs $(PLUGINS)
 	touch $@
 
+# COMPAT_PYTHONS: the oldest and newest Python we declare, each in a fresh venv of its own
+# where pip picks transformers (pyenv: name the interpreters, e.g. ~/.pyenv/versions/3.10.13/bin/python3.10).
+COMPAT_PYTHONS ?= python3.10 python3.13
 compat: $(VENV_COMPAT)/.installed
-	$(PYTHON) .ci/compat.py --venv $(VENV_COMPAT) --packs-site $(VENV_COMPAT)/first-party-packs --write docs/compatibility.md
+	$(PYTHON) .ci/compat.py --venv $(VENV_COMPAT) --packs-site $(VENV_COMPAT)/first-party-packs --pythons $(COMPAT_PYTHONS) --write docs/compatibility.md
 
 # llm-compressor interop (not part of `make test` / .ci/run): llmcompressor 0.14.0.1 pins
 # transformers 5.17.0, so it gets a venv of its own, torch pinned to the CPU wheel

@@ -25,3 +25,21 @@ def mlp_class(model_type):
     if config.endswith("Config") and config != "Config":
         return config[: -len("Config")] + "MLP"
     return "".join(part[:1].upper() + part[1:] for part in re.split(r"[-_]", str(model_type))) + "MLP"
+
+
+@simple_filter
+def drift_record(pack_name, model_type, target_class):
+    """The pack's drift record (what ``hfpatch check --record`` writes) on the transformers
+    installed where the project is generated: the signatures of ``target_class``.  Without
+    hfpatch-core there, an empty record (``hfpatch check`` then says there is none)."""
+    import json
+
+    try:
+        import transformers
+
+        from hfpatch_core.drift import DriftRecord
+        from hfpatch_core.inspection import targets_of
+    except ImportError:
+        return json.dumps({"format": 1, "pack": pack_name, "releases": {}}, indent=2) + "\n"
+    targets = targets_of(str(model_type), [str(target_class)])
+    return DriftRecord(str(pack_name), {}).with_release(transformers.__version__, targets).dumps()

@@ -159,7 +159,8 @@ def _check_model_types(model_types: Sequence[str] | None) -> None:
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    from .inspection import check_combination, check_pack
+    from .errors import HfPatchError
+    from .inspection import check_combination, check_pack, write_record
     from .selection import current_selection
     from .session import Session
 
@@ -175,13 +176,31 @@ def cmd_check(args: argparse.Namespace) -> int:
         result = check_pack(session, name, args.model_type or (), config_for=_probe_config)
         results.append(result)
         targets = ", ".join(result.model_types) or "no model type"
-        if result.ok:
-            print(f"ok    {name} {result.version}: targets {targets}")
-            continue
-        failed = True
-        print(f"FAIL  {name} {result.version}: targets {targets}")
+        # --record refreshes the record: the drift it replaces is not a failure
+        ok = not result.problems and (args.record or not result.drift)
+        failed = failed or not ok
+        print(f"{'ok   ' if ok else 'FAIL '} {name} {result.version}: targets {targets}")
         for problem in result.problems:
             print(f"      - {problem}")
+        if args.record:
+            try:
+                path = write_record(result)
+            except (HfPatchError, OSError) as exc:
+                failed = True
+                print(f"      not recorded: {exc}")
+            else:
+                classes = len(result.targets)
+                print(
+                    f"      recorded {classes} class{'es' if classes != 1 else ''} on transformers "
+                    f"{_transformers_version()} in {path}"
+                )
+            continue
+        for drift in result.drift:
+            print(f"      - {drift.describe()}")
+        if result.drift:
+            print(f"      verify the pack on this release, then `hfpatch check --record {name}` adds it to the record")
+        elif not result.recorded and not result.problems:
+            print(f"      no drift record: `hfpatch check --record {name}` writes one (not a failure)")
     if len(results) > 1:
         together = ", ".join(result.pack for result in results)
         problems = check_combination(session, results, config_for=_probe_config)
@@ -195,6 +214,12 @@ def cmd_check(args: argparse.Namespace) -> int:
     if not selection.packs and not selection.problems:
         print("No pack to check.")
     return EXIT_PROBLEMS if failed else EXIT_OK
+
+
+def _transformers_version() -> str:
+    import transformers
+
+    return str(transformers.__version__)
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
@@ -412,6 +437,11 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         metavar="TYPE",
         help="check on these model types (repeatable) instead of those the pack claims when asked without a config",
+    )
+    checking.add_argument(
+        "--record",
+        action="store_true",
+        help="add the installed transformers release to each passing pack's drift record (beside its module)",
     )
     checking.set_defaults(handler=cmd_check)
 

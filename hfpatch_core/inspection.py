@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib.util
 import os
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import pluggy
@@ -20,6 +22,7 @@ from . import hookspecs
 from .context import LoadContext
 from .conversion import describe_transform
 from .discovery import PackInfo
+from .drift import Drift, DriftRecord, RecordError, Target, compare, read_record, record_path
 from .errors import ConverterConflictError, HfPatchError, PatchConflictError
 from .gathering import PackSet
 from .plan import Claim, Plan
@@ -232,16 +235,27 @@ class CheckResult:
         version: its distribution's version.
         model_types: the model types it was checked on (its *targets*).
         problems: what is wrong, one message each; empty when the pack passes.
+        targets: every class its patches replace on those model types, with the
+            signatures read from the installed transformers (what a record holds).
+        record: the pack's drift record file (``drift.record_path``), ``None`` when it
+            cannot be located (the module has no file).
+        recorded: whether that file exists and records a release.
+        drift: what changed since the record (empty without a record).
     """
 
     pack: str
     version: str
     model_types: tuple[str, ...]
     problems: tuple[str, ...]
+    targets: tuple[Target, ...] = ()
+    record: Path | None = None
+    recorded: bool = False
+    drift: tuple[Drift, ...] = ()
 
     @property
     def ok(self) -> bool:
-        return not self.problems
+        """No problem and no drift."""
+        return not self.problems and not self.drift
 
 
 #: The config ``check_pack`` calls a pack's hooks with for a model type (``None`` when none
@@ -396,6 +410,7 @@ def check_pack(
                 model_type for model_type in CONFIG_MAPPING_NAMES if offered(model_type, configs(model_type))
             )
 
+    found: set[Target] = set()
     for model_type in targeted:
         config = configs(model_type)
         context = LoadContext(model_type=model_type, model_class_name=_default_class_name(model_type), config=config)
@@ -427,7 +442,9 @@ def check_pack(
             for problem in pattern_problems(plan, classes, _meta_model(plan, config), model_type):
                 note(problem)
         for claim in gathered.claims:
-            if not any(matches(claim.target, class_name) for class_name in classes):
+            hit = targets_of(model_type, [claim.target], classes)
+            found.update(hit)
+            if not hit:
                 note(
                     f"pack {name!r}: patch target {claim.target!r} matches no module class of "
                     f"transformers.models.{model_type} in transformers {transformers.__version__}; "
@@ -435,7 +452,85 @@ def check_pack(
                 )
     if not targeted and not problems:
         note(f"pack {name!r} targets no model type: {NO_TARGETS}")
-    return CheckResult(name, info.version, tuple(targeted), tuple(problems))
+    path = _record_path(info) if imported else None
+    record: DriftRecord | None = None
+    try:
+        record = read_record(path) if path is not None else None
+    except RecordError as exc:
+        note(f"pack {name!r}: {exc}")
+    drift = compare(record, found, transformers.__version__) if record is not None and record.releases else ()
+    return CheckResult(
+        name,
+        info.version,
+        tuple(targeted),
+        tuple(problems),
+        targets=tuple(sorted(found)),
+        record=path,
+        recorded=record is not None and bool(record.releases),
+        drift=drift,
+    )
+
+
+def targets_of(model_type: str, patch_targets: Iterable[str], classes: Mapping[str, type] | None = None) -> set[Target]:
+    """Every class of ``model_type``'s modeling module that one of ``patch_targets`` matches
+    (transformers' rules, as a load applies them), with its signatures: what a drift record
+    lists for patches with those targets.
+
+    Args:
+        model_type: the model type.
+        patch_targets: ``Patch.target`` values (class names or patterns).
+        classes: the modeling module's classes, when the caller has them already.
+    """
+    classes = modeling_module_classes(model_type) if classes is None else classes
+    return {
+        Target.of(model_type, module_class)
+        for target in patch_targets
+        for class_name, module_class in classes.items()
+        if matches(target, class_name)
+    }
+
+
+def _record_path(info: PackInfo) -> Path | None:
+    """The drift record of pack ``info``: beside the module its entry point names."""
+    module = info.value.partition(":")[0].strip()
+    try:
+        spec = importlib.util.find_spec(module)
+    except (ImportError, ValueError):  # the import failure is reported by gathering
+        return None
+    if spec is None or not spec.has_location or spec.origin is None:
+        return None
+    return record_path(spec.origin)
+
+
+def write_record(result: CheckResult) -> Path:
+    """Add the installed transformers release, with ``result.targets``, to the pack's record.
+
+    The other releases of an existing record are kept; the same release is replaced for
+    the model types checked (``result.model_types``) and kept for the others.
+    The file is written with sorted keys and targets: recording twice on one release
+    writes the same bytes.
+
+    Args:
+        result: a ``check_pack`` result without problems.
+
+    Returns:
+        The record file written.
+
+    Raises:
+        RecordError: the pack has problems, its module has no file to record beside,
+            or its existing record is not a valid record.
+    """
+    if result.problems:
+        raise RecordError(f"pack {result.pack!r} has problems; fix them before recording it")
+    if result.record is None:
+        raise RecordError(f"pack {result.pack!r}: its module has no file to write a record beside")
+    record = read_record(result.record) or DriftRecord(result.pack, {})
+    version = transformers.__version__
+    # a check limited to some model types (--model-type) keeps the others of this release
+    kept = [t for t in record.releases.get(version, ()) if t.model_type not in result.model_types]
+    record = record.with_release(version, [*kept, *result.targets])
+    result.record.write_text(record.dumps(), encoding="utf-8")
+    return result.record
 
 
 def _meta_model(plan: Plan, config: Any) -> nn.Module | None:

@@ -120,7 +120,9 @@ def test_generated_projects_have_the_pack_layout(generated: Generated) -> None:
             ".github/workflows/tests.yml",
             ".gitignore",
             "README.md",
+            "compat.py",
             f"{module}/__init__.py",
+            f"{module}/hfpatch-record.json",
             f"{module}/py.typed",
             "pyproject.toml",
             "tests/test_pack.py",
@@ -167,6 +169,37 @@ def test_generated_projects_are_ruff_clean(generated: Generated) -> None:
     assert layout.returncode == 0, layout.stdout + layout.stderr
 
 
+def test_generated_record_lists_the_target_on_this_transformers(generated: Generated) -> None:
+    import transformers
+
+    record = json.loads((generated.projects["fast-mlp"] / "hfpatch_pack_fast_mlp" / "hfpatch-record.json").read_text())
+    assert record == {
+        "format": 1,
+        "pack": "fast-mlp",
+        "releases": {
+            transformers.__version__: [
+                {"model_type": "qwen2", "class": "Qwen2MLP", "forward": "(self, x)", "__init__": "(self, config)"}
+            ]
+        },
+    }
+
+
+def test_generated_compat_command_checks_the_current_release(generated: Generated) -> None:
+    import transformers
+
+    project = generated.projects["my-pack"]
+    usage = run(sys.executable, str(project / "compat.py"), "--help", site=generated.site)
+    assert usage.returncode == 0 and "RELEASE" in usage.stdout and "--pip" in usage.stdout
+    version = transformers.__version__  # installed already: nothing is installed, only checked
+    result = run(sys.executable, str(project / "compat.py"), version, "--steps", "check", "verify", site=generated.site)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.splitlines()[-3:] == [
+        "| transformers | check | verify |",
+        "|---|---|---|",
+        f"| {version} | ok | ok |",
+    ]
+
+
 @pytest.mark.parametrize("pack", ["my-pack", "fast-mlp"])
 def test_generated_tests_pass_once_installed(generated: Generated, pack: str) -> None:
     project = generated.projects[pack]
@@ -188,8 +221,12 @@ def test_installed_packs_are_listed_checked_and_can_be_disabled(generated: Gener
 
     checked = run(HFPATCH, "check", "my-pack", "fast-mlp", site=generated.site)
     assert checked.returncode == 0, checked.stdout + checked.stderr
-    assert "ok    my-pack 0.1.0: targets llama" in checked.stdout
-    assert "ok    fast-mlp 0.1.0: targets qwen2" in checked.stdout
+    # the drift record generated with the project ships in its wheel and matches this transformers
+    assert checked.stdout.splitlines() == [
+        "ok    fast-mlp 0.1.0: targets qwen2",
+        "ok    my-pack 0.1.0: targets llama",
+        "ok    together: fast-mlp, my-pack",
+    ]
 
     disabled = run(HFPATCH, "list", "--json", site=generated.site, env={"HF_PATCH_PACKS": "-fast-mlp"})
     assert disabled.returncode == 0, disabled.stderr

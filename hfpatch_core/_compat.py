@@ -10,31 +10,40 @@ transformers than the caller already did.
 from __future__ import annotations
 
 import functools
+import importlib
+import sys
 import types
 from typing import Any
+
+
+def module(name: str) -> types.ModuleType:
+    """``transformers.<name>``, from ``sys.modules`` once imported.
+
+    Not ``from transformers import <name>`` on a load's path: importing a model class
+    makes transformers put a new lazy package into ``sys.modules["transformers"]``, one
+    without its submodules as attributes, and each such import then resolves the
+    submodule through the lazy package's ``__getattr__`` (about 10 µs, several per load).
+    """
+    found = sys.modules.get(f"transformers.{name}")
+    return found if found is not None else importlib.import_module(f"transformers.{name}")
 
 
 @functools.cache
 def class_keys_supported() -> bool:
     """Whether conversion lists are looked up by class name and per sub-model (5.24 does; 5.3 applies
     the root model type's list only)."""
-    from transformers import conversion_mapping
-
-    return hasattr(conversion_mapping, "extract_weight_conversions_for_model")
+    return hasattr(module("conversion_mapping"), "extract_weight_conversions_for_model")
 
 
 def user_registered_conversions() -> set[str] | None:
     """transformers' record of the conversion keys user code registered (``None`` before 5.24)."""
-    from transformers import conversion_mapping
-
-    keys: set[str] | None = getattr(conversion_mapping, "USER_REGISTERED_MAPPINGS", None)
+    keys: set[str] | None = getattr(module("conversion_mapping"), "USER_REGISTERED_MAPPINGS", None)
     return keys
 
 
 def conversion_cache() -> dict[str, Any]:
     """transformers' registry of conversion lists, built first if no load has built it yet."""
-    from transformers import conversion_mapping
-
+    conversion_mapping = module("conversion_mapping")
     if conversion_mapping._checkpoint_conversion_mapping_cache is None:
         conversion_mapping.get_checkpoint_conversion_mapping("llama")  # builds the cache
     cache: dict[str, Any] | None = conversion_mapping._checkpoint_conversion_mapping_cache
@@ -44,9 +53,7 @@ def conversion_cache() -> dict[str, Any]:
 
 def prefix_change_type() -> tuple[type, ...] | type:
     """transformers' ``PrefixChange`` transform class, or ``()`` where it does not exist (``isinstance`` ready)."""
-    from transformers import core_model_loading
-
-    found: tuple[type, ...] | type = getattr(core_model_loading, "PrefixChange", ())
+    found: tuple[type, ...] | type = getattr(module("core_model_loading"), "PrefixChange", ())
     return found
 
 
@@ -87,14 +94,11 @@ def fusion_patches() -> str | None:
     it passes them to ``apply_patches(mapping)`` for that load only, and appends the
     fused modules' transforms to the load's conversion list (5.25).
     """
-    import sys
-
-    from transformers import modeling_utils  # noqa: F401  (it imports fusion_mapping where there is one)
-
-    module = sys.modules.get("transformers.fusion_mapping")
-    if module is None:
+    module("modeling_utils")  # it imports fusion_mapping where there is one
+    fusion_mapping = sys.modules.get("transformers.fusion_mapping")
+    if fusion_mapping is None:
         return None
-    return "scoped" if hasattr(module, "get_fusion_patch_mapping") else "registered"
+    return "scoped" if hasattr(fusion_mapping, "get_fusion_patch_mapping") else "registered"
 
 
 def fusion_conflict_patterns(exc: BaseException) -> tuple[str, ...] | None:

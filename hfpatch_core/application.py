@@ -132,13 +132,20 @@ class _MatchCache:
     (as many names deleted as added, the newest itself deleted and re-added last) is
     not something a module namespace goes through between two loads: module code runs
     once, lazy modules only add the names they resolve.  Comparing the whole key set
-    instead costs as much as the rest of a tiny model's load overhead together.
+    instead costs as much as the rest of a tiny model's load overhead together; the
+    sizes and newest names of all modules are compared in C (``map``), and only a module
+    that changed is looked at in Python.
     """
 
     def __init__(self, keys: tuple[str, ...]) -> None:
         self.keys = keys
         self.modules: list[types.ModuleType] | None = None
         self.entries: list[_Entry] = []
+        self.namespaces: list[dict[str, Any]] = []
+        self.sizes: list[int] = []
+        self.newest: list[str | None] = []
+        self.lazy: list[_Entry] = []
+        self.found: list[tuple[types.ModuleType, str]] = []
 
     def targets(
         self, modules: list[types.ModuleType], mapping: Mapping[str, object]
@@ -153,18 +160,27 @@ class _MatchCache:
                 for module in modules
             ]
             self.modules = modules
-        found: list[tuple[types.ModuleType, str]] = []
-        for entry in self.entries:  # the hot loop of every load: the checks are inlined
+            self.namespaces = [entry.namespace for entry in self.entries]
+            self.lazy = [entry for entry in self.entries if entry.exported is not None]
+        elif (
+            list(map(len, self.namespaces)) == self.sizes
+            # a namespace is never empty (``__name__``); an empty one would end the map short: a miss
+            and list(map(next, map(reversed, self.namespaces))) == self.newest
+            and not any(entry.exports_changed() for entry in self.lazy)
+        ):
+            return self.found  # the hot path of every load: nothing changed
+        for entry in self.entries:
             namespace = entry.namespace
             if (
                 len(namespace) != entry.size
-                or next(reversed(namespace.keys())) != entry.newest
+                or _newest(namespace) != entry.newest
                 or (entry.exported is not None and entry.exports_changed())
             ):
                 entry.refresh(mapping)
-            if entry.names:
-                found.extend((entry.module, name) for name in entry.names)
-        return found
+        self.sizes = [entry.size for entry in self.entries]
+        self.newest = [entry.newest for entry in self.entries]
+        self.found = [(entry.module, name) for entry in self.entries for name in entry.names]
+        return self.found
 
 
 _caches: OrderedDict[tuple[str, ...], _MatchCache] = OrderedDict()
@@ -280,8 +296,7 @@ def registered_conversions(conversions: Conversions) -> Iterator[None]:
     if not conversions:
         yield
         return
-    from transformers import conversion_mapping
-
+    conversion_mapping = _compat.module("conversion_mapping")
     with LOAD_LOCK:
         cache = _compat.conversion_cache()
         user_keys = _compat.user_registered_conversions()

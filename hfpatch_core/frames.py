@@ -54,14 +54,20 @@ class Loader:
 
     def config(self) -> Any:
         """The ``config`` local of the running loader (the config it is about to build with)."""
-        return self._locals().get("config")
+        return self.arguments()[0]
 
     def parallel(self) -> tuple[str, ...]:
         """The parallelisms the running loader shards the model with (``_compat.parallel_modes``
         of its ``distributed_config``, ``tp_plan`` and ``device_mesh`` locals, which every rank
         passes alike); ``()`` for ``_from_config``, which does not shard."""
+        return self.arguments()[1]
+
+    def arguments(self) -> tuple[Any, tuple[str, ...]]:
+        """``(config(), parallel())`` read from one look at the loader's frame (a loader has
+        many locals, and reading them copies them all)."""
         found = self._locals()
-        return _compat.parallel_modes(found.get("distributed_config"), found.get("tp_plan"), found.get("device_mesh"))
+        get = found.get
+        return get("config"), _compat.parallel_modes(get("distributed_config"), get("tp_plan"), get("device_mesh"))
 
 
 def unwind_entered_contexts() -> None:

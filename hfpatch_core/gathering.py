@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import operator
 import threading
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -44,34 +45,38 @@ def _same_items(saved: list[Any], now: list[Any]) -> bool:
     return len(saved) == len(now) and all(a is b for a, b in zip(saved, now, strict=True))
 
 
+_last_capture: _Registries | None = None
+
+
 @dataclasses.dataclass
 class _Registries:
     """transformers' patch and conversion registries as they were before the packs' hooks ran.
 
-    Captured once per pack (after its import) and compared after each of its hook calls (``unchanged`` runs in C:
-    the registry's keys, its list objects and their lengths), so that a pack writing the
-    registries itself is caught and named; a hook that swaps one transform of a list for
-    another in place, keeping its length, is the one edit this does not see.
+    Captured before each pack's hooks and compared after each hook call (``unchanged``:
+    the registry's keys, its list objects and their items), so that a pack writing the
+    registries itself is caught, named and undone.  The conversion registry holds
+    hundreds of lists and this runs on every load: every loop runs in C (``map``, list
+    comparison, which tries identity before ``==``), and a capture still equal to the
+    registries is reused rather than copied again (``capture``).
     """
 
     patches: dict[str, Any]
     cache: dict[str, Any]
     conversions: dict[str, Any]
-    lists: dict[str, list[Any]]
+    keys: list[str]
+    values: list[Any]
+    #: each list of ``values`` copied (anything else as it is), as captured
+    contents: list[Any]
     user_keys: set[str] | None
-    values: list[Any] = dataclasses.field(default_factory=list)
-    lengths: list[int] = dataclasses.field(default_factory=list)
 
     def unchanged(self) -> bool:
-        """Whether both registries still look as captured (cheap; see the class docstring)."""
-        from transformers import conversion_mapping, monkey_patching
-
+        """Whether both registries still hold what was captured (cheap; see the class docstring)."""
+        conversion_mapping, monkey_patching = _compat.module("conversion_mapping"), _compat.module("monkey_patching")
         cache = self.cache
-        if conversion_mapping._checkpoint_conversion_mapping_cache is not cache:
+        if conversion_mapping._checkpoint_conversion_mapping_cache is not cache or len(cache) != len(self.values):
             return False
-        if len(cache) != len(self.conversions) or list(cache.values()) != self.values:
-            return False
-        if [len(value) if isinstance(value, list) else -1 for value in self.values] != self.lengths:
+        values = list(cache.values())
+        if not all(map(operator.is_, values, self.values)) or self.contents != values or list(cache) != self.keys:
             return False
         user_keys = _compat.user_registered_conversions()
         if user_keys is not None and self.user_keys is not None and user_keys != self.user_keys:
@@ -80,27 +85,33 @@ class _Registries:
 
     @classmethod
     def capture(cls) -> _Registries:
-        from transformers import monkey_patching
-
+        """The registries now: the previous capture where they still hold what it holds (``LOAD_LOCK`` held)."""
+        global _last_capture
+        if _last_capture is not None and _last_capture.unchanged():
+            return _last_capture
         cache = _compat.conversion_cache()
         user_keys = _compat.user_registered_conversions()
         values = list(cache.values())
-        return cls(
-            patches=monkey_patching.get_patch_mapping(),
+        if all(map(list.__instancecheck__, values)):  # transformers' registry holds nothing else
+            contents = list(map(list, values))
+        else:
+            contents = [list(value) if isinstance(value, list) else value for value in values]
+        _last_capture = cls(
+            patches=_compat.module("monkey_patching").get_patch_mapping(),
             cache=cache,
             conversions=dict(cache),
-            lists={key: list(value) for key, value in cache.items() if isinstance(value, list)},
-            user_keys=set(user_keys) if user_keys is not None else None,
+            keys=list(cache),
             values=values,
-            lengths=[len(value) if isinstance(value, list) else -1 for value in values],
+            contents=contents,
+            user_keys=set(user_keys) if user_keys is not None else None,
         )
+        return _last_capture
 
     def restore(self) -> list[str]:
         """Put both registries back as captured; what had changed, one phrase each."""
-        from transformers import conversion_mapping, monkey_patching
-
         if self.unchanged():
             return []
+        conversion_mapping, monkey_patching = _compat.module("conversion_mapping"), _compat.module("monkey_patching")
         now = monkey_patching.get_patch_mapping()
         changes = [
             f"register_patch_mapping({{{key!r}: {_name(value)}}})"
@@ -114,18 +125,23 @@ class _Registries:
             if self.patches:
                 monkey_patching.register_patch_mapping(self.patches)
         cache = self.cache
+        lists = {
+            key: items
+            for key, value, items in zip(self.keys, self.values, self.contents, strict=True)
+            if isinstance(value, list)
+        }
         if conversion_mapping._checkpoint_conversion_mapping_cache is not cache:
             changes.append("replaced the conversion registry")
-            conversion_mapping._checkpoint_conversion_mapping_cache = cache  # type: ignore[assignment]
+            conversion_mapping._checkpoint_conversion_mapping_cache = cache  # type: ignore[attr-defined]
         edited = [
             key
             for key in dict.fromkeys([*self.conversions, *cache])
             if cache.get(key, _MISSING) is not self.conversions.get(key, _MISSING)
-            or (key in self.lists and not _same_items(self.lists[key], cache[key]))
+            or (key in lists and not _same_items(lists[key], cache[key]))
         ]
         if edited:
             changes += [f"register_checkpoint_conversion_mapping({key!r}, ...)" for key in edited]
-            for key, items in self.lists.items():
+            for key, items in lists.items():
                 self.conversions[key][:] = items
             cache.clear()
             cache.update(self.conversions)
@@ -191,13 +207,53 @@ def _check_patch_targets(pack: str, patches: list[Any], converters: list[Any]) -
                 )
 
 
+@dataclasses.dataclass(frozen=True)
+class _Registration:
+    """One pack module registered with pluggy: its own plugin manager, or why it cannot be used."""
+
+    plugin: object
+    manager: pluggy.PluginManager
+    error: PackError | None
+
+
+#: The last registration of each pack name, reused while the name loads the same plugin object:
+#: registering inspects every attribute of the pack's module (pluggy's ``getattr_static``),
+#: which would otherwise be paid again by the first load of every session.
+_registrations: dict[str, _Registration] = {}
+_registrations_lock = threading.Lock()
+
+
+def _register(info: PackInfo, plugin: object) -> _Registration:
+    with _registrations_lock:
+        known = _registrations.get(info.name)
+        if known is not None and known.plugin is plugin:
+            return known
+        manager = pluggy.PluginManager(hookspecs.PROJECT_NAME)
+        manager.add_hookspecs(hookspecs)
+        manager.register(plugin, name=info.name)
+        known = _registrations[info.name] = _Registration(plugin, manager, _unknown_hooks(info, manager))
+        return known
+
+
+def _unknown_hooks(info: PackInfo, manager: pluggy.PluginManager) -> PackError | None:
+    """A pack whose hookimpl matches no hfpatch hook (a typo would otherwise be ignored)."""
+    known = [name for name in dir(hookspecs) if name.startswith("provide_")]
+    for name, caller in vars(manager.hook).items():
+        if getattr(caller, "spec", None) is not None or not hasattr(caller, "get_hookimpls"):
+            continue
+        if caller.get_hookimpls():
+            close = difflib.get_close_matches(name, known, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else f"; hooks are {', '.join(known)}"
+            return PackError(info.name, f"pack {info.name!r} implements unknown hook {name!r}{hint}", stage="import")
+    return None
+
+
 class PackSet:
     """The selected packs of one session: imported on first use, once each."""
 
     def __init__(self, packs: Mapping[str, PackInfo]) -> None:
         self.infos = dict(packs)
-        self._manager = pluggy.PluginManager(hookspecs.PROJECT_NAME)
-        self._manager.add_hookspecs(hookspecs)
+        self._managers: dict[str, pluggy.PluginManager] = {}
         self._loaded: dict[str, PackError | None] = {}
         self._lock = threading.Lock()
 
@@ -207,9 +263,10 @@ class PackSet:
                 return self._loaded[info.name]
             error: PackError | None = None
             try:
-                plugin = info.load()
-                self._manager.register(plugin, name=info.name)
-                error = self._unknown_hooks(info)
+                registration = _register(info, info.load())
+                error = registration.error
+                if error is None:
+                    self._managers[info.name] = registration.manager
             except Exception as exc:  # a pack's import may raise anything
                 error = PackError(
                     info.name,
@@ -221,23 +278,8 @@ class PackSet:
             self._loaded[info.name] = error
             return error
 
-    def _unknown_hooks(self, info: PackInfo) -> PackError | None:
-        """A pack whose hookimpl matches no hfpatch hook (a typo would otherwise be ignored)."""
-        known = [name for name in dir(hookspecs) if name.startswith("provide_")]
-        for name, caller in vars(self._manager.hook).items():
-            if getattr(caller, "spec", None) is not None or not hasattr(caller, "get_hookimpls"):
-                continue
-            if any(impl.plugin_name == info.name for impl in caller.get_hookimpls()):
-                close = difflib.get_close_matches(name, known, n=1)
-                hint = f"; did you mean {close[0]!r}?" if close else f"; hooks are {', '.join(known)}"
-                self._manager.unregister(name=info.name)
-                return PackError(
-                    info.name, f"pack {info.name!r} implements unknown hook {name!r}{hint}", stage="import"
-                )
-        return None
-
     def _call(self, info: PackInfo, hook: str, context: LoadContext, registries: _Registries) -> list[Any]:
-        caller = getattr(self._manager.hook, hook)
+        caller = getattr(self._managers[info.name].hook, hook)
         results: list[Any] = []
         expected: type
         if hook == "provide_patches":
@@ -247,8 +289,6 @@ class PackSet:
 
             expected, example = Converter, "Converter('llama', [WeightConverter(...)])"
         for impl in caller.get_hookimpls():
-            if impl.plugin_name != info.name:
-                continue
             arguments = {"context": context}
             try:
                 try:

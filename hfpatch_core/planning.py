@@ -20,6 +20,7 @@ from typing import Any
 
 import torch.nn as nn
 
+from . import _compat
 from .composition import compose, scope_for
 from .context import LoadContext
 from .distribution import refuse_unsharded
@@ -115,10 +116,15 @@ def _in_loaded_modules(target: str) -> bool:
     return False
 
 
+@functools.lru_cache(maxsize=1024)  # the same targets against the same model's classes, load after load
+def _matches_any(target: str, class_names: tuple[str, ...]) -> bool:
+    return any(matches(target, name) for name in class_names)
+
+
 def matches_no_class(target: str, class_names: Iterable[str] = ()) -> bool:
     """Whether a patch target matches no module class of the installed transformers: none of
     ``class_names`` (the model's), none its sources define, none of its loaded modules holds."""
-    if any(matches(target, name) for name in class_names):
+    if _matches_any(target, tuple(class_names)):
         return False
     return not _in_sources(target) and not _in_loaded_modules(target)
 
@@ -237,8 +243,7 @@ def plan_load(
         kept = [claim for claim in gathered.converters if claim.index not in unused]
         dropped = [(claim, unused[claim.index]) for claim in gathered.converters if claim.index in unused]
         if kept:
-            from transformers import conversion_mapping
-
+            conversion_mapping = _compat.module("conversion_mapping")
             scope = scope_for(context.model_type, context.model_class_name, kept)
             converters = resolve_converters(kept, overlap=scope.overlap)
             conversions = compose(

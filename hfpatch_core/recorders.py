@@ -63,10 +63,25 @@ class RecorderLog:
             self.entries.clear()
 
 
+def _module_classes(model: Any) -> set[type]:
+    """The classes of ``model`` and of its sub-modules (what ``model.modules()`` yields, walked
+    without building each module's dotted name: this runs on every patched load)."""
+    classes = {type(model)}
+    seen = {id(model)}
+    stack = [model]
+    while stack:
+        for child in stack.pop()._modules.values():
+            if child is not None and id(child) not in seen:
+                seen.add(id(child))
+                classes.add(type(child))
+                stack.append(child)
+    return classes
+
+
 def _tables(model: Any) -> Iterator[dict[str, Any]]:
     """Each distinct ``_can_record_outputs`` dict of ``model``'s module classes (a class attribute)."""
     seen: set[int] = set()
-    for owner in {type(submodule) for submodule in model.modules()}:
+    for owner in _module_classes(model):
         table = getattr(owner, "_can_record_outputs", None)
         if isinstance(table, dict) and id(table) not in seen:
             seen.add(id(table))

@@ -111,6 +111,18 @@ class PatchDecision:
         return tuple(self.replaced.values()) if classes_known else self.entries
 
 
+@functools.lru_cache(maxsize=256)  # the same model's classes against the same keys, load after load
+def _class_table(
+    keys: tuple[str, ...], class_names: tuple[str, ...]
+) -> tuple[tuple[str, str | None, frozenset[str]], ...]:
+    """For each class name: the key of ``keys`` that ``find_replacement`` picks for it, and every key matching it."""
+    table = []
+    for name in class_names:
+        matching = [key for key in keys if matches(key, name)]
+        table.append((name, name if name in keys else next(iter(matching), None), frozenset(matching)))
+    return tuple(table)
+
+
 def resolve_patches(
     claims: Iterable[Claim],
     *,
@@ -160,12 +172,12 @@ def resolve_patches(
     for claim in winners:
         effective[claim.target] = claim
     replaced: dict[str, Claim] = {}
-    for name in sorted(set(class_names)):
-        chosen = find_replacement(name, effective)
+    for name, key, matching in _class_table(tuple(effective), tuple(sorted(set(class_names)))):
+        chosen = effective[key] if key is not None else None
         if isinstance(chosen, Claim):
             replaced[name] = chosen
         for claim in winners:
-            if claim is chosen or not matches(claim.target, name):
+            if claim is chosen or claim.target not in matching:
                 continue
             if isinstance(chosen, Claim):
                 how = "an exact name" if chosen.target == name else "a pattern registered before it"

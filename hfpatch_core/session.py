@@ -137,8 +137,8 @@ class Session:
         if frame is None or frame.plan is not None or frame.loader is None:
             return
         model_class = frame.loader.model_class
-        loader = frame.loader
-        context = LoadContext.for_model(model_class, loader.config(), parent=self.current, parallel=loader.parallel())
+        config, parallel = frame.loader.arguments()
+        context = LoadContext.for_model(model_class, config, parent=self.current, parallel=parallel)
         frame.resolve(context, class_names_for(model_class))
 
     def expect_fusion(self, mapping: Mapping[str, type]) -> Plan | None:

@@ -9,7 +9,7 @@ from typing import Any
 from transformers.core_model_loading import ConversionOps, WeightTransform
 
 from .errors import InvalidPatchError
-from .pages import release
+from .pages import release, trim_heap
 
 
 @dataclasses.dataclass(frozen=True)
@@ -199,25 +199,23 @@ def _gathered(tensor: Any, size: int, dim: int, ranks: int, group: Any) -> Any:
     import torch.distributed as dist
 
     step = -(-size // ranks)
-    local = tensor.contiguous()
-    if local.shape[dim] < step:  # the last ranks' shards of an uneven cut are short: pad, then trim
-        shape = list(local.shape)
-        shape[dim] = step - local.shape[dim]
-        local = torch.cat([local, local.new_zeros(shape)], dim=dim)
-    pieces = [torch.empty_like(local) for _ in range(ranks)]
-    dist.all_gather(pieces, local, group=group)
-    return torch.cat(pieces, dim=dim).narrow(dim, 0, size)
+    local = tensor.movedim(dim, 0).contiguous()  # gathered along the first dimension: the pieces are rows of one buffer
+    if local.shape[0] < step:  # the last ranks' shards of an uneven cut are short: pad, then trim
+        local = torch.cat([local, local.new_zeros((step - local.shape[0], *local.shape[1:]))])
+    buffer = local.new_empty((ranks * step, *local.shape[1:]))
+    dist.all_gather_into_tensor(buffer, local, group=group)
+    return buffer[:size].movedim(0, dim)
 
 
 def _cut_of_gathered(tensors: list[Any], sizes: tuple[int, ...], dim: int, parameter: Any, what: str) -> Any:
     """This rank's FSDP2 shard of the fused tensor, from each part's shard as transformers read it.
 
-    The parts' shards are all-gathered over the FSDP2 group (so each rank holds each
-    part whole, one fused tensor at a time), concatenated, and the rank's contiguous
-    cut of the fused tensor kept (a copy: the gathered whole is freed at once).  Every
-    rank loads every fused tensor in the same order, so the collectives match.
+    Each part's shares are all-gathered over the FSDP2 group (every rank, every part, in
+    the same order: the collectives match), and the rows of the part that fall in this
+    rank's contiguous cut of the fused tensor are copied into it.  One part is held
+    whole at a time, the cut is allocated once, and the heap memory the gathered parts
+    leave is given back (``bench/load_memory.py --fsdp``).
     """
-    import torch
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     mesh = parameter.device_mesh
@@ -235,15 +233,22 @@ def _cut_of_gathered(tensors: list[Any], sizes: tuple[int, ...], dim: int, param
             f"{what}: under FSDP2 over {ranks} ranks, rank {rank} read parts of sizes {list(found)} along dim "
             f"{dim}; the converter expects them whole, {list(sizes)}, or as this rank's shards, {list(expected)}"
         )
-    if found == sizes:  # read whole: nothing to gather
-        whole = list(tensors)
-    else:
-        whole = [_gathered(tensor, size, dim, ranks, group) for tensor, size in zip(tensors, sizes, strict=True)]
-    release(tensors)
-    fused = torch.cat(whole, dim=dim)
-    del whole
     shape, offset = compute_local_shape_and_global_offset(parameter.shape, mesh, parameter.placements)
-    return fused.narrow(dim, offset[dim], shape[dim]).clone()
+    start, length = int(offset[dim]), int(shape[dim])
+    cut_shape = list(tensors[0].shape)
+    cut_shape[dim] = length
+    cut = tensors[0].new_empty(cut_shape)
+    at = 0  # where the part starts in the fused tensor
+    for tensor, size in zip(tensors, sizes, strict=True):
+        part = tensor if found == sizes else _gathered(tensor, size, dim, ranks, group)
+        low, high = max(start, at), min(start + length, at + size)
+        if low < high:
+            cut.narrow(dim, low - start, high - low).copy_(part.narrow(dim, low - at, high - low))
+        del part
+        at += size
+    release(tensors)
+    trim_heap()  # the gathered parts, freed: see pages.trim_heap
+    return cut
 
 
 class SizedConcatenate(ConversionOps):

@@ -188,9 +188,11 @@ def local_rows(model: Any, result: Result) -> None:
 
 
 def fsdp_cases(sharded: Callable[..., Callable[[Result], None]]) -> list[tuple[str, Callable[[Result], None]]]:
-    """FSDP2 beyond the per-mode cases: qwen3's per-head norms, and a pack that declares no plan."""
+    """FSDP2 beyond the per-mode cases: qwen3's per-head norms, an MLP whose gate and up do not halve
+    (intermediate size 75: shares of 38 and 37 rows), and a pack that declares no plan."""
     return [
         ("qwen3/fsdp/fused-dense", sharded("qwen3", "fsdp", "fused-dense", check=fsdp_cut)),
+        ("llama_uneven/fsdp/fused-dense", sharded("llama_uneven", "fsdp", "fused-dense", check=fsdp_cut)),
         ("llama/fsdp/undeclared", sharded("llama", "fsdp", "undeclared")),
         ("llama/fsdp/undeclared/strict", sharded("llama", "fsdp", "undeclared", strict=True)),
     ]

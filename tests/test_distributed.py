@@ -4,7 +4,8 @@ Each test starts one torchrun for a group of cases (``distributed_cases.py``) an
 asserts what both ranks wrote.  The first-party packs come from the wheels ``make
 venv`` installs into ``<venv>/first-party-packs``, as ``pip install`` would give them;
 a forward-only subclass pack is installed inline.  Tiny grouped-query checkpoints:
-llama 4 heads / 2 kv heads, qwen2_moe 4 / 2 with 4 experts, qwen3 4 / 2.
+llama 4 heads / 2 kv heads, qwen2_moe 4 / 2 with 4 experts, qwen3 4 / 2, and a llama whose
+intermediate size (75) does not halve.
 
 What exists where: ``tp_plan="auto"`` and ``DistributedConfig(enable_expert_parallel=True)``
 since 5.3 (the oldest supported release); ``DistributedConfig(fsdp_size=...,
@@ -52,6 +53,7 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
         "llama": str(tiny_checkpoint("llama", root / "llama")),
         "qwen2_moe": str(tiny_checkpoint("qwen2_moe", root / "qwen2_moe")),
         "qwen3": str(tiny_checkpoint("qwen3", root / "qwen3")),
+        "llama_uneven": str(tiny_checkpoint("llama", root / "llama_uneven", intermediate_size=75)),
     }
 
 
@@ -263,7 +265,12 @@ def test_a_declared_plan_shards_only_modules_the_model_plan_shards(loads: list[d
 
 
 #: The FSDP2 cases beyond those of every mode (``distributed_cases.fsdp_cases``).
-FSDP_CASES = ("qwen3/fsdp/fused-dense", "llama/fsdp/undeclared", "llama/fsdp/undeclared/strict")
+FSDP_CASES = (
+    "qwen3/fsdp/fused-dense",
+    "llama_uneven/fsdp/fused-dense",
+    "llama/fsdp/undeclared",
+    "llama/fsdp/undeclared/strict",
+)
 
 
 @pytest.mark.parametrize(
@@ -278,6 +285,11 @@ FSDP_CASES = ("qwen3/fsdp/fused-dense", "llama/fsdp/undeclared", "llama/fsdp/und
             "qwen3/fsdp/fused-dense",
             {"Qwen3Attention": "FusedQKVQwen3Attention", "Qwen3MLP": "FusedGateUpQwen3MLP"},
             {"self_attn.qkv_proj.weight": 64, "mlp.gate_up_proj.weight": 128},
+        ),
+        (  # gate and up of 75 rows: shares of 38 and 37, gathered, the fused 150 cut in 75 and 75
+            "llama_uneven/fsdp/fused-dense",
+            {"LlamaAttention": "FusedQKVLlamaAttention", "LlamaMLP": "FusedGateUpLlamaMLP"},
+            {"self_attn.qkv_proj.weight": 64, "mlp.gate_up_proj.weight": 75},
         ),
         (
             "qwen2_moe/fsdp/qwen-moe",

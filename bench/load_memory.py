@@ -12,8 +12,13 @@ memory-mapped checkpoint: what the load built (the pack's fused ``qkv_proj`` /
 of what the pack converts.  (The qwen-moe pack keeps the experts as per-expert views of
 the checkpoint where vanilla stacks them, so its load peaks below vanilla's.)
 
+With ``--fsdp`` the llama is also loaded by transformers' FSDP2 on two ranks
+(``torchrun --nproc_per_node 2``, gloo, ``DistributedConfig(fsdp_size=2)``, transformers
+5.25), vanilla and with the pack, and each rank reports the same two figures for its
+own shards: one row per rank.
+
 Run: ``PYTHONPATH=.venv/first-party-packs .venv/bin/python bench/load_memory.py``
-(``--rounds``, ``--qwen``); Linux only (``/proc/self/status``).
+(``--rounds``, ``--qwen``, ``--fsdp``); Linux only (``/proc/self/status``).
 """
 
 from __future__ import annotations
@@ -30,7 +35,29 @@ from _common import machine_info, median, table
 
 GOAL = 1.1
 
-_CHILD = r"""
+#: The child's report: peak resident set, and the bytes of its tensors (a rank's local shards
+#: under FSDP2) that are not views of the memory-mapped checkpoint.
+_MEASURE = r"""
+def measure(model):
+    status = dict(line.split(":", 1) for line in open("/proc/self/status") if line.startswith(("VmHWM", "VmRSS")))
+    mapped = []
+    for line in open("/proc/self/maps"):
+        fields = line.split()
+        if fields[-1].endswith(".safetensors"):
+            start, end = (int(value, 16) for value in fields[0].split("-"))
+            mapped.append((start, end))
+    storages = {}
+    for tensor in model.state_dict().values():
+        tensor = getattr(tensor, "_local_tensor", tensor)
+        pointer = tensor.untyped_storage().data_ptr()
+        if not any(start <= pointer < end for start, end in mapped):
+            storages[pointer] = tensor.untyped_storage().nbytes()
+    return {"peak": int(status["VmHWM"].split()[0]) * 1024, "built": sum(storages.values())}
+"""
+
+_CHILD = (
+    _MEASURE
+    + r"""
 import json, sys
 import torch
 from transformers import AutoModelForCausalLM
@@ -40,20 +67,33 @@ path, packs = sys.argv[1], sys.argv[2]
 if packs != "vanilla":
     hfpatch_core.enable(packs, strict=True)
 model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-status = dict(line.split(":", 1) for line in open("/proc/self/status") if line.startswith(("VmHWM", "VmRSS")))
-mapped = []
-for line in open("/proc/self/maps"):
-    fields = line.split()
-    if fields[-1].endswith(".safetensors"):
-        start, end = (int(value, 16) for value in fields[0].split("-"))
-        mapped.append((start, end))
-storages = {}
-for tensor in model.state_dict().values():
-    pointer = tensor.untyped_storage().data_ptr()
-    if not any(start <= pointer < end for start, end in mapped):
-        storages[pointer] = tensor.untyped_storage().nbytes()
-print(json.dumps({"peak": int(status["VmHWM"].split()[0]) * 1024, "built": sum(storages.values())}))
+print(json.dumps(measure(model)))
 """
+)
+
+#: One rank of a 2-rank FSDP2 load by transformers (``DistributedConfig(fsdp_size=2)``, gloo).
+_RANK = (
+    _MEASURE
+    + r"""
+import json, os, sys
+import torch
+import torch.distributed as dist
+from transformers import AutoModelForCausalLM
+from transformers.distributed import DistributedConfig
+import hfpatch_core
+
+path, packs, out = sys.argv[1], sys.argv[2], sys.argv[3]
+dist.init_process_group("gloo")
+if packs != "vanilla":
+    hfpatch_core.enable(packs, strict=True)
+config = DistributedConfig(fsdp_size=2)
+model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, distributed_config=config)
+with open(os.path.join(out, f"rank{dist.get_rank()}.json"), "w") as report:
+    json.dump(measure(model), report)
+dist.barrier()
+dist.destroy_process_group()
+"""
+)
 
 
 def build(kind: str, directory: Path) -> Path:
@@ -96,10 +136,57 @@ def sample(path: Path, packs: str) -> dict:
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
+def fsdp_sample(path: Path, packs: str, directory: Path) -> list[dict]:
+    """Each rank's report of one ``torchrun --nproc_per_node 2`` FSDP2 load."""
+    script, out = directory / "rank.py", directory / f"out-{packs}"
+    script.write_text(_RANK)
+    out.mkdir(exist_ok=True)
+    environment = {**os.environ, "USE_HUB_KERNELS": os.environ.get("USE_HUB_KERNELS", "0"), "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script)]
+    result = subprocess.run(
+        [*command, str(path), packs, str(out)], capture_output=True, text=True, env=environment, check=False
+    )
+    if result.returncode != 0:
+        raise SystemExit(f"FSDP2 load of {path.name} with {packs} failed:\n{result.stderr[-3000:]}")
+    return [json.loads((out / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+
+
+def fsdp_rows(path: Path, pack: str, rounds: int, directory: Path) -> list[list[str]]:
+    """One row per rank: median peaks of vanilla and ``pack`` under FSDP2, interleaved round by round."""
+    peaks: dict[str, list[list[int]]] = {"vanilla": [[], []], pack: [[], []]}
+    built: dict[str, list[int]] = {}
+    for round_index in range(rounds):
+        for packs in ["vanilla", pack] if round_index % 2 == 0 else [pack, "vanilla"]:
+            reports = fsdp_sample(path, packs, directory)
+            for rank, report in enumerate(reports):
+                peaks[packs][rank].append(report["peak"])
+            built[packs] = [report["built"] for report in reports]
+    rows = []
+    for rank in (0, 1):
+        vanilla, patched = median(peaks["vanilla"][rank]), median(peaks[pack][rank])
+        ratio = (patched - vanilla) / built[pack][rank] if built[pack][rank] else float("nan")
+        values = (vanilla, built["vanilla"][rank], patched, built[pack][rank])
+        rows.append(
+            [
+                f"{path.name}, FSDP2 rank {rank}",
+                pack,
+                *(f"{value / 2**20:.0f}" for value in values),
+                f"{ratio:.2f}",
+                "met" if ratio <= GOAL else "MISSED",
+            ]
+        )
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--qwen", action="store_true", help="also a Qwen2-MoE with the qwen-moe pack")
+    parser.add_argument(
+        "--fsdp",
+        action="store_true",
+        help="also the llama loaded by transformers' FSDP2 on 2 ranks (torchrun, gloo), each rank's figures",
+    )
     args = parser.parse_args()
     print("\n".join(machine_info()))
     cases = [("llama", "fused-dense")] + ([("qwen2_moe", "qwen-moe")] if args.qwen else [])
@@ -126,6 +213,8 @@ def main() -> None:
                     "met" if ratio <= GOAL else "MISSED",
                 ]
             )
+            if args.fsdp and kind == "llama":
+                rows.extend(fsdp_rows(path, pack, args.rounds, Path(directory)))
     print(f"\npeak RSS after from_pretrained and bytes built, MiB (median of {args.rounds} fresh processes each)")
     header = ["model", "pack", "vanilla peak", "vanilla built", "pack peak", "pack built", "(pack - vanilla) / built"]
     print(table([*header, f"<= {GOAL}"], rows))

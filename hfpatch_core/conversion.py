@@ -9,7 +9,7 @@ from typing import Any
 from transformers.core_model_loading import ConversionOps, WeightTransform
 
 from .errors import InvalidPatchError
-from .pages import release
+from .pages import release, trim_heap
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,15 +143,126 @@ def _rank_shares(found: tuple[int, ...], sizes: tuple[int, ...]) -> bool:
     )
 
 
+#: The device-mesh dimensions of FSDP2 sharding (transformers 5.25's ``initialize_distributed_mesh``;
+#: ``efsdp`` shards the experts when expert parallelism is on too).
+_FSDP_MESH_DIMS = frozenset({"fsdp", "efsdp"})
+
+
+def _shard_length(size: int, ranks: int, rank: int) -> int:
+    """How many of ``size`` rows ``rank``'s ``Shard`` over ``ranks`` holds (``torch.chunk``'s cut)."""
+    step = -(-size // ranks)
+    start = min(rank * step, size)
+    return min(start + step, size) - start
+
+
+def _fully_sharded_target(model: Any, name: Any, dim: int) -> Any:
+    """The target parameter, when FSDP2 shards it along ``dim`` (``None`` otherwise).
+
+    Under FSDP2, unlike tensor parallelism, the parameter is all-gathered whole for
+    each forward: its shard on a rank must be a contiguous cut of the *fused* tensor
+    (rank 0 of two holds all of q, rank 1 k and v), not a concatenation of each part's
+    share, which is what transformers reads for each source tensor.
+
+    Raises:
+        ValueError: tensor parallelism shards the same dimension too (a 2-D mesh), which
+            no fused layout of a rank's share fits.
+    """
+    if model is None or not isinstance(name, str):
+        return None
+    try:
+        parameter = model.get_parameter(name)
+    except (AttributeError, TypeError):
+        return None
+    placements = getattr(parameter, "placements", None)
+    mesh = getattr(parameter, "device_mesh", None)
+    if placements is None or mesh is None:
+        return None
+    names = mesh.mesh_dim_names or ()
+    sharding = [
+        names[index] if index < len(names) else None
+        for index, placement in enumerate(placements)
+        if placement.is_shard() and placement.dim % parameter.ndim == dim % parameter.ndim
+    ]
+    if not any(name in _FSDP_MESH_DIMS for name in sharding):
+        return None
+    if len(sharding) > 1:
+        raise ValueError(
+            f"{name}: sharded along dim {dim} by FSDP2 and by {sharding} at once; a fused tensor of parts of "
+            "different sizes cannot be sharded twice along the dimension it fuses. Load it with one of them."
+        )
+    return parameter
+
+
+def _gathered(tensor: Any, size: int, dim: int, ranks: int, group: Any) -> Any:
+    """The whole part of ``size`` rows along ``dim`` from each rank's ``Shard`` of it, on every rank of ``group``."""
+    import torch
+    import torch.distributed as dist
+
+    step = -(-size // ranks)
+    local = tensor.movedim(dim, 0).contiguous()  # gathered along the first dimension: the pieces are rows of one buffer
+    if local.shape[0] < step:  # the last ranks' shards of an uneven cut are short: pad, then trim
+        local = torch.cat([local, local.new_zeros((step - local.shape[0], *local.shape[1:]))])
+    buffer = local.new_empty((ranks * step, *local.shape[1:]))
+    dist.all_gather_into_tensor(buffer, local, group=group)
+    return buffer[:size].movedim(0, dim)
+
+
+def _cut_of_gathered(tensors: list[Any], sizes: tuple[int, ...], dim: int, parameter: Any, what: str) -> Any:
+    """This rank's FSDP2 shard of the fused tensor, from each part's shard as transformers read it.
+
+    Each part's shares are all-gathered over the FSDP2 group (every rank, every part, in
+    the same order: the collectives match), and the rows of the part that fall in this
+    rank's contiguous cut of the fused tensor are copied into it.  One part is held
+    whole at a time, the cut is allocated once, and the heap memory the gathered parts
+    leave is given back (``bench/load_memory.py --fsdp``).
+    """
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    mesh = parameter.device_mesh
+    names = tuple(mesh.mesh_dim_names)
+    axis = next(
+        index
+        for index, placement in enumerate(parameter.placements)
+        if placement.is_shard() and names[index] in _FSDP_MESH_DIMS
+    )
+    group, ranks, rank = mesh.get_group(axis), mesh.size(axis), mesh.get_local_rank(axis)
+    expected = tuple(_shard_length(size, ranks, rank) for size in sizes)
+    found = tuple(int(tensor.shape[dim]) for tensor in tensors)
+    if found not in (expected, sizes):
+        raise ValueError(
+            f"{what}: under FSDP2 over {ranks} ranks, rank {rank} read parts of sizes {list(found)} along dim "
+            f"{dim}; the converter expects them whole, {list(sizes)}, or as this rank's shards, {list(expected)}"
+        )
+    shape, offset = compute_local_shape_and_global_offset(parameter.shape, mesh, parameter.placements)
+    start, length = int(offset[dim]), int(shape[dim])
+    cut_shape = list(tensors[0].shape)
+    cut_shape[dim] = length
+    cut = tensors[0].new_empty(cut_shape)
+    at = 0  # where the part starts in the fused tensor
+    for tensor, size in zip(tensors, sizes, strict=True):
+        part = tensor if found == sizes else _gathered(tensor, size, dim, ranks, group)
+        low, high = max(start, at), min(start + length, at + size)
+        if low < high:
+            cut.narrow(dim, low - start, high - low).copy_(part.narrow(dim, low - at, high - low))
+        del part
+        at += size
+    release(tensors)
+    trim_heap()  # the gathered parts, freed: see pages.trim_heap
+    return cut
+
+
 class SizedConcatenate(ConversionOps):
     """Concatenate the source tensors along ``dim``; reverses to ``SizedSplit``.
 
     transformers' ``Concatenate`` reverses to ``Chunk``, which splits into equal parts:
     a grouped-query ``qkv_proj`` (query wider than key and value) would be saved with
     wrong shapes.  This operation knows the size of each part, checks them when loading
-    and splits by them when saving.  In a load sharded by transformers (tensor
-    parallelism) the parts may arrive as this rank's equal share of each: their
-    concatenation is then this rank's shard of the fused tensor.
+    and splits by them when saving.  In a load sharded by transformers the parts arrive
+    as this rank's share of each.  Under tensor parallelism their concatenation is this
+    rank's shard of the fused tensor (its own heads of q, k and v).  Under FSDP2, which
+    all-gathers the fused parameter whole for each forward, the shares are gathered and
+    the rank keeps its contiguous cut of the fused tensor, so the gathered parameter (and
+    a saved checkpoint) is the fused layout.
 
     Args:
         dim: the dimension to concatenate along.
@@ -180,6 +291,10 @@ class SizedConcatenate(ConversionOps):
             value = input_dict.pop(pattern)
             tensors.extend(value if isinstance(value, list) else [value])
         found = tuple(int(tensor.shape[self.dim]) for tensor in tensors)
+        fully_sharded = _fully_sharded_target(kwargs.get("model"), kwargs.get("full_layer_name"), self.dim)
+        if fully_sharded is not None:
+            fused = _cut_of_gathered(tensors, self.sizes, self.dim, fully_sharded, f"{self!r} for {source_patterns}")
+            return {target_patterns[0]: fused}
         if found != self.sizes and not _rank_shares(found, self.sizes):
             raise ValueError(
                 f"{self!r}: the checkpoint tensors for {source_patterns} have sizes {list(found)} along dim "

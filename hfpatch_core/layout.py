@@ -217,13 +217,16 @@ def verify_save_layout(model: nn.Module, plan: Plan) -> None:
 def _guarded_save_pretrained(self: Any, *args: Any, **kwargs: Any) -> Any:
     plan = plan_of(self)
     parallel = plan.context.parallel if plan is not None and plan.context is not None else ()
-    if plan is not None and parallel and plan.touches_weights:
+    # FSDP2 alone gathers each parameter whole, and a fused one whole is the fused layout (the
+    # converter gave each rank its cut of it): the reverse conversion splits it as in one process.
+    by_share = [mode for mode in parallel if mode != "fsdp"]
+    if plan is not None and by_share and plan.touches_weights:
         # every rank refuses alike (the plan is the same on all), before any collective of the save
         raise WeightLayoutError(
             f"refusing to save {type(self).__name__}: it was loaded sharded ({', '.join(parallel)}) with packs "
             "that convert weights, whose fused tensors hold each rank's share of every part; gathered, they "
             "are not the fused layout the reverse conversion splits. Save from a load on one process (the "
-            "same checkpoint, without tp_plan / distributed_config)."
+            "same checkpoint, without tp_plan / distributed_config), or from one sharded by FSDP2 alone."
         )
     # with PEFT adapters loaded (add_adapter), transformers writes the adapter alone, as it is
     peft = getattr(self, "_hf_peft_config_loaded", False)

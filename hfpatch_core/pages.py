@@ -99,3 +99,33 @@ def release(tensors: Iterable[Any]) -> int:
     finally:
         os.close(pagemap)
     return released
+
+
+@functools.cache
+def _malloc_trim() -> Any:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        function = ctypes.CDLL(ctypes.util.find_library("c") or None).malloc_trim
+    except (OSError, AttributeError):  # not glibc (musl has no malloc_trim)
+        return None
+    function.argtypes = [ctypes.c_size_t]
+    function.restype = ctypes.c_int
+    return function
+
+
+def trim_heap() -> bool:
+    """Give the C heap's free memory back to the system (glibc's ``malloc_trim``).
+
+    A conversion that builds each result through temporaries of a few MiB (an FSDP2
+    load gathers each part whole to keep this rank's cut of the fused tensor) frees
+    them at once, but glibc keeps freed blocks of that size in its heaps, in the
+    process's resident memory, and the next ones rarely fit the holes: without this,
+    the freed temporaries add up over the layers.  Only free memory is returned; no
+    tensor is touched.
+
+    Returns:
+        Whether memory was returned (``False`` off glibc, or when there was none).
+    """
+    trim = _malloc_trim()
+    return bool(trim(0)) if trim is not None else False

@@ -23,7 +23,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import sys
+import tempfile
 import traceback
 import warnings
 from collections.abc import Callable
@@ -146,19 +148,20 @@ def load_group(checkpoints: dict[str, str]) -> dict[str, Result]:
 
     cases: list[tuple[str, Callable[[Result], None]]] = []
     for mode in modes():
+        fused = fsdp_cut if mode == "fsdp" else local_rows
         if mode != "ep":
             cases.append((f"llama/{mode}/vanilla", sharded("llama", mode, "none")))
             cases.append((f"llama/{mode}/subclass", sharded("llama", mode, "subclass")))
-            cases.append((f"llama/{mode}/fused-dense", sharded("llama", mode, "fused-dense", check=local_rows)))
+            cases.append((f"llama/{mode}/fused-dense", sharded("llama", mode, "fused-dense", check=fused)))
         cases.append((f"qwen2_moe/{mode}/vanilla", sharded("qwen2_moe", mode, "none", check=local_rows)))
-        cases.append((f"qwen2_moe/{mode}/qwen-moe", sharded("qwen2_moe", mode, "qwen-moe", check=local_rows)))
+        cases.append((f"qwen2_moe/{mode}/qwen-moe", sharded("qwen2_moe", mode, "qwen-moe", check=fused)))
         if mode == "tp":  # per-head q/k norms (qwen3), and on a MoE the attention and the shared expert's MLP
             cases.append(("qwen3/tp/fused-dense", sharded("qwen3", mode, "fused-dense", check=local_rows)))
             cases.append(("qwen2_moe/tp/fused-dense", sharded("qwen2_moe", mode, "fused-dense", check=local_rows)))
         if mode != "fsdp":
             cases.append((f"qwen2_moe/{mode}/moe-replay", sharded("qwen2_moe", mode, "moe-replay", check=replays)))
     if "fsdp" in modes():
-        cases.append(("llama/fsdp/fused-dense/strict", sharded("llama", "fsdp", "fused-dense", strict=True)))
+        cases.extend(fsdp_cases(sharded))
     cases.append(("qwen2_moe/ep/qwen-moe/strict", sharded("qwen2_moe", "ep", "qwen-moe", strict=True)))
     for name, body in cases:
         results[name] = run_case(body)
@@ -182,6 +185,53 @@ def local_rows(model: Any, result: Result) -> None:
         if name.endswith("proj.weight") and ".experts." not in name:
             local = parameter.to_local() if hasattr(parameter, "to_local") else parameter
             result.extra[f"rows:{name}"] = int(local.shape[0])
+
+
+def fsdp_cases(sharded: Callable[..., Callable[[Result], None]]) -> list[tuple[str, Callable[[Result], None]]]:
+    """FSDP2 beyond the per-mode cases: qwen3's per-head norms, an MLP whose gate and up do not halve
+    (intermediate size 75: shares of 38 and 37 rows), and a pack that declares no plan."""
+    return [
+        ("qwen3/fsdp/fused-dense", sharded("qwen3", "fsdp", "fused-dense", check=fsdp_cut)),
+        ("llama_uneven/fsdp/fused-dense", sharded("llama_uneven", "fsdp", "fused-dense", check=fsdp_cut)),
+        ("llama/fsdp/undeclared", sharded("llama", "fsdp", "undeclared")),
+        ("llama/fsdp/undeclared/strict", sharded("llama", "fsdp", "undeclared", strict=True)),
+    ]
+
+
+def fsdp_cut(model: Any, result: Result) -> None:
+    """Under FSDP2: whether this rank holds its contiguous cut of each fused tensor of layer 0 (rank 0 of
+    two: all of q), and what ``save_pretrained`` wrote: the original layout, which reloads vanilla."""
+    from safetensors.torch import load_file
+
+    path = model.config._name_or_path
+    checkpoint = load_file(f"{path}/model.safetensors")
+    layer = model.model.layers[0]
+    fusions = {"self_attn.qkv_proj.weight": ("q", "k", "v"), "mlp.gate_up_proj.weight": ("gate", "up")}
+    for name, parts in fusions.items():
+        try:
+            local = layer.get_parameter(name).to_local()
+        except AttributeError:  # qwen-moe fuses the attention only
+            continue
+        prefix = f"model.layers.0.{name.split('.')[0]}"
+        whole = torch.cat([checkpoint[f"{prefix}.{part}_proj.weight"] for part in parts])
+        offset = RANK * -(-whole.shape[0] // dist.get_world_size())
+        result.extra[f"rows:{name}"] = int(local.shape[0])
+        result.extra[f"cut:{name}"] = bool(torch.equal(local, whole[offset : offset + local.shape[0]]))
+    shared: list[Any] = [tempfile.mkdtemp(prefix="hfpatch-fsdp-save-") if RANK == 0 else None]
+    dist.broadcast_object_list(shared)  # one directory: rank 0 writes what every rank gathers
+    directory = shared[0]
+    model.save_pretrained(directory)
+    dist.barrier()
+    saved = load_file(f"{directory}/model.safetensors")
+    result.extra["saved_fused"] = sorted(key for key in saved if "qkv_proj" in key or "gate_up_proj" in key)
+    result.extra["saved_q_proj"] = "model.layers.0.self_attn.q_proj.weight" in saved
+    with hfpatch_core.enabled(packs="none"):
+        reloaded = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+        original = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    result.extra["reloaded_diff"] = float((logits(reloaded) - logits(original)).abs().max())
+    dist.barrier()
+    if RANK == 0:
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 def replays(model: Any, result: Result) -> None:

@@ -4,7 +4,8 @@ Each test starts one torchrun for a group of cases (``distributed_cases.py``) an
 asserts what both ranks wrote.  The first-party packs come from the wheels ``make
 venv`` installs into ``<venv>/first-party-packs``, as ``pip install`` would give them;
 a forward-only subclass pack is installed inline.  Tiny grouped-query checkpoints:
-llama 4 heads / 2 kv heads, qwen2_moe 4 / 2 with 4 experts, qwen3 4 / 2.
+llama 4 heads / 2 kv heads, qwen2_moe 4 / 2 with 4 experts, qwen3 4 / 2, and a llama whose
+intermediate size (75) does not halve.
 
 What exists where: ``tp_plan="auto"`` and ``DistributedConfig(enable_expert_parallel=True)``
 since 5.3 (the oldest supported release); ``DistributedConfig(fsdp_size=...,
@@ -52,6 +53,7 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
         "llama": str(tiny_checkpoint("llama", root / "llama")),
         "qwen2_moe": str(tiny_checkpoint("qwen2_moe", root / "qwen2_moe")),
         "qwen3": str(tiny_checkpoint("qwen3", root / "qwen3")),
+        "llama_uneven": str(tiny_checkpoint("llama", root / "llama_uneven", intermediate_size=75)),
     }
 
 
@@ -85,10 +87,26 @@ def torchrun(
     return ranks
 
 
+#: A pack that knows nothing of distribution: its MLP builds its own parameters and declares no plan.
+UNDECLARED_PACK = """
+from hfpatch_core import Patch, hookimpl
+from transformers.models.llama.modeling_llama import LlamaMLP
+
+class OwnInitMLP(LlamaMLP):
+    def __init__(self, config):
+        super().__init__(config)
+
+@hookimpl
+def provide_patches(context):
+    return [Patch("LlamaMLP", OwnInitMLP)] if context.model_type == "llama" else []
+"""
+
+
 def _site(tmp_path: Path) -> Path:
     site = tmp_path / "site"
     path = list(sys.path)
     install_pack(site, "subclass", SUBCLASS_PACK, requires=("transformers>=5.3,<6",))
+    install_pack(site, "undeclared", UNDECLARED_PACK, requires=("transformers>=5.3,<6",))
     sys.path[:] = path  # for the torchrun workers (their PYTHONPATH), not for the tests that follow here
     return site
 
@@ -112,7 +130,7 @@ def assert_equal_to_vanilla(results: list[dict[str, Any]]) -> None:
 
 
 def test_every_case_ran_on_both_ranks(loads: list[dict[str, Any]]) -> None:
-    expected = {"qwen2_moe/ep/qwen-moe/strict", *(["llama/fsdp/fused-dense/strict"] if "fsdp" in modes() else [])}
+    expected = {"qwen2_moe/ep/qwen-moe/strict", *(FSDP_CASES if "fsdp" in modes() else ())}
     for mode in modes():
         expected |= {f"qwen2_moe/{mode}/vanilla", f"qwen2_moe/{mode}/qwen-moe"}
         if mode != "ep":
@@ -156,8 +174,8 @@ def test_moe_replay_applies_under_tp_and_ep_and_replays_per_rank(loads: list[dic
 @pytest.mark.parametrize(
     ("case", "modes_of_case", "classes"),
     [
-        ("llama/{mode}/fused-dense", ("fsdp",), ("LlamaAttention", "LlamaMLP")),
-        ("qwen2_moe/{mode}/qwen-moe", ("ep", "fsdp"), ("Qwen2MoeExperts",)),
+        ("llama/{mode}/undeclared", ("fsdp",), ("OwnInitMLP", "LlamaMLP")),
+        ("qwen2_moe/{mode}/qwen-moe", ("ep",), ("Qwen2MoeExperts",)),
     ],
 )
 def test_a_layout_changing_pack_without_a_plan_is_refused_and_the_model_loads_vanilla(
@@ -177,7 +195,7 @@ def test_a_layout_changing_pack_without_a_plan_is_refused_and_the_model_loads_va
 
 
 @pytest.mark.parametrize(
-    ("case", "mode"), [("llama/fsdp/fused-dense/strict", "fsdp"), ("qwen2_moe/ep/qwen-moe/strict", "ep")]
+    ("case", "mode"), [("llama/fsdp/undeclared/strict", "fsdp"), ("qwen2_moe/ep/qwen-moe/strict", "ep")]
 )
 def test_strict_mode_raises_the_refusal_on_both_ranks(loads: list[dict[str, Any]], case: str, mode: str) -> None:
     if mode not in modes() and mode != "ep":  # 5.3 has no fsdp_size; its expert parallelism is refused all the same
@@ -244,6 +262,60 @@ def test_a_declared_plan_shards_only_modules_the_model_plan_shards(loads: list[d
     for result in results:
         assert result["extra"]["rows:self_attn.qkv_proj.weight"] == 64  # half of 64 + 32 + 32
         assert result["extra"]["rows:mlp.shared_expert.gate_up_proj.weight"] == 128  # whole: 2 x 64
+
+
+#: The FSDP2 cases beyond those of every mode (``distributed_cases.fsdp_cases``).
+FSDP_CASES = (
+    "qwen3/fsdp/fused-dense",
+    "llama_uneven/fsdp/fused-dense",
+    "llama/fsdp/undeclared",
+    "llama/fsdp/undeclared/strict",
+)
+
+
+@pytest.mark.parametrize(
+    ("case", "classes", "rows"),
+    [
+        (
+            "llama/fsdp/fused-dense",
+            {"LlamaAttention": "FusedQKVLlamaAttention", "LlamaMLP": "FusedGateUpLlamaMLP"},
+            {"self_attn.qkv_proj.weight": 64, "mlp.gate_up_proj.weight": 128},
+        ),
+        (
+            "qwen3/fsdp/fused-dense",
+            {"Qwen3Attention": "FusedQKVQwen3Attention", "Qwen3MLP": "FusedGateUpQwen3MLP"},
+            {"self_attn.qkv_proj.weight": 64, "mlp.gate_up_proj.weight": 128},
+        ),
+        (  # gate and up of 75 rows: shares of 38 and 37, gathered, the fused 150 cut in 75 and 75
+            "llama_uneven/fsdp/fused-dense",
+            {"LlamaAttention": "FusedQKVLlamaAttention", "LlamaMLP": "FusedGateUpLlamaMLP"},
+            {"self_attn.qkv_proj.weight": 64, "mlp.gate_up_proj.weight": 75},
+        ),
+        (
+            "qwen2_moe/fsdp/qwen-moe",
+            {"Qwen2MoeExperts": "PerExpertExperts", "Qwen2MoeAttention": "Qwen2MoeFusedQKVAttention"},
+            {"self_attn.qkv_proj.weight": 64},
+        ),
+    ],
+)
+def test_fused_packs_load_under_fsdp2_as_cuts_of_the_fused_tensor_and_save_the_original_layout(
+    loads: list[dict[str, Any]], case: str, classes: dict[str, str], rows: dict[str, int]
+) -> None:
+    if "fsdp" not in modes():  # 5.3's DistributedConfig has no fsdp_size
+        assert case not in loads[0]["cases"]
+        return
+    results = cases(loads, case)
+    assert_equal_to_vanilla(results)
+    assert [result["replaced"] for result in results] == [classes, classes]
+    assert [result["warnings"] for result in results] == [[], []]
+    for result in results:
+        extra = result["extra"]
+        # half of the fused rows each, and each rank's the contiguous cut FSDP2 gathers (rank 0: all of q)
+        assert {name: extra[f"rows:{name}"] for name in rows} == rows
+        assert all(extra[f"cut:{name}"] for name in rows), extra
+        # saved gathered: the original q/k/v (gate/up) tensors, which plain transformers reloads to equal logits
+        assert extra["saved_fused"] == [] and extra["saved_q_proj"], extra
+        assert extra["reloaded_diff"] <= ATOL
 
 
 def test_fused_outputs_split_whole_or_by_rank_share() -> None:
@@ -408,8 +480,8 @@ def test_verify_distributed_reports_each_parallelism_from_one_torchrun() -> None
     }
     fsdp = rows["fsdp"]
     if "fsdp" in modes():
-        assert (fsdp["outcome"], fsdp["ok"], fsdp["max_abs_diff"]) == ("refused", True, 0.0)
-        assert "declares no plan for fsdp" in fsdp["detail"]
+        assert (fsdp["outcome"], fsdp["ok"], fsdp["generation_match"]) == ("applied", True, True)
+        assert fsdp["max_abs_diff"] <= ATOL and fsdp["replaced"] == tp["replaced"]
     else:
         assert (fsdp["outcome"], fsdp["ok"]) == ("unavailable", True)
 

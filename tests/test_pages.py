@@ -85,3 +85,24 @@ def test_sized_concatenate_releases_its_sources(checkpoint):
 
     assert torch.equal(fused, torch.cat([copies["q"], copies["k"], copies["v"]]))
     assert all(_resident_pages(tensor) <= 2 for tensor in parts.values())
+
+
+def _resident_mib() -> int:
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith("VmRSS")) // 1024
+
+
+def test_trim_heap_gives_back_what_freed_temporaries_left_in_the_heap() -> None:
+    from hfpatch_core.pages import trim_heap
+
+    first = torch.ones(1 << 20, dtype=torch.uint8)
+    del first  # freeing a 1 MiB block raises glibc's threshold: blocks of that size now come from the heap
+    kept, freed = [], []
+    for index in range(200):  # the temporaries of a gathered load: 1 MiB each, every other one freed
+        block = torch.ones((1 << 20) - 4096 * (index % 7), dtype=torch.uint8)
+        (kept if index % 2 else freed).append(block)
+    del freed
+    before = _resident_mib()
+    assert trim_heap()
+    assert before - _resident_mib() >= 50  # of the ~100 MiB freed
+    assert all(int(block[0]) == 1 and int(block[-1]) == 1 for block in kept)

@@ -42,6 +42,9 @@ class FusedQKVAttention(FusedQKVAttentionBase):
     #: q/k/v colwise: each rank holds its own heads of q, of k and of v (grouped-query
     #: included), which the converter concatenates from their shards.
     hfpatch_tp_plan: ClassVar[dict[str, str]] = {"qkv_proj": "colwise"}
+    #: Under FSDP2 ``qkv_proj`` shards with its layer, as the model's plan wraps it: the
+    #: converter (``SizedConcatenate``) gives each rank its contiguous cut of the fused tensor.
+    hfpatch_fsdp_plan: ClassVar[dict[str, str]] = {}
 
     def _attention_kwargs(self) -> dict[str, Any]:
         return {"sliding_window": self.sliding_window} if self.passes_sliding_window else {}

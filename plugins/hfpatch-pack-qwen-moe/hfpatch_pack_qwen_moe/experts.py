@@ -58,11 +58,14 @@ class PerExpertExperts(nn.ModuleList):
 
     Under tensor parallelism the experts stay whole on every rank, as the 3-D experts do:
     the qwen2_moe / qwen3_moe tensor-parallel plans do not shard them (``hfpatch_tp_plan``
-    adds nothing).  No expert-parallel or FSDP plan: such loads refuse the pack.
+    adds nothing).  Under FSDP2 each expert's linears shard with their layer, as the model's
+    plan wraps it; the checkpoint's per-expert tensors load into them unconverted.  No
+    expert-parallel plan: such loads refuse the pack.
     """
 
     hfpatch_hidden_from_adapters = True
     hfpatch_tp_plan: ClassVar[dict[str, str]] = {}
+    hfpatch_fsdp_plan: ClassVar[dict[str, str]] = {}
 
     def __init__(self, config: Any) -> None:
         super().__init__(

@@ -78,6 +78,9 @@ class FusedGateUpMLP(nn.Module):
     #: shards this MLP (``gate_proj`` / ``up_proj`` colwise): each rank holds its rows of the
     #: gate and of the up part, which the converter concatenates from their shards.
     hfpatch_tp_plan: ClassVar[dict[str, str]] = {"gate_up_proj": "colwise"}
+    #: Expert parallelism shards a MoE's experts only: a dense MLP (a qwen2_moe shared
+    #: expert included) stays whole on every rank.
+    hfpatch_ep_plan: ClassVar[dict[str, str]] = {}
 
     gate_up_proj: nn.Linear
     down_proj: nn.Linear
@@ -114,6 +117,8 @@ class FusedQKVAttention(FusedQKVAttentionBase):
     #: q/k/v colwise: each rank holds its own heads of q, of k and of v (grouped-query
     #: included), which the converter concatenates from their shards.
     hfpatch_tp_plan: ClassVar[dict[str, str]] = {"qkv_proj": "colwise"}
+    #: Expert parallelism shards a MoE's experts only: the attention stays whole on every rank.
+    hfpatch_ep_plan: ClassVar[dict[str, str]] = {}
 
     def _attention_kwargs(self) -> dict[str, Any]:
         window = self.flavor.sliding_window

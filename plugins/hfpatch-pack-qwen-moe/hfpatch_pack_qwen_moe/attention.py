@@ -42,6 +42,8 @@ class FusedQKVAttention(FusedQKVAttentionBase):
     #: q/k/v colwise: each rank holds its own heads of q, of k and of v (grouped-query
     #: included), which the converter concatenates from their shards.
     hfpatch_tp_plan: ClassVar[dict[str, str]] = {"qkv_proj": "colwise"}
+    #: Expert parallelism shards the experts only: the attention stays whole on every rank.
+    hfpatch_ep_plan: ClassVar[dict[str, str]] = {}
 
     def _attention_kwargs(self) -> dict[str, Any]:
         return {"sliding_window": self.sliding_window} if self.passes_sliding_window else {}

@@ -62,6 +62,8 @@ def sharding(mode: str) -> dict[str, Any]:
         return {"distributed_config": DistributedConfig(ep_size=2, tp_plan={})}
     if mode == "ep":
         return {"distributed_config": DistributedConfig(enable_expert_parallel=True)}
+    if mode == "tp+ep":  # attention tensor-parallel, experts expert-parallel, on the same 2 ranks
+        return {"distributed_config": DistributedConfig(tp_size=2, ep_size=2)}
     raise ValueError(mode)
 
 
@@ -218,7 +220,16 @@ def expert_parallel_cases(sharded: Callable[..., Callable[[Result], None]]) -> l
     return [
         ("qwen2_moe/ep/qwen-moe", sharded("qwen2_moe", "ep", "qwen-moe", check=expert_share)),
         ("qwen2_moe/ep/fused-dense", sharded("qwen2_moe", "ep", "fused-dense", check=local_rows)),
+        ("qwen2_moe/tp+ep/qwen-moe", sharded("qwen2_moe", "tp+ep", "qwen-moe", check=experts_held)),
     ]
+
+
+def experts_held(model: Any, result: Result) -> None:
+    """The rows of layer 0's projections, what saving does, and the experts this rank holds."""
+    local_rows(model, result)
+    experts = model.model.layers[0].mlp.experts
+    result.extra["experts"] = [name for name, _ in experts.named_children()]
+    result.extra["num_experts"] = int(experts.num_experts)
 
 
 def expert_share(model: Any, result: Result) -> None:
@@ -229,10 +240,8 @@ def expert_share(model: Any, result: Result) -> None:
     are summed): the loss, the embedding's gradient and the gradient of each expert this
     rank holds must equal a single-process vanilla load's.
     """
-    local_rows(model, result)
+    experts_held(model, result)
     experts = model.model.layers[0].mlp.experts
-    result.extra["experts"] = [name for name, _ in experts.named_children()]
-    result.extra["num_experts"] = int(experts.num_experts)
     with hfpatch_core.enabled(packs="none"):
         vanilla = AutoModelForCausalLM.from_pretrained(model.config._name_or_path, dtype=torch.float32)
     found, expected = (each(input_ids=IDS, labels=IDS).loss for each in (model, vanilla))

@@ -116,7 +116,7 @@ def assert_equal_to_vanilla(results: list[dict[str, Any]]) -> None:
 
 def test_every_case_ran_on_both_ranks(loads: list[dict[str, Any]]) -> None:
     expected = {*(["llama/fsdp/fused-dense/strict"] if "fsdp" in modes() else [])}
-    expert_parallel = {"qwen2_moe/ep/qwen-moe", "qwen2_moe/ep/fused-dense"}
+    expert_parallel = {"qwen2_moe/ep/qwen-moe", "qwen2_moe/ep/fused-dense", "qwen2_moe/tp+ep/qwen-moe"}
     expected |= expert_parallel if "ep" in modes() else {"qwen2_moe/ep/qwen-moe/strict"}
     expected |= {"mistral/tp/fused-dense", "qwen2/tp/fused-dense"}
     for mode in modes():
@@ -280,6 +280,18 @@ def test_qwen_moe_holds_each_rank_its_experts_under_expert_parallelism(loads: li
         assert result["extra"]["train_loss_diff"] <= ATOL
         assert result["extra"]["embedding_grad_diff"] <= ATOL
         assert result["extra"]["expert_grad_diff"] <= ATOL
+
+
+def test_qwen_moe_under_tensor_and_expert_parallelism_together(loads: list[dict[str, Any]]) -> None:
+    """DistributedConfig(tp_size=2, ep_size=2): the fused attention tensor-parallel, the experts cut per rank."""
+    if "ep" not in modes():
+        assert "qwen2_moe/tp+ep/qwen-moe" not in loads[0]["cases"]
+        return
+    results = cases(loads, "qwen2_moe/tp+ep/qwen-moe")
+    assert_equal_to_vanilla(results)
+    assert [result["warnings"] for result in results] == [[], []]
+    held = [(result["extra"]["experts"], result["extra"]["rows:self_attn.qkv_proj.weight"]) for result in results]
+    assert held == [(["0", "1"], 64), (["2", "3"], 64)]  # each rank half the heads of q, k and v, half the experts
 
 
 def test_fused_dense_keeps_a_moe_attention_and_shared_expert_whole_under_expert_parallelism(

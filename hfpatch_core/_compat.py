@@ -173,6 +173,16 @@ def parallel_modes(distributed_config: Any = None, tp_plan: Any = None, device_m
     return tuple(mode for mode in PARALLEL_MODES if mode in found)
 
 
+def expert_mesh_of_loader() -> bool:
+    """Whether ``from_pretrained`` shards experts on an expert mesh of its own, dispatching tokens to
+    each rank's experts by local id (``DistributedConfig(ep_size=...)``, an ``ep_dispatch_experts``
+    rule; 5.25).  5.3 has neither: its ``enable_expert_parallel`` swaps the tensor-parallel plan for
+    the expert one on the tensor-parallel mesh, which qwen2_moe does not even define there."""
+    from transformers.distributed import DistributedConfig
+
+    return "ep_size" in getattr(DistributedConfig, "__dataclass_fields__", {})
+
+
 def _world_size() -> int:
     import os
 

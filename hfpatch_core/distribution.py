@@ -14,6 +14,9 @@ replacement must declare how its parameters shard, per parallelism, on its class
   parallel style (``{"qkv_proj": "colwise"}``); an empty mapping declares that the
   module's own parameters shard as the model's plan already says.  ``sharding`` adds
   the declared entries to the model's plans when it is built.
+* besides transformers' styles, hfpatch's own (``HFPATCH_STYLES``), which ``sharding``
+  applies itself: ``{"*": "local_experts"}`` keeps, of a module list of experts named by
+  expert number, the experts this rank owns under expert parallelism.
 
 A claim that changes a module's parameters and declares no plan for one of the load's
 parallelisms is refused before anything is registered (so before any weight is read):
@@ -33,8 +36,9 @@ subclass that only overrides ``forward`` keeps the original's parameters and app
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
+from . import _compat
 from .context import LoadContext
 from .errors import PackError
 from .gathering import Gathered
@@ -55,17 +59,37 @@ _DESCRIBED: Mapping[str, str] = {
 }
 
 
-def declared_plan(replacement: type, mode: str) -> Mapping[str, str] | None:
-    """The plan ``replacement`` declares for parallelism ``mode`` (``PLAN_ATTRIBUTES``), or ``None``.
+#: The style of ``{"*": "local_experts"}`` (see ``sharding.keep_local_experts``).
+LOCAL_EXPERTS = "local_experts"
 
-    Raises:
-        PackError: never; a malformed declaration counts as none (see ``refuse_unsharded``).
-    """
+#: Styles hfpatch applies itself, never handed to transformers, each with whether the
+#: installed transformers loads in a way they fit.
+HFPATCH_STYLES: Mapping[str, Callable[[], bool]] = {LOCAL_EXPERTS: _compat.expert_mesh_of_loader}
+
+
+def _declared(replacement: type, mode: str) -> Mapping[str, str] | None:
     attribute = PLAN_ATTRIBUTES.get(mode)
     plan = getattr(replacement, attribute, None) if attribute else None
     if isinstance(plan, Mapping) and all(isinstance(k, str) and isinstance(v, str) for k, v in plan.items()):
         return plan
     return None
+
+
+def inapplicable_styles(replacement: type, mode: str) -> list[str]:
+    """The hfpatch styles of ``replacement``'s plan for ``mode`` the installed transformers cannot take."""
+    plan = _declared(replacement, mode) or {}
+    return sorted({style for style in plan.values() if style in HFPATCH_STYLES and not HFPATCH_STYLES[style]()})
+
+
+def declared_plan(replacement: type, mode: str) -> Mapping[str, str] | None:
+    """The plan ``replacement`` declares for parallelism ``mode`` (``PLAN_ATTRIBUTES``), or ``None``.
+
+    Raises:
+        PackError: never; a malformed declaration counts as none, and so does one using an
+            hfpatch style the installed transformers cannot take (see ``refuse_unsharded``).
+    """
+    plan = _declared(replacement, mode)
+    return None if plan is None or inapplicable_styles(replacement, mode) else plan
 
 
 def keeps_parameters(replacement: type) -> bool:
@@ -144,7 +168,7 @@ def _refusal(pack: str, items: list[tuple[Claim, str, list[str]]], context: Load
     described = "; ".join(
         f"{claim.patch.replacement.__name__} (replacing {claim.target!r}) changes the module's parameters "
         f"({reason}) and declares no plan for {', '.join(missing)} "
-        f"({', '.join(PLAN_ATTRIBUTES[mode] for mode in missing)})"
+        f"({', '.join(PLAN_ATTRIBUTES[mode] for mode in missing)}){_inapplicable(claim, missing)}"
         for claim, reason, missing in items
     )
     left = (
@@ -161,4 +185,18 @@ def _refusal(pack: str, items: list[tuple[Claim, str, list[str]]], context: Load
         f"{', '.join(PLAN_ATTRIBUTES[mode] for mode in modes)}; see docs/scale.md), "
         "or load without that parallelism.",
         stage="selection",
+    )
+
+
+def _inapplicable(claim: Claim, missing: list[str]) -> str:
+    """Why a declared plan counts as none on this transformers release, or ``""``."""
+    styles = sorted({style for mode in missing for style in inapplicable_styles(claim.patch.replacement, mode)})
+    if not styles:
+        return ""
+    import transformers
+
+    return (
+        f" that transformers {transformers.__version__} can apply: its plan uses hfpatch's "
+        f"{', '.join(repr(style) for style in styles)}, which needs transformers' expert mesh and token "
+        "dispatch (DistributedConfig(ep_size=...))"
     )

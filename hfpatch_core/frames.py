@@ -69,6 +69,12 @@ class Loader:
         get = found.get
         return get("config"), _compat.parallel_modes(get("distributed_config"), get("tp_plan"), get("device_mesh"))
 
+    def expert_mesh(self) -> Any:
+        """The expert-parallel mesh the running loader built (``mesh_manager.get_mesh("ep")`` of
+        5.25's ``from_pretrained``), or ``None`` where it has none."""
+        get_mesh = getattr(self._locals().get("mesh_manager"), "get_mesh", None)
+        return get_mesh("ep") if callable(get_mesh) else None
+
 
 def unwind_entered_contexts() -> None:
     """Exit the contexts transformers' loader entered before the failing one, as a ``with`` would.

@@ -168,7 +168,10 @@ def _composing(patch_output_recorders: Callable[[Any], None]) -> Callable[[Any],
         session = live_session()
         plan = session.current_plan() if session is not None else None
         if plan is not None and plan.context is not None and plan.context.parallel:
-            add_declared_plans(model, plan.context.parallel)
+            assert session is not None  # a plan comes from a session
+            frames = session.frames()
+            loader = frames[-1].loader if frames else None
+            add_declared_plans(model, plan.context.parallel, expert_mesh=loader.expert_mesh if loader else None)
         patch_output_recorders(model)
 
     composing.__doc__ = patch_output_recorders.__doc__

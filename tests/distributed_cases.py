@@ -64,6 +64,8 @@ def sharding(mode: str) -> dict[str, Any]:
         return {"distributed_config": DistributedConfig(ep_size=2, tp_plan={})}
     if mode == "ep":
         return {"distributed_config": DistributedConfig(enable_expert_parallel=True)}
+    if mode == "tp+ep":  # attention tensor-parallel, experts expert-parallel, on the same 2 ranks
+        return {"distributed_config": DistributedConfig(tp_size=2, ep_size=2)}
     raise ValueError(mode)
 
 
@@ -154,7 +156,8 @@ def load_group(checkpoints: dict[str, str]) -> dict[str, Result]:
             cases.append((f"llama/{mode}/subclass", sharded("llama", mode, "subclass")))
             cases.append((f"llama/{mode}/fused-dense", sharded("llama", mode, "fused-dense", check=fused)))
         cases.append((f"qwen2_moe/{mode}/vanilla", sharded("qwen2_moe", mode, "none", check=local_rows)))
-        cases.append((f"qwen2_moe/{mode}/qwen-moe", sharded("qwen2_moe", mode, "qwen-moe", check=fused)))
+        if mode != "ep":  # under expert parallelism: expert_parallel_cases
+            cases.append((f"qwen2_moe/{mode}/qwen-moe", sharded("qwen2_moe", mode, "qwen-moe", check=fused)))
         if mode == "tp":  # per-head q/k norms (qwen3), and on a MoE the attention and the shared expert's MLP
             cases.append(("qwen3/tp/fused-dense", sharded("qwen3", mode, "fused-dense", check=local_rows)))
             cases.append(("qwen2_moe/tp/fused-dense", sharded("qwen2_moe", mode, "fused-dense", check=local_rows)))
@@ -162,7 +165,8 @@ def load_group(checkpoints: dict[str, str]) -> dict[str, Result]:
             cases.append((f"qwen2_moe/{mode}/moe-replay", sharded("qwen2_moe", mode, "moe-replay", check=replays)))
     if "fsdp" in modes():
         cases.extend(fsdp_cases(sharded))
-    cases.append(("qwen2_moe/ep/qwen-moe/strict", sharded("qwen2_moe", "ep", "qwen-moe", strict=True)))
+    cases.extend(expert_parallel_cases(sharded))
+    cases.extend(more_families_cases(sharded))
     for name, body in cases:
         results[name] = run_case(body)
         dist.barrier()
@@ -249,6 +253,71 @@ def replays(model: Any, result: Result) -> None:
     result.extra["replay_diff"] = float((replayed - live).abs().max())
     result.extra["routes_agree"] = all(other == gathered[0] for other in gathered)
     result.extra["routed_layers"] = len(routing.layers)
+
+
+# --- expert parallelism (qwen-moe's experts cut per rank, fused-dense on a MoE) ------------
+
+
+Case = tuple[str, Callable[[Result], None]]
+
+
+def expert_parallel_cases(sharded: Callable[..., Callable[[Result], None]]) -> list[Case]:
+    """qwen-moe and fused-dense under expert parallelism where the installed release has it;
+    on 5.3 (``enable_expert_parallel``, on which transformers fails even vanilla) the strict
+    qwen-moe load, which hfpatch refuses before the loader reads a weight."""
+    if "ep" not in modes():
+        return [("qwen2_moe/ep/qwen-moe/strict", sharded("qwen2_moe", "ep", "qwen-moe", strict=True))]
+    return [
+        ("qwen2_moe/ep/qwen-moe", sharded("qwen2_moe", "ep", "qwen-moe", check=expert_share)),
+        ("qwen2_moe/ep/fused-dense", sharded("qwen2_moe", "ep", "fused-dense", check=local_rows)),
+        ("qwen2_moe/tp+ep/qwen-moe", sharded("qwen2_moe", "tp+ep", "qwen-moe", check=experts_held)),
+    ]
+
+
+def experts_held(model: Any, result: Result) -> None:
+    """The rows of layer 0's projections, what saving does, and the experts this rank holds."""
+    local_rows(model, result)
+    experts = model.model.layers[0].mlp.experts
+    result.extra["experts"] = [name for name, _ in experts.named_children()]
+    result.extra["num_experts"] = int(experts.num_experts)
+
+
+def expert_share(model: Any, result: Result) -> None:
+    """The experts this rank holds, what saving does, and one training step against one process.
+
+    With gradients flowing transformers dispatches the tokens to the experts' ranks with
+    all-to-all (at inference, each rank runs its experts on the whole batch and the outputs
+    are summed): the loss, the embedding's gradient and the gradient of each expert this
+    rank holds must equal a single-process vanilla load's.
+    """
+    experts_held(model, result)
+    experts = model.model.layers[0].mlp.experts
+    with hfpatch_core.enabled(packs="none"):
+        vanilla = AutoModelForCausalLM.from_pretrained(model.config._name_or_path, dtype=torch.float32)
+    found, expected = (each(input_ids=IDS, labels=IDS).loss for each in (model, vanilla))
+    found.backward()
+    expected.backward()
+    result.extra["train_loss_diff"] = abs(float(found) - float(expected))
+    embedding = model.model.embed_tokens.weight.grad - vanilla.model.embed_tokens.weight.grad
+    result.extra["embedding_grad_diff"] = float(embedding.abs().max())
+    stacked = vanilla.model.layers[0].mlp.experts.gate_up_proj.grad  # [experts, gate rows then up rows, hidden]
+    result.extra["expert_grad_diff"] = max(
+        float((torch.cat([expert.gate_proj.weight.grad, expert.up_proj.weight.grad]) - stacked[int(name)]).abs().max())
+        for name, expert in experts.named_children()
+    )
+
+
+# --- mistral and qwen2 under tensor parallelism ---------------------------------------------
+
+
+def more_families_cases(sharded: Callable[..., Callable[[Result], None]]) -> list[Case]:
+    """fused-dense on the other grouped-query families it covers (mistral: llama's layout with a
+    sliding window from the config; qwen2: q/k/v biases)."""
+    return [(f"{family}/tp/fused-dense", sharded(family, "tp", "fused-dense", check=local_rows)) for family in FAMILIES]
+
+
+#: The families fused-dense covers besides llama and qwen3, with grouped-query attention.
+FAMILIES = ("mistral", "qwen2")
 
 
 # --- train (under hfpatch run) -----------------------------------------------------------

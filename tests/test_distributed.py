@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 from distributed_cases import modes
@@ -54,6 +55,8 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
         "qwen2_moe": str(tiny_checkpoint("qwen2_moe", root / "qwen2_moe")),
         "qwen3": str(tiny_checkpoint("qwen3", root / "qwen3")),
         "llama_uneven": str(tiny_checkpoint("llama", root / "llama_uneven", intermediate_size=75)),
+        "mistral": str(tiny_checkpoint("mistral", root / "mistral")),
+        "qwen2": str(tiny_checkpoint("qwen2", root / "qwen2")),
     }
 
 
@@ -130,7 +133,10 @@ def assert_equal_to_vanilla(results: list[dict[str, Any]]) -> None:
 
 
 def test_every_case_ran_on_both_ranks(loads: list[dict[str, Any]]) -> None:
-    expected = {"qwen2_moe/ep/qwen-moe/strict", *(FSDP_CASES if "fsdp" in modes() else ())}
+    expected = {*(FSDP_CASES if "fsdp" in modes() else ())}
+    expert_parallel = {"qwen2_moe/ep/qwen-moe", "qwen2_moe/ep/fused-dense", "qwen2_moe/tp+ep/qwen-moe"}
+    expected |= expert_parallel if "ep" in modes() else {"qwen2_moe/ep/qwen-moe/strict"}
+    expected |= {"mistral/tp/fused-dense", "qwen2/tp/fused-dense"}
     for mode in modes():
         expected |= {f"qwen2_moe/{mode}/vanilla", f"qwen2_moe/{mode}/qwen-moe"}
         if mode != "ep":
@@ -175,7 +181,6 @@ def test_moe_replay_applies_under_tp_and_ep_and_replays_per_rank(loads: list[dic
     ("case", "modes_of_case", "classes"),
     [
         ("llama/{mode}/undeclared", ("fsdp",), ("OwnInitMLP", "LlamaMLP")),
-        ("qwen2_moe/{mode}/qwen-moe", ("ep",), ("Qwen2MoeExperts",)),
     ],
 )
 def test_a_layout_changing_pack_without_a_plan_is_refused_and_the_model_loads_vanilla(
@@ -198,13 +203,17 @@ def test_a_layout_changing_pack_without_a_plan_is_refused_and_the_model_loads_va
     ("case", "mode"), [("llama/fsdp/undeclared/strict", "fsdp"), ("qwen2_moe/ep/qwen-moe/strict", "ep")]
 )
 def test_strict_mode_raises_the_refusal_on_both_ranks(loads: list[dict[str, Any]], case: str, mode: str) -> None:
-    if mode not in modes() and mode != "ep":  # 5.3 has no fsdp_size; its expert parallelism is refused all the same
+    # 5.3 has no fsdp_size; 5.25 applies qwen-moe under expert parallelism (test_qwen_moe_...), and
+    # 5.3's expert parallelism, where transformers cannot place its experts, still refuses it
+    if (mode not in modes() and mode != "ep") or (mode == "ep" and "ep" in modes()):
         assert case not in loads[0]["cases"]
         return
     results = cases(loads, case)
     errors = [result["error"] for result in results]
     assert errors[0] == errors[1] and errors[0] is not None and errors[0].startswith("PackError: "), errors
     assert "Refused before any weight was read" in errors[0]
+    if mode == "ep":
+        assert "PerExpertExperts" in errors[0] and "uses hfpatch's 'local_experts'" in errors[0], errors[0]
 
 
 def test_fused_dense_shards_a_qwen3_attention_with_per_head_norms(loads: list[dict[str, Any]]) -> None:
@@ -316,6 +325,74 @@ def test_fused_packs_load_under_fsdp2_as_cuts_of_the_fused_tensor_and_save_the_o
         # saved gathered: the original q/k/v (gate/up) tensors, which plain transformers reloads to equal logits
         assert extra["saved_fused"] == [] and extra["saved_q_proj"], extra
         assert extra["reloaded_diff"] <= ATOL
+
+
+# --- expert parallelism: qwen-moe's experts cut per rank; fused-dense on a MoE; more families under TP ----
+
+
+def test_qwen_moe_holds_each_rank_its_experts_under_expert_parallelism(loads: list[dict[str, Any]]) -> None:
+    if "ep" not in modes():  # 5.3: see test_strict_mode_raises_the_refusal_on_both_ranks
+        assert "qwen2_moe/ep/qwen-moe" not in loads[0]["cases"]
+        return
+    results = cases(loads, "qwen2_moe/ep/qwen-moe")
+    assert_equal_to_vanilla(results)
+    classes = {"Qwen2MoeAttention": "Qwen2MoeFusedQKVAttention", "Qwen2MoeExperts": "PerExpertExperts"}
+    assert [result["replaced"] for result in results] == [classes, classes]
+    assert [result["warnings"] for result in results] == [[], []]
+    # 4 experts on 2 ranks: each its half, under the checkpoint's expert numbers
+    assert [(result["extra"]["experts"], result["extra"]["num_experts"]) for result in results] == [
+        (["0", "1"], 2),
+        (["2", "3"], 2),
+    ]
+    for result in results:
+        assert result["extra"]["rows:self_attn.qkv_proj.weight"] == 128  # attention whole: 64 + 32 + 32
+        assert result["extra"]["save"].startswith("WeightLayoutError: refusing to save"), result["extra"]["save"]
+        # training dispatches tokens by all-to-all: loss and gradients as one process
+        assert result["extra"]["train_loss_diff"] <= ATOL
+        assert result["extra"]["embedding_grad_diff"] <= ATOL
+        assert result["extra"]["expert_grad_diff"] <= ATOL
+
+
+def test_qwen_moe_under_tensor_and_expert_parallelism_together(loads: list[dict[str, Any]]) -> None:
+    """DistributedConfig(tp_size=2, ep_size=2): the fused attention tensor-parallel, the experts cut per rank."""
+    if "ep" not in modes():
+        assert "qwen2_moe/tp+ep/qwen-moe" not in loads[0]["cases"]
+        return
+    results = cases(loads, "qwen2_moe/tp+ep/qwen-moe")
+    assert_equal_to_vanilla(results)
+    assert [result["warnings"] for result in results] == [[], []]
+    held = [(result["extra"]["experts"], result["extra"]["rows:self_attn.qkv_proj.weight"]) for result in results]
+    assert held == [(["0", "1"], 64), (["2", "3"], 64)]  # each rank half the heads of q, k and v, half the experts
+
+
+def test_fused_dense_keeps_a_moe_attention_and_shared_expert_whole_under_expert_parallelism(
+    loads: list[dict[str, Any]],
+) -> None:
+    if "ep" not in modes():  # 5.3: see test_strict_mode_raises_the_refusal_on_both_ranks
+        assert "qwen2_moe/ep/fused-dense" not in loads[0]["cases"]
+        return
+    results = cases(loads, "qwen2_moe/ep/fused-dense")
+    assert_equal_to_vanilla(results)
+    fused = {"Qwen2MoeAttention": "FusedQKVQwen2MoeAttention", "Qwen2MoeMLP": "FusedGateUpQwen2MoeMLP"}
+    assert [result["replaced"] for result in results] == [fused, fused]
+    assert [result["warnings"] for result in results] == [[], []]
+    for result in results:
+        assert result["extra"]["rows:self_attn.qkv_proj.weight"] == 128
+        assert result["extra"]["rows:mlp.shared_expert.gate_up_proj.weight"] == 128
+
+
+@pytest.mark.parametrize("family", ["mistral", "qwen2"])
+def test_fused_dense_shards_mistral_and_qwen2_under_tensor_parallelism(
+    loads: list[dict[str, Any]], family: str
+) -> None:
+    results = cases(loads, f"{family}/tp/fused-dense")
+    assert_equal_to_vanilla(results)
+    name = {"mistral": "Mistral", "qwen2": "Qwen2"}[family]
+    fused = {f"{name}Attention": f"FusedQKV{name}Attention", f"{name}MLP": f"FusedGateUp{name}MLP"}
+    assert [result["replaced"] for result in results] == [fused, fused]
+    for result in results:
+        rows = {key: value for key, value in result["extra"].items() if key in SHARDED_ROWS["llama"]}
+        assert rows == SHARDED_ROWS["llama"]  # the same sizes as the llama: each rank its heads and rows
 
 
 def test_fused_outputs_split_whole_or_by_rank_share() -> None:
@@ -491,3 +568,75 @@ def test_verify_distributed_takes_known_parallelisms_only(capsys) -> None:
 
     assert main(["verify", "--distributed", "tp,dp"]) == 2
     assert "--distributed takes parallelisms among tp,fsdp,ep, got 'tp,dp'" in capsys.readouterr().err
+
+
+# --- the expert cut itself, in process: which experts a rank keeps ---------------------------------------
+
+
+def _toy_moe(experts: int, style: str = "ep_dispatch_experts") -> Any:
+    """A model shaped as transformers builds one: a layer whose ``experts`` list declares ``local_experts``,
+    and the model's expert plan (the 3-D experts' rule, which names nothing in a list, included)."""
+    import torch.nn as nn
+
+    class Experts(nn.ModuleList):
+        hfpatch_ep_plan: ClassVar[dict[str, str]] = {"*": "local_experts"}
+
+    model = nn.Module()
+    model.layers = nn.ModuleList([nn.Module(), nn.Module()])
+    for layer in model.layers:
+        layer.experts = Experts(nn.Linear(2, 2) for _ in range(experts))
+        layer.experts.num_experts = experts
+    model._ep_plan = {"layers.*.experts": style, "layers.*.experts.gate_up_proj": "grouped_gemm"}
+    model._keys_to_ignore_on_load_unexpected = {"rotary"}
+    return model
+
+
+class _Coordinates:
+    """This rank's place on the expert mesh (what ``keep_local_experts`` reads of transformers' mesh)."""
+
+    def __init__(self, rank: int, size: int) -> None:
+        self.rank, self.ranks = rank, size
+
+    def get_local_rank(self) -> int:
+        return self.rank
+
+    def size(self) -> int:
+        return self.ranks
+
+
+def test_local_experts_keeps_this_ranks_share_under_the_global_numbers() -> None:
+    from hfpatch_core._compat import expert_mesh_of_loader
+    from hfpatch_core.sharding import keep_local_experts
+
+    model = _toy_moe(4)
+    kept = keep_local_experts(model, lambda: _Coordinates(1, 2))
+    if not expert_mesh_of_loader():  # 5.3: the style cannot apply, the class was refused before this point
+        assert kept == {} and len(model.layers[0].experts) == 4
+        return
+    assert kept == {"layers.0.experts": (2, 3), "layers.1.experts": (2, 3)}
+    for layer in model.layers:
+        assert [name for name, _ in layer.experts.named_children()] == ["2", "3"] and layer.experts.num_experts == 2
+    assert model._ep_plan == {"layers.*.experts": "ep_dispatch_experts"}  # the 3-D rule named nothing here
+    ignored = re.compile("|".join(model._keys_to_ignore_on_load_unexpected))
+    assert ignored.search("layers.1.experts.0.weight") and ignored.search("model.layers.0.experts.1.bias")
+    assert not ignored.search("layers.1.experts.2.weight") and not ignored.search("layers.1.experts.10.weight")
+
+
+@pytest.mark.parametrize(
+    ("experts", "style", "mesh", "message"),
+    [
+        (3, "ep_dispatch_experts", _Coordinates(0, 2), "cannot evenly shard 3 experts across 2 expert-parallel ranks"),
+        (4, "grouped_gemm", _Coordinates(0, 2), "runs it as 'grouped_gemm', not 'ep_dispatch_experts'"),
+        (4, "ep_dispatch_experts", None, "expert-parallel mesh for this load was not found"),
+    ],
+)
+def test_local_experts_refuses_what_it_cannot_cut(experts: int, style: str, mesh: Any, message: str) -> None:
+    from hfpatch_core._compat import expert_mesh_of_loader
+    from hfpatch_core.sharding import keep_local_experts
+
+    model = _toy_moe(experts, style)
+    if not expert_mesh_of_loader():
+        assert keep_local_experts(model, lambda: mesh) == {}
+        return
+    with pytest.raises(ValueError, match=re.escape(message)):
+        keep_local_experts(model, lambda: mesh)

@@ -206,7 +206,16 @@ def test_generated_tests_pass_once_installed(generated: Generated, pack: str) ->
     tests = str(project / "tests")
     result = run(sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", tests, site=generated.site)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "2 passed" in result.stdout
+    assert "2 passed, 1 deselected" in result.stdout  # the distributed test is opt-in
+
+
+def test_generated_distributed_test_proves_the_pack_on_two_ranks(generated: Generated) -> None:
+    """``pytest -m distributed``: one torchrun of 2 ranks (the default project: a llama MLP subclass)."""
+    tests = str(generated.projects["my-pack"] / "tests")
+    options = ("-q", "-p", "no:cacheprovider", "-m", "distributed")
+    result = run(sys.executable, "-m", "pytest", *options, tests, site=generated.site, env={"OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "1 passed, 2 deselected" in result.stdout
 
 
 def test_installed_packs_are_listed_checked_and_can_be_disabled(generated: Generated) -> None:

@@ -81,6 +81,9 @@ class FusedGateUpMLP(nn.Module):
     #: Under FSDP2 ``gate_up_proj`` shards with its layer, as the model's plan wraps it: the
     #: converter (``SizedConcatenate``) gives each rank its contiguous cut of the fused tensor.
     hfpatch_fsdp_plan: ClassVar[dict[str, str]] = {}
+    #: Expert parallelism shards a MoE's experts only: a dense MLP (a qwen2_moe shared
+    #: expert included) stays whole on every rank.
+    hfpatch_ep_plan: ClassVar[dict[str, str]] = {}
 
     gate_up_proj: nn.Linear
     down_proj: nn.Linear
@@ -120,6 +123,8 @@ class FusedQKVAttention(FusedQKVAttentionBase):
     #: Under FSDP2 ``qkv_proj`` shards with its layer, as the model's plan wraps it: the
     #: converter (``SizedConcatenate``) gives each rank its contiguous cut of the fused tensor.
     hfpatch_fsdp_plan: ClassVar[dict[str, str]] = {}
+    #: Expert parallelism shards a MoE's experts only: the attention stays whole on every rank.
+    hfpatch_ep_plan: ClassVar[dict[str, str]] = {}
 
     def _attention_kwargs(self) -> dict[str, Any]:
         window = self.flavor.sliding_window

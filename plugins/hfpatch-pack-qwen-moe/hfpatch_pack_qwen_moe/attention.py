@@ -45,6 +45,8 @@ class FusedQKVAttention(FusedQKVAttentionBase):
     #: Under FSDP2 ``qkv_proj`` shards with its layer, as the model's plan wraps it: the
     #: converter (``SizedConcatenate``) gives each rank its contiguous cut of the fused tensor.
     hfpatch_fsdp_plan: ClassVar[dict[str, str]] = {}
+    #: Expert parallelism shards the experts only: the attention stays whole on every rank.
+    hfpatch_ep_plan: ClassVar[dict[str, str]] = {}
 
     def _attention_kwargs(self) -> dict[str, Any]:
         return {"sliding_window": self.sliding_window} if self.passes_sliding_window else {}

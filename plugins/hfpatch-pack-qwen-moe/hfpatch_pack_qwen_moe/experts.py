@@ -59,13 +59,18 @@ class PerExpertExperts(nn.ModuleList):
     Under tensor parallelism the experts stay whole on every rank, as the 3-D experts do:
     the qwen2_moe / qwen3_moe tensor-parallel plans do not shard them (``hfpatch_tp_plan``
     adds nothing).  Under FSDP2 each expert's linears shard with their layer, as the model's
-    plan wraps it; the checkpoint's per-expert tensors load into them unconverted.  No
-    expert-parallel plan: such loads refuse the pack.
+    plan wraps it; the checkpoint's per-expert tensors load into them unconverted.  Under
+    expert parallelism (``DistributedConfig(ep_size=n)``) each rank keeps its share of the
+    experts, as transformers shards the 3-D experts: hfpatch cuts the list to them before
+    any weight is read (``hfpatch_ep_plan``'s ``local_experts``), keeping each expert's
+    global number as its name, and transformers' token dispatch calls ``forward`` with
+    local expert numbers.
     """
 
     hfpatch_hidden_from_adapters = True
     hfpatch_tp_plan: ClassVar[dict[str, str]] = {}
     hfpatch_fsdp_plan: ClassVar[dict[str, str]] = {}
+    hfpatch_ep_plan: ClassVar[dict[str, str]] = {"*": "local_experts"}
 
     def __init__(self, config: Any) -> None:
         super().__init__(
@@ -94,9 +99,11 @@ class PerExpertExperts(nn.ModuleList):
 
         Args:
             hidden_states: ``[tokens, hidden]``.
-            top_k_index: ``[tokens, top_k]`` expert ids.  An id equal to ``num_experts``
-                means "not on this rank" (transformers' expert-parallel sentinel) and is
-                skipped, as the original does.
+            top_k_index: ``[tokens, top_k]`` expert ids: the position of the expert among
+                the ones this module holds (all of them, or under expert parallelism this
+                rank's, whose ids transformers makes local).  An id equal to
+                ``num_experts`` means "not on this rank" (transformers' expert-parallel
+                sentinel) and is skipped, as the original does.
             top_k_weights: ``[tokens, top_k]`` routing weights.
 
         Gives the original eager loop's results bit for bit: every expert that has tokens
@@ -123,18 +130,25 @@ class PerExpertExperts(nn.ModuleList):
             token_order = order % tokens
         weights = top_k_weights.t().reshape(-1)[order]
 
+        experts = self._held()
         end = 0
         for expert_idx, count in enumerate(counts[: self.num_experts]):
             if count == 0:
                 continue
             start, end = end, end + count
             token_idx = token_order[start:end]
-            expert: nn.Module = self[expert_idx]
+            expert = experts[expert_idx]
             current_hidden_states = expert(hidden_states[token_idx])
             current_hidden_states = current_hidden_states * weights[start:end, None]
             final_hidden_states.index_add_(0, token_idx, current_hidden_states.to(final_hidden_states.dtype))
 
         return final_hidden_states
+
+    def _held(self) -> list[nn.Module]:
+        """The experts this module holds, by local id: all of them, or this rank's share once
+        cut for expert parallelism (named ``2``, ``3`` on the second of 2 ranks of 4 experts,
+        which ``self[0]`` would not find)."""
+        return list(self._modules.values())
 
     def _one_token(
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
@@ -150,10 +164,11 @@ class PerExpertExperts(nn.ModuleList):
         if len({expert_idx for expert_idx, _ in hits}) < len(hits):
             return None
         final_hidden_states = torch.zeros_like(hidden_states)
+        experts = self._held()
         for expert_idx, position in hits:
             if expert_idx == self.num_experts:
                 continue
-            expert: nn.Module = self[expert_idx]
+            expert = experts[expert_idx]
             current_hidden_states = expert(hidden_states) * top_k_weights[:, position, None]
             final_hidden_states += current_hidden_states.to(final_hidden_states.dtype)
         return final_hidden_states

@@ -173,6 +173,45 @@ def test_a_checkpointed_backward_outside_the_replay_is_refused_not_routed_live(c
     assert gradients and all(torch.isfinite(g).all() for g in gradients.values())
 
 
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_the_recomputation_routes_as_its_forward_did_whatever_ran_in_between(
+    checkpoints: dict[str, Path], reentrant: bool
+) -> None:
+    """Each checkpointed forward is remembered by its checkpoint call: a live forward's backward
+    outside any replay recomputes live, also after a replayed forward (an RL rollout's reference
+    pass); a replayed forward's backward outside its block raises, also after a live forward."""
+    rollout = load_model(checkpoints["qwen3_moe"], PACK)
+    model = load_model(checkpoints["qwen3_moe"], PACK).train()
+    perturb_routers(model)  # the live routing differs from the recorded one
+    batch = training_batches(VOCAB, 1, pad_token_id=PAD, seed=8)[0]
+    ids, mask, labels = batch
+    with torch.no_grad(), record_routing(rollout) as recording:
+        rollout(input_ids=ids, attention_mask=mask)
+    routing = recording.routing
+    with replay_routing(model, routing):
+        _, replayed = training_step(model, batch)
+    live_loss, live = training_step(model, batch)
+    assert any(not torch.equal(live[key], replayed[key]) for key in live)
+
+    enable_checkpointing(model, reentrant)
+    model.zero_grad(set_to_none=True)
+    loss = model(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False).loss
+    with torch.no_grad(), replay_routing(model, routing):  # a replayed forward in between
+        model(input_ids=ids, attention_mask=mask)
+    loss.backward()  # outside any replay, of a live forward: recomputed live
+    assert loss.item() == pytest.approx(live_loss, abs=1e-6)
+    for key, gradient in live.items():
+        torch.testing.assert_close(model.get_parameter(key).grad, gradient, rtol=1e-5, atol=1e-7, msg=key)
+
+    model.zero_grad(set_to_none=True)
+    with replay_routing(model, routing):
+        loss = model(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False).loss
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=mask)  # a live forward in between
+    with pytest.raises(RoutingError, match=r"outside replay_routing.*Call loss\.backward\(\) inside the"):
+        loss.backward()
+
+
 def test_a_routing_is_one_per_training_batch(checkpoints: dict[str, Path]) -> None:
     """Each step of a loop replays its own batch's routing (one replay block per forward and backward)."""
     model = load_model(checkpoints["olmoe"], PACK).train()

@@ -167,11 +167,11 @@ def _convert_forward(model: Any, sources: Mapping[str, torch.Tensor]) -> dict[st
     name = type(model).__name__
     device = next(iter(sources.values())).device
     config = LoadStateDictConfig(weight_mapping=_conversions(model), device_map={"": device})
-    shadow = _meta_copy(model)
     kwargs: dict[str, Any] = {}
     if "tp_plan" in inspect.signature(convert_and_load_state_dict_in_model).parameters:  # transformers 5.3
         kwargs["tp_plan"] = None
     try:
+        shadow = _meta_copy(model)
         info, _ = convert_and_load_state_dict_in_model(shadow, dict(sources), config, **kwargs)
     except Exception as exc:
         raise WeightLayoutError(

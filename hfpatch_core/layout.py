@@ -277,14 +277,18 @@ def secure(model: nn.Module, plan: Plan, loading_info: Mapping[str, Any] | None)
     """What a patched root model gets once built: every weight a pack touches checked
     (``loading_info`` of ``from_pretrained``; ``None`` for a model built from a config,
     which instead keeps the conversions its save must reverse), the save guard, a
-    ``load_state_dict`` that takes the original layout, and,
+    ``load_state_dict`` that takes the original layout (also with no pack applied, where
+    the load ran transformers' own conversions), and,
     where a replacement declares packed modules, PEFT's injection hooked (``adapters``)."""
     if loading_info is not None and plan.touches_weights:
         check_loading_info(model, plan, loading_info)
     if loading_info is None and plan.conversions and getattr(model, "_weight_conversions", None) is None:
         object.__setattr__(model, "_weight_conversions", reversible_conversions(model))
     guard_saving(model, plan)
-    if plan.touches_weights:
-        guard_loading(model)  # Trainer's resume loads the original layout (hfpatch_core.state_dicts)
+    # Trainer's resume loads the original layout (hfpatch_core.state_dicts): a model a pack
+    # touched needs it, and so does one whose load ran transformers' own conversions (5.25
+    # stacks Qwen2-MoE's experts), which vanilla load_state_dict drops
+    if plan.touches_weights or getattr(model, "_weight_conversions", None):
+        guard_loading(model)
     if declares_packed_modules([claim.patch.replacement for each in plan.all_plans() for claim in each.entries]):
         watch_peft()  # adapters name the original projections (hfpatch_core.adapters)

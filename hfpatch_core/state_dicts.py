@@ -10,14 +10,22 @@ accepts both layouts: keys of the original layout are written through the model'
 conversions, reversed: ``revert_weight_conversion`` (what a save runs) gives, for the
 converters hfpatch packs use, *views* of the model's tensors under the original names
 (a split of a fused weight is a set of views of its rows), and the loaded values are
-copied into those views.  A conversion whose reverse copies cannot be loaded that way:
-that is a ``WeightLayoutError`` naming the keys, never a silent skip.
+copied into those views.  Where a reversed conversion copies instead (transformers 5.25
+stacks a Qwen2-MoE's experts into 3-D tensors at load and splits them into per-expert
+copies on save), those keys go forward through the same conversions a load runs:
+transformers' own ``convert_and_load_state_dict_in_model`` with the model's conversions
+(``_weight_conversions``: the packs' converters and transformers' own), into a copy of
+the model whose tensors are on the meta device, and the values it produces are copied
+into the model's tensors.  A key that reaches none of them is a ``WeightLayoutError``
+naming it, never a silent skip.
 
 ``original_state_dict(model)`` gives the original layout (the same views, detached).
 """
 
 from __future__ import annotations
 
+import copy
+import inspect
 from collections.abc import Mapping
 from typing import Any
 
@@ -73,8 +81,9 @@ def load_original_layout(
     Raises:
         RuntimeError: ``strict`` and keys are missing or unexpected, or a shape differs
             (as ``load_state_dict``).
-        WeightLayoutError: original-layout keys that the model's reversed conversions do
-            not give as views of its weights, or ``assign=True`` with the original layout.
+        WeightLayoutError: original-layout keys that reach none of the model's weights
+            through its conversions (a partial group of experts, a conversion that fails on
+            them), or ``assign=True`` with the original layout.
     """
     own = model.state_dict()
     foreign = [key for key in state_dict if key not in own]
@@ -92,12 +101,6 @@ def load_original_layout(
         )
     storages = _storages(own)
     copies = [key for key in converted if original[key].untyped_storage().data_ptr() not in storages]
-    if copies:
-        raise WeightLayoutError(
-            f"{name}.load_state_dict: the keys {copies[:5]} of the original layout reach the model only through "
-            "a conversion that copies, so they cannot be written in place; load the checkpoint with "
-            "from_pretrained (with the same packs enabled) instead"
-        )
     mismatched = [
         f"{key}: checkpoint {list(state_dict[key].shape)}, model {list(original[key].shape)}"
         for key in converted
@@ -106,11 +109,15 @@ def load_original_layout(
     if mismatched:
         shown = "\n\t".join(mismatched)
         raise RuntimeError(f"Error(s) in loading state_dict for {name}:\n\tsize mismatch for {shown}")
+    forward = _convert_forward(model, {key: state_dict[key] for key in copies}) if copies else {}
     direct = {key: value for key, value in state_dict.items() if key in own}
     nn.Module.load_state_dict(model, direct, strict=False)
     with torch.no_grad():
         for key in converted:
-            original[key].copy_(state_dict[key])
+            if key not in copies:
+                original[key].copy_(state_dict[key])
+        for key, value in forward.items():
+            own[key].copy_(value)
     missing = [key for key in original if key not in state_dict]
     unexpected = [key for key in foreign if key not in original]
     if strict and (missing or unexpected):
@@ -119,6 +126,76 @@ def load_original_layout(
             f"unexpected keys {unexpected}"
         )
     return _incompatible(missing, unexpected)
+
+
+def _conversions(model: Any) -> list[Any]:
+    """The conversions in force for ``model``, forward: those its load ran, else the ones a save reverses."""
+    conversions = getattr(model, "_weight_conversions", None)
+    if conversions is None:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+
+        from . import _compat
+
+        prefix_change = _compat.prefix_change_type()
+        conversions = [
+            t for t in get_model_conversion_mapping(model, add_legacy=False) if not isinstance(t, prefix_change)
+        ]
+    return copy.deepcopy(list(conversions))  # the loader records use on them: never on the model's own
+
+
+def _meta_copy(model: nn.Module) -> Any:
+    """``model`` with every parameter and buffer on the meta device: its modules, classes and
+    config, none of its memory (the tensors are not copied, only described)."""
+    memo: dict[int, Any] = {}
+    for tensor in model.parameters():
+        memo[id(tensor)] = nn.Parameter(torch.empty_like(tensor, device="meta"), requires_grad=tensor.requires_grad)
+    for buffer in model.buffers():
+        memo[id(buffer)] = torch.empty_like(buffer, device="meta")
+    return copy.deepcopy(model, memo)
+
+
+def _convert_forward(model: Any, sources: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``sources`` (original-layout keys) converted into ``model``'s layout by transformers' loader.
+
+    Raises:
+        WeightLayoutError: the conversion fails, or a source key reaches no tensor of the model.
+        RuntimeError: a converted tensor's shape differs from the model's (as ``load_state_dict``).
+    """
+    from transformers.core_model_loading import convert_and_load_state_dict_in_model, revert_weight_conversion
+    from transformers.modeling_utils import LoadStateDictConfig
+
+    name = type(model).__name__
+    device = next(iter(sources.values())).device
+    config = LoadStateDictConfig(weight_mapping=_conversions(model), device_map={"": device})
+    kwargs: dict[str, Any] = {}
+    if "tp_plan" in inspect.signature(convert_and_load_state_dict_in_model).parameters:  # transformers 5.3
+        kwargs["tp_plan"] = None
+    try:
+        shadow = _meta_copy(model)
+        info, _ = convert_and_load_state_dict_in_model(shadow, dict(sources), config, **kwargs)
+    except Exception as exc:
+        raise WeightLayoutError(
+            f"{name}.load_state_dict: the keys {list(sources)[:5]} of the original layout go through a conversion "
+            f"({type(exc).__name__}: {exc}), which failed; load the checkpoint with from_pretrained instead"
+        ) from exc
+    if info.mismatched_keys:
+        shown = "\n\t".join(
+            f"{key}: converted {list(got)}, model {list(want)}" for key, got, want in info.mismatched_keys
+        )
+        raise RuntimeError(f"Error(s) in loading state_dict for {name}:\n\tsize mismatch for {shown}")
+    produced = {
+        key: value for key, value in shadow.state_dict().items() if key not in info.missing_keys and not value.is_meta
+    }
+    # which source keys the produced tensors stand for: the same conversions reversed, on meta tensors
+    covered = revert_weight_conversion(model, {key: value.to("meta") for key, value in produced.items()})
+    lost = [key for key in sources if key not in covered]
+    if lost:
+        raise WeightLayoutError(
+            f"{name}.load_state_dict: the keys {lost[:5]} of the original layout reach no weight of the model "
+            "through the conversions it was loaded with (a partial group: all the experts, or all the parts of "
+            "a fused weight, must be in the state dict); pass them all, or load with from_pretrained"
+        )
+    return produced
 
 
 def _guarded_load_state_dict(

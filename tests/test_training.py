@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from hfpatch_core.testing import (
+    BF16_TOLERANCES,
     FP32_TOLERANCES,
     EquivalenceError,
     TrainingTolerances,
@@ -31,6 +32,15 @@ SCALED_QKV_PACK = fused_qkv_pack().replace(
     "        self._parts = self.qkv_proj(hidden_states).split(self.sizes, dim=-1)\n",
     "        q, k, v = self.qkv_proj(hidden_states).split(self.sizes, dim=-1)\n"
     "        self._parts = (q, k.detach() + (k - k.detach()) * 0.5, v)\n",
+)
+
+
+# a fused q/k/v whose backward scales the gradient of every projection by 0.8: each by a
+# fifth, within the bf16 bound of one parameter (0.3, where an MoE's routing flips reach)
+SCALED_ATTENTION_PACK = fused_qkv_pack().replace(
+    "        self._parts = self.qkv_proj(hidden_states).split(self.sizes, dim=-1)\n",
+    "        parts = self.qkv_proj(hidden_states).split(self.sizes, dim=-1)\n"
+    "        self._parts = tuple(part.detach() + (part - part.detach()) * 0.8 for part in parts)\n",
 )
 
 
@@ -107,6 +117,25 @@ def test_bf16_trains_within_its_own_tolerances(install, llama_checkpoint: Path) 
     assert not check_training_equivalence("qkv", llama_checkpoint, steps=3, tolerances=strict).ok
 
 
+def test_bf16_catches_a_gradient_scaled_in_every_layer_that_one_parameter_s_bound_lets_through(
+    install, llama_checkpoint: Path
+) -> None:
+    install(PackSpec("scaled", SCALED_ATTENTION_PACK))
+    report = check_training_equivalence("scaled", llama_checkpoint, steps=2, dtype=torch.bfloat16)
+    # each parameter within its own bound, the model's gradient as a whole not
+    assert report.max_gradient_diff is not None and report.max_gradient_diff <= BF16_TOLERANCES.gradients
+    model_bound = BF16_TOLERANCES.model_gradients
+    assert model_bound is not None and report.max_model_gradient_diff is not None
+    assert report.max_model_gradient_diff > model_bound
+    assert not report.ok and report.first_step == 1
+    prefix = "training (2 AdamW steps, bfloat16, gradient checkpointing off)"
+    (failure,) = report.failures
+    assert failure.startswith(
+        f"{prefix}: the model's gradients, all parameters together, diverge first at step 1: relative difference "
+        f"{report.max_model_gradient_diff:.3g} > 0.1, most from {report.first_parameter}; "
+    ), failure
+
+
 def test_the_training_batches_are_seeded_and_padded_on_both_sides() -> None:
     batches = training_batches(128, 2, pad_token_id=0, seed=3)
     again = training_batches(128, 2, pad_token_id=0, seed=3)
@@ -148,4 +177,4 @@ def test_the_training_report_is_json(install, llama_checkpoint: Path) -> None:
     data = json.loads(json.dumps(report.to_json()))
     assert data["ok"] is False and data["first_step"] == 1 and data["steps"] == 1
     assert data["first_parameter"] == "model.layers.0.mlp.down_proj.weight"
-    assert data["tolerances"] == {"loss": 1e-4, "gradients": 1e-4, "parameters": 5e-4}
+    assert data["tolerances"] == {"loss": 1e-4, "gradients": 1e-4, "parameters": 5e-4, "model_gradients": None}

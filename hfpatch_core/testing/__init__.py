@@ -29,9 +29,10 @@ The helpers live in one module per job, and every name is importable from here:
 ``checkpoints`` (``tiny_config``, ``tiny_checkpoint``), ``installs`` (``install_pack``,
 ``install_wheel``, ``discover_from_wheel``), ``models`` (``load_model``,
 ``padded_batch``, ``logits_of``, ``safetensors_of``), ``equivalence``
-(``check_pack_equivalence``, ``assert_pack_equivalent``, ``Report``) and ``training``
+(``check_pack_equivalence``, ``assert_pack_equivalent``, ``Report``), ``training``
 (``check_training_equivalence``, ``TrainingReport``, ``TrainingTolerances``,
-``training_batches``).
+``training_batches``) and ``trainer`` (``trainer_losses``, ``TrainerBatches``: short
+``transformers.Trainer`` runs for checkpoint and resume tests).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from .checkpoints import SHRINK, TinyCheckpointError, tiny_checkpoint, tiny_conf
 from .equivalence import BF16_ATOL, EquivalenceError, Report, assert_pack_equivalent, check_pack_equivalence
 from .installs import DiscoveredWheel, discover_from_wheel, install_pack, install_wheel
 from .models import load_model, logits_of, padded_batch, safetensors_of
+from .trainer import TrainerBatches, trainer_losses
 from .training import (
     BF16_TOLERANCES,
     FP32_TOLERANCES,
@@ -58,6 +60,7 @@ __all__ = [
     "EquivalenceError",
     "Report",
     "TinyCheckpointError",
+    "TrainerBatches",
     "TrainingReport",
     "TrainingTolerances",
     "assert_pack_equivalent",
@@ -72,5 +75,6 @@ __all__ = [
     "safetensors_of",
     "tiny_checkpoint",
     "tiny_config",
+    "trainer_losses",
     "training_batches",
 ]

@@ -7,46 +7,16 @@ from typing import Any
 
 import pytest
 import torch
-from transformers import Trainer, TrainingArguments
 
 import hfpatch_core
 from conftest import PACK, PAD, VOCAB
 from hfpatch_core import WeightLayoutError
-from hfpatch_core.testing import load_model, logits_of, padded_batch, safetensors_of
+from hfpatch_core.testing import load_model, logits_of, padded_batch, safetensors_of, trainer_losses
 
 
-class Batches(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
-    """The padded batch's three rows, four times (labels = inputs)."""
-
-    def __init__(self) -> None:
-        self.ids, self.mask = padded_batch(VOCAB, pad_token_id=PAD)
-
-    def __len__(self) -> int:
-        return 12
-
-    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        row = index % 3
-        return {"input_ids": self.ids[row], "attention_mask": self.mask[row], "labels": self.ids[row]}
-
-
-def train(checkpoint: Path, packs: str | None, output: Path, resume: Path | None = None) -> list[float]:
+def train(checkpoint: Path, packs: str | None, output: Path, resume: str | None = None) -> list[float]:
     """The losses of 4 AdamW steps (a checkpoint every 2), from ``resume`` if given."""
-    model = load_model(checkpoint, packs)
-    arguments = TrainingArguments(
-        str(output),
-        max_steps=4,
-        save_steps=2,
-        per_device_train_batch_size=3,
-        learning_rate=1e-2,
-        logging_steps=1,
-        use_cpu=True,
-        report_to=[],
-        seed=0,
-        disable_tqdm=True,
-    )
-    trainer = Trainer(model=model, args=arguments, train_dataset=Batches())
-    trainer.train(resume_from_checkpoint=str(resume) if resume else None)
-    return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    return trainer_losses(load_model(checkpoint, packs), output, resume=resume)
 
 
 def test_trainer_resume_gives_the_uninterrupted_losses(checkpoints: dict[str, Path], tmp_path: Path) -> None:
@@ -54,7 +24,7 @@ def test_trainer_resume_gives_the_uninterrupted_losses(checkpoints: dict[str, Pa
     vanilla = train(path, None, tmp_path / "vanilla")
     uninterrupted = train(path, PACK, tmp_path / "patched")
     assert sorted(safetensors_of(tmp_path / "patched" / "checkpoint-2")) == sorted(safetensors_of(path))
-    resumed = train(path, PACK, tmp_path / "patched", resume=tmp_path / "patched" / "checkpoint-2")
+    resumed = train(path, PACK, tmp_path / "patched", resume="checkpoint-2")
     # the resumed history starts with checkpoint-2's (steps 1-2); steps 3-4 are computed anew
     assert len(uninterrupted) == len(resumed) == 4
     torch.testing.assert_close(resumed[2:], uninterrupted[2:], atol=1e-4, rtol=0)

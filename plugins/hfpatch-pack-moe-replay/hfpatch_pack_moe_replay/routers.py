@@ -31,7 +31,7 @@ from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextTopKRout
 
 from hfpatch_core import _compat
 
-from .scope import _in_backward, _replay_of
+from .scope import _replay_of
 from .values import RoutingError
 
 __all__ = ["REPLAYABLE_ROUTERS", "ReplayableRouter", "routers_of"]
@@ -71,17 +71,7 @@ class ReplayableRouter(nn.Module):
             cls.original = parents[0]
 
     def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        replay = _replay_of(self)
-        if not _in_backward():
-            # what the recomputation of activation checkpointing must repeat, in the backward pass
-            self._forward_replayed = replay is not None
-        elif replay is None and getattr(self, "_forward_replayed", False):
-            raise RoutingError(
-                f"{type(self).__name__}: activation checkpointing recomputes this router in a backward pass "
-                "that runs outside replay_routing, while its forward pass replayed a routing: the recomputation "
-                "would route live and give wrong gradients. Call loss.backward() inside the "
-                "`with replay_routing(model, routing):` block."
-            )
+        replay = _replay_of(self)  # in a recomputation: what this forward pass replayed (scope)
         logits, scores, live_indices = super().forward(hidden_states)
         if replay is None:
             return logits, scores, live_indices

@@ -38,6 +38,18 @@ def perturb_routers(model: nn.Module, scale: float = 0.3) -> None:
             router.weight.add_(torch.randn(router.weight.shape, generator=generator, dtype=router.weight.dtype) * scale)
 
 
+def recorded_elsewhere(checkpoints: dict[str, Path], seed: int) -> tuple[Any, tuple[torch.Tensor, ...], Routing]:
+    """A qwen3_moe policy in training mode whose routers moved, a batch, and the batch's routing
+    as the unmoved rollout model recorded it (which the policy's live routing no longer gives)."""
+    rollout = load_model(checkpoints["qwen3_moe"], PACK)
+    model = load_model(checkpoints["qwen3_moe"], PACK).train()
+    perturb_routers(model)
+    batch = training_batches(VOCAB, 1, pad_token_id=PAD, seed=seed)[0]
+    with torch.no_grad(), record_routing(rollout) as recording:
+        rollout(input_ids=batch[0], attention_mask=batch[1])
+    return model, batch, recording.routing
+
+
 def enable_checkpointing(model: Any, reentrant: bool) -> None:
     kwargs = {"use_reentrant": reentrant}
     if hasattr(model, "activation_checkpointing_enable"):  # transformers > 5.3; the old name is deprecated
@@ -118,14 +130,7 @@ def test_under_replay_the_router_gradient_is_the_derivative_of_the_loss(
 def test_checkpointing_recomputes_the_replayed_routes_and_records_them_once(
     checkpoints: dict[str, Path], reentrant: bool
 ) -> None:
-    rollout = load_model(checkpoints["qwen3_moe"], PACK)
-    model = load_model(checkpoints["qwen3_moe"], PACK).train()
-    perturb_routers(model)
-    batch = training_batches(VOCAB, 1, pad_token_id=PAD, seed=4)[0]
-    ids, mask, _ = batch
-    with torch.no_grad(), record_routing(rollout) as recording:
-        rollout(input_ids=ids, attention_mask=mask)
-    routing = recording.routing
+    model, batch, routing = recorded_elsewhere(checkpoints, seed=4)
     with replay_routing(model, routing):
         expected_loss, expected = training_step(model, batch)
 
@@ -171,6 +176,39 @@ def test_a_checkpointed_backward_outside_the_replay_is_refused_not_routed_live(c
         loss.backward()
     _, gradients = training_step(model, batch)  # no replay in forward or backward: fine
     assert gradients and all(torch.isfinite(g).all() for g in gradients.values())
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_the_recomputation_routes_as_its_forward_did_whatever_ran_in_between(
+    checkpoints: dict[str, Path], reentrant: bool
+) -> None:
+    """Each checkpointed forward is remembered by its checkpoint call: a live forward's backward
+    outside any replay recomputes live, also after a replayed forward (an RL rollout's reference
+    pass); a replayed forward's backward outside its block raises, also after a live forward."""
+    model, batch, routing = recorded_elsewhere(checkpoints, seed=8)
+    ids, mask, labels = batch
+    with replay_routing(model, routing):
+        _, replayed = training_step(model, batch)
+    live_loss, live = training_step(model, batch)
+    assert any(not torch.equal(live[key], replayed[key]) for key in live)
+
+    enable_checkpointing(model, reentrant)
+    model.zero_grad(set_to_none=True)
+    loss = model(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False).loss
+    with torch.no_grad(), replay_routing(model, routing):  # a replayed forward in between
+        model(input_ids=ids, attention_mask=mask)
+    loss.backward()  # outside any replay, of a live forward: recomputed live
+    assert loss.item() == pytest.approx(live_loss, abs=1e-6)
+    for key, gradient in live.items():
+        torch.testing.assert_close(model.get_parameter(key).grad, gradient, rtol=1e-5, atol=1e-7, msg=key)
+
+    model.zero_grad(set_to_none=True)
+    with replay_routing(model, routing):
+        loss = model(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False).loss
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=mask)  # a live forward in between
+    with pytest.raises(RoutingError, match=r"outside replay_routing.*Call loss\.backward\(\) inside the"):
+        loss.backward()
 
 
 def test_a_routing_is_one_per_training_batch(checkpoints: dict[str, Path]) -> None:

@@ -12,11 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
-from transformers import Trainer, TrainingArguments
 
 from conftest import PACK, PAD, VOCAB
 from hfpatch_core import AdapterError
-from hfpatch_core.testing import load_model, logits_of, padded_batch, safetensors_of
+from hfpatch_core.testing import load_model, logits_of, padded_batch, safetensors_of, trainer_losses
 
 ATOL = 1e-5
 NAMES = ["q_proj", "v_proj", "gate_proj", "up_proj", "down_proj"]
@@ -93,34 +92,9 @@ def test_expert_targets_peft_moves_to_3d_parameters_are_one_clear_error(checkpoi
     assert adapted(attention_only) == expected
 
 
-class Batches(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
-    def __init__(self) -> None:
-        self.ids, self.mask = padded_batch(VOCAB, pad_token_id=PAD)
-
-    def __len__(self) -> int:
-        return 12
-
-    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        row = index % 3
-        return {"input_ids": self.ids[row], "attention_mask": self.mask[row], "labels": self.ids[row]}
-
-
-def train(checkpoint: Path, packs: str | None, output: Path, resume: Path | None = None) -> list[float]:
-    arguments = TrainingArguments(
-        str(output),
-        max_steps=4,
-        save_steps=2,
-        per_device_train_batch_size=3,
-        learning_rate=1e-2,
-        logging_steps=1,
-        use_cpu=True,
-        report_to=[],
-        seed=0,
-        disable_tqdm=True,
-    )
-    trainer = Trainer(model=load_model(checkpoint, packs), args=arguments, train_dataset=Batches())
-    trainer.train(resume_from_checkpoint=str(resume) if resume else None)
-    return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+def train(checkpoint: Path, packs: str | None, output: Path, resume: str | None = None) -> list[float]:
+    """The losses of 4 AdamW steps (a checkpoint every 2), from ``resume`` if given."""
+    return trainer_losses(load_model(checkpoint, packs), output, resume=resume)
 
 
 def test_trainer_resume_gives_the_uninterrupted_losses_experts_included(
@@ -128,7 +102,7 @@ def test_trainer_resume_gives_the_uninterrupted_losses_experts_included(
 ) -> None:
     path = checkpoints["qwen3_moe"]
     uninterrupted = train(path, PACK, tmp_path / "run")
-    resumed = train(path, PACK, tmp_path / "run", resume=tmp_path / "run" / "checkpoint-2")
+    resumed = train(path, PACK, tmp_path / "run", resume="checkpoint-2")
     assert len(uninterrupted) == len(resumed) == 4  # the resumed history starts with checkpoint-2's
     torch.testing.assert_close(resumed[2:], uninterrupted[2:], atol=1e-4, rtol=0)
     torch.testing.assert_close(uninterrupted, train(path, None, tmp_path / "vanilla"), atol=1e-4, rtol=0)

@@ -30,6 +30,7 @@ from conftest import CASES, PACK, PAD, VOCAB
 from hfpatch_core import LoadContext
 from hfpatch_core.conversion import SizedConcatenate, source_patterns_of
 from hfpatch_core.testing import (
+    BF16_TOLERANCES,
     FP32_TOLERANCES,
     check_training_equivalence,
     discover_from_wheel,
@@ -208,6 +209,17 @@ def test_training_matches_vanilla(checkpoints: dict[str, Path], case: str, check
     report = check_training_equivalence(PACK, checkpoints[case], gradient_checkpointing=checkpointing)
     assert report.ok, report.failures
     assert report.steps == 5 and report.max_loss_diff is not None and report.max_loss_diff <= FP32_TOLERANCES.loss
+
+
+def test_bf16_training_matches_vanilla_within_the_bf16_tolerances(checkpoints: dict[str, Path], case: str) -> None:
+    """5 bf16 AdamW steps against vanilla's default experts: within ``BF16_TOLERANCES``, routing
+    flips included (a token whose top-k scores tie within bf16 rounding can take another expert
+    on one side; docs/training.md has the measured differences, at most 0.19 relative, on expert
+    and router weights).  Not bit-identical, so the comparison did run."""
+    report = check_training_equivalence(PACK, checkpoints[case], dtype=torch.bfloat16)
+    assert report.ok, report.failures
+    assert report.max_loss_diff is not None and 0 < report.max_loss_diff <= BF16_TOLERANCES.loss
+    assert report.max_gradient_diff is not None and 0 < report.max_gradient_diff <= BF16_TOLERANCES.gradients
 
 
 def test_bf16_logits_match_vanilla_within_the_measured_tolerance(checkpoints: dict[str, Path], case: str) -> None:

@@ -67,7 +67,9 @@ def add_declared_plans(
                 continue
             entries.update({f"{path}.{key}": style for key, style in declared.items() if style not in HFPATCH_STYLES})
         if entries:
-            setattr(model, attribute, {**current, **entries})
+            # first: transformers 5.3 matches a weight against the plan's keys in order, and the
+            # model's rule for the replaced module (``layers.*.mlp.experts``) would match first
+            setattr(model, attribute, {**entries, **{key: current[key] for key in current if key not in entries}})
             added[mode] = entries
     if "ep" in modes:
         keep_local_experts(model, expert_mesh)

@@ -312,8 +312,21 @@ def expert_share(model: Any, result: Result) -> None:
 
 def more_families_cases(sharded: Callable[..., Callable[[Result], None]]) -> list[Case]:
     """fused-dense on the other grouped-query families it covers (mistral: llama's layout with a
-    sliding window from the config; qwen2: q/k/v biases)."""
-    return [(f"{family}/tp/fused-dense", sharded(family, "tp", "fused-dense", check=local_rows)) for family in FAMILIES]
+    sliding window from the config; qwen2: q/k/v biases), under tensor parallelism and FSDP2;
+    qwen-moe on qwen3_moe (per-head q/k norms, 4 experts) in every mode the release has."""
+    cases = [
+        (f"{family}/tp/fused-dense", sharded(family, "tp", "fused-dense", check=local_rows)) for family in FAMILIES
+    ]
+    checks = {"tp": local_rows, "fsdp": fsdp_cut, "ep": experts_held}
+    if "fsdp" in modes():
+        cases += [
+            (f"{family}/fsdp/fused-dense", sharded(family, "fsdp", "fused-dense", check=fsdp_cut))
+            for family in FAMILIES
+        ]
+    cases += [
+        (f"qwen3_moe/{mode}/qwen-moe", sharded("qwen3_moe", mode, "qwen-moe", check=checks[mode])) for mode in modes()
+    ]
+    return cases
 
 
 #: The families fused-dense covers besides llama and qwen3, with grouped-query attention.

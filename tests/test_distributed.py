@@ -57,6 +57,7 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
         "llama_uneven": str(tiny_checkpoint("llama", root / "llama_uneven", intermediate_size=75)),
         "mistral": str(tiny_checkpoint("mistral", root / "mistral")),
         "qwen2": str(tiny_checkpoint("qwen2", root / "qwen2")),
+        "qwen3_moe": str(tiny_checkpoint("qwen3_moe", root / "qwen3_moe")),
     }
 
 
@@ -137,6 +138,8 @@ def test_every_case_ran_on_both_ranks(loads: list[dict[str, Any]]) -> None:
     expert_parallel = {"qwen2_moe/ep/qwen-moe", "qwen2_moe/ep/fused-dense", "qwen2_moe/tp+ep/qwen-moe"}
     expected |= expert_parallel if "ep" in modes() else {"qwen2_moe/ep/qwen-moe/strict"}
     expected |= {"mistral/tp/fused-dense", "qwen2/tp/fused-dense"}
+    expected |= {"mistral/fsdp/fused-dense", "qwen2/fsdp/fused-dense"} if "fsdp" in modes() else set()
+    expected |= {f"qwen3_moe/{mode}/qwen-moe" for mode in modes()}
     for mode in modes():
         expected |= {f"qwen2_moe/{mode}/vanilla", f"qwen2_moe/{mode}/qwen-moe"}
         if mode != "ep":
@@ -393,6 +396,42 @@ def test_fused_dense_shards_mistral_and_qwen2_under_tensor_parallelism(
     for result in results:
         rows = {key: value for key, value in result["extra"].items() if key in SHARDED_ROWS["llama"]}
         assert rows == SHARDED_ROWS["llama"]  # the same sizes as the llama: each rank its heads and rows
+
+
+@pytest.mark.parametrize("family", ["mistral", "qwen2"])
+def test_fused_dense_loads_mistral_and_qwen2_under_fsdp2_as_cuts_of_the_fused_tensor(
+    loads: list[dict[str, Any]], family: str
+) -> None:
+    case = f"{family}/fsdp/fused-dense"
+    if "fsdp" not in modes():  # 5.3's DistributedConfig has no fsdp_size
+        assert case not in loads[0]["cases"]
+        return
+    results = cases(loads, case)
+    assert_equal_to_vanilla(results)
+    name = {"mistral": "Mistral", "qwen2": "Qwen2"}[family]
+    fused = {f"{name}Attention": f"FusedQKV{name}Attention", f"{name}MLP": f"FusedGateUp{name}MLP"}
+    assert [result["replaced"] for result in results] == [fused, fused]
+    for result in results:
+        extra = result["extra"]
+        assert extra["rows:self_attn.qkv_proj.weight"] == 64 and extra["rows:mlp.gate_up_proj.weight"] == 128
+        assert extra["cut:self_attn.qkv_proj.weight"] and extra["cut:mlp.gate_up_proj.weight"], extra
+        assert extra["saved_fused"] == [] and extra["saved_q_proj"] and extra["reloaded_diff"] <= ATOL, extra
+
+
+def test_qwen_moe_applies_to_qwen3_moe_in_every_mode(loads: list[dict[str, Any]]) -> None:
+    classes = {"Qwen3MoeAttention": "Qwen3MoeFusedQKVAttention", "Qwen3MoeExperts": "PerExpertExperts"}
+    for mode in modes():
+        results = cases(loads, f"qwen3_moe/{mode}/qwen-moe")
+        assert_equal_to_vanilla(results)
+        assert [result["replaced"] for result in results] == [classes, classes], mode
+        assert [result["warnings"] for result in results] == [[], []], mode
+        extra = [result["extra"] for result in results]
+        if mode == "tp":  # each rank its own heads of q, k and v; the experts whole
+            assert [each["rows:self_attn.qkv_proj.weight"] for each in extra] == [64, 64]
+        elif mode == "fsdp":  # each rank its contiguous cut; saved as the original layout
+            assert all(each["cut:self_attn.qkv_proj.weight"] and each["saved_fused"] == [] for each in extra), extra
+        else:  # each rank its half of the experts, under the checkpoint's numbers
+            assert [(each["experts"], each["num_experts"]) for each in extra] == [(["0", "1"], 2), (["2", "3"], 2)]
 
 
 def test_fused_outputs_split_whole_or_by_rank_share() -> None:

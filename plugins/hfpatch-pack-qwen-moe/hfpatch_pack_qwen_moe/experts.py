@@ -56,9 +56,10 @@ class PerExpertExperts(nn.ModuleList):
     experts in the first case and makes the second an ``AdapterError``, so that an
     adapter never means something else here than on an unpatched model.
 
-    Under tensor parallelism the experts stay whole on every rank, as the 3-D experts do:
-    the qwen2_moe / qwen3_moe tensor-parallel plans do not shard them (``hfpatch_tp_plan``
-    adds nothing).  Under FSDP2 each expert's linears shard with their layer, as the model's
+    Under tensor parallelism the experts shard as the model's plan shards the 3-D experts:
+    whole on every rank where it keeps them whole (qwen2_moe, and qwen3_moe on 5.25), each
+    expert's linears cut like its gate/up and down where it cuts them (``hfpatch_tp_plan``).
+    Under FSDP2 each expert's linears shard with their layer, as the model's
     plan wraps it; the checkpoint's per-expert tensors load into them unconverted.  Under
     expert parallelism (``DistributedConfig(ep_size=n)``) each rank keeps its share of the
     experts, as transformers shards the 3-D experts: hfpatch cuts the list to them before
@@ -68,7 +69,17 @@ class PerExpertExperts(nn.ModuleList):
     """
 
     hfpatch_hidden_from_adapters = True
-    hfpatch_tp_plan: ClassVar[dict[str, str]] = {}
+    #: Where the model's tensor-parallel plan shards the 3-D experts (5.3's qwen3_moe:
+    #: ``packed_colwise`` gate/up, ``rowwise`` down, and ``moe_tp_experts`` summing the ranks'
+    #: partial outputs), each expert's linears shard the same way, by weight (a rule on the
+    #: weight shards it without the per-module all-reduce, which ``moe_tp_experts`` does
+    #: once for the whole module).  Where it does not (qwen2_moe, 5.25), nothing is added
+    #: and the experts stay whole on every rank, as the model keeps its own.
+    hfpatch_tp_plan: ClassVar[dict[str, str]] = {
+        "*.gate_proj.weight": "colwise",
+        "*.up_proj.weight": "colwise",
+        "*.down_proj.weight": "rowwise",
+    }
     hfpatch_fsdp_plan: ClassVar[dict[str, str]] = {}
     hfpatch_ep_plan: ClassVar[dict[str, str]] = {"*": "local_experts"}
 

@@ -313,9 +313,10 @@ class SizedConcatenate(ConversionOps):
     and splits by them when saving.  In a load sharded by transformers the parts arrive
     as this rank's share of each.  Under tensor parallelism their concatenation is this
     rank's shard of the fused tensor (its own heads of q, k and v).  Under FSDP2, which
-    all-gathers the fused parameter whole for each forward, the shares are gathered and
-    the rank keeps its contiguous cut of the fused tensor, so the gathered parameter (and
-    a saved checkpoint) is the fused layout.
+    all-gathers the fused parameter whole for each forward, the rank keeps its contiguous
+    cut of the fused tensor (read from the whole parts the shares view in the
+    memory-mapped checkpoint, or else from the gathered shares), so the gathered
+    parameter (and a saved checkpoint) is the fused layout.
 
     Args:
         dim: the dimension to concatenate along.

@@ -236,22 +236,18 @@ def _whole_of_share(share: Any, size: int, dim: int, ranks: int, rank: int) -> A
     return share.as_strided(shape, strides, 0)
 
 
-def _wholes_on_every_rank(
-    tensors: list[Any], sizes: tuple[int, ...], dim: int, ranks: int, rank: int, group: Any
-) -> list[Any] | None:
-    """Each part whole, from the storages the shares view, when every rank of ``group`` can (else ``None``).
+def _every_rank_can(can: bool, device: Any, group: Any) -> bool:
+    """Whether ``can`` holds on every rank of ``group`` (a one-number all-reduce, on every rank alike).
 
-    The ranks agree (a one-number all-reduce) so that either none gathers or all do:
-    a rank that read a copy makes every rank take ``_gathered``, whose collectives match.
+    Every rank calls it once per fused tensor, so that either none gathers or all do: a
+    rank that read a copy makes every rank take ``_gathered``, whose collectives match.
     """
     import torch
     import torch.distributed as dist
 
-    wholes = [_whole_of_share(tensor, size, dim, ranks, rank) for tensor, size in zip(tensors, sizes, strict=True)]
-    local = all(whole is not None for whole in wholes)
-    agreed = torch.tensor([int(local)], dtype=torch.int32, device=tensors[0].device)
+    agreed = torch.tensor([int(can)], dtype=torch.int32, device=device)
     dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=group)
-    return wholes if int(agreed.item()) else None
+    return bool(agreed.item())
 
 
 def _cut_of_gathered(tensors: list[Any], sizes: tuple[int, ...], dim: int, parameter: Any, what: str) -> Any:
@@ -287,10 +283,18 @@ def _cut_of_gathered(tensors: list[Any], sizes: tuple[int, ...], dim: int, param
     cut_shape = list(tensors[0].shape)
     cut_shape[dim] = length
     cut = tensors[0].new_empty(cut_shape)
-    wholes = tensors if found == sizes else _wholes_on_every_rank(tensors, sizes, dim, ranks, rank, group)
+    if found == sizes:  # read whole (on this rank at least): its shares, should the ranks gather
+        firsts = (min(rank * -(-size // ranks), size) for size in sizes)
+        shares = [tensor.narrow(dim, first, n) for tensor, first, n in zip(tensors, firsts, expected, strict=True)]
+        views: list[Any] = list(tensors)
+    else:
+        shares = tensors
+        views = [_whole_of_share(tensor, size, dim, ranks, rank) for tensor, size in zip(tensors, sizes, strict=True)]
+    local = all(view is not None for view in views)
+    wholes = views if _every_rank_can(local, tensors[0].device, group) else None
     at = 0  # where the part starts in the fused tensor
-    for index, (tensor, size) in enumerate(zip(tensors, sizes, strict=True)):
-        part = wholes[index] if wholes is not None else _gathered(tensor, size, dim, ranks, group)
+    for index, (share, size) in enumerate(zip(shares, sizes, strict=True)):
+        part = wholes[index] if wholes is not None else _gathered(share, size, dim, ranks, group)
         low, high = max(start, at), min(start + length, at + size)
         if low < high:
             cut.narrow(dim, low - start, high - low).copy_(part.narrow(dim, low - at, high - low))

@@ -207,14 +207,59 @@ def _gathered(tensor: Any, size: int, dim: int, ranks: int, group: Any) -> Any:
     return buffer[:size].movedim(0, dim)
 
 
+def _whole_of_share(share: Any, size: int, dim: int, ranks: int, rank: int) -> Any:
+    """The whole source part that ``share``, ``rank``'s ``Shard`` of it along ``dim``, is a view of (else ``None``).
+
+    transformers reads a safetensors checkpoint through lazy slices of its memory map,
+    and a rank's share is a view of the storage that holds the whole tensor in the file
+    (``get_slice(name)[a:b]``): the other ranks' rows are in the same storage, and a view
+    of them costs nothing until read, and then file pages that ``release`` gives back.
+    It is used only when the storage holds exactly the whole tensor, row-major, with the
+    share at its own offset; a share that is a copy (a cast to another dtype, a move to
+    another device, an empty share) has a storage of its own and gives ``None``.
+    """
+    if share.numel() == 0:
+        return None
+    start = min(rank * -(-size // ranks), size)
+    shape = [*share.shape]
+    shape[dim] = size
+    strides = [1] * len(shape)
+    for index in range(len(shape) - 2, -1, -1):
+        strides[index] = strides[index + 1] * shape[index + 1]
+    numel = strides[0] * shape[0]
+    if (
+        tuple(share.stride()) != tuple(strides)
+        or share.storage_offset() != start * strides[dim]
+        or share.untyped_storage().nbytes() != numel * share.element_size()
+    ):
+        return None
+    return share.as_strided(shape, strides, 0)
+
+
+def _every_rank_can(can: bool, device: Any, group: Any) -> bool:
+    """Whether ``can`` holds on every rank of ``group`` (a one-number all-reduce, on every rank alike).
+
+    Every rank calls it once per fused tensor, so that either none gathers or all do: a
+    rank that read a copy makes every rank take ``_gathered``, whose collectives match.
+    """
+    import torch
+    import torch.distributed as dist
+
+    agreed = torch.tensor([int(can)], dtype=torch.int32, device=device)
+    dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=group)
+    return bool(agreed.item())
+
+
 def _cut_of_gathered(tensors: list[Any], sizes: tuple[int, ...], dim: int, parameter: Any, what: str) -> Any:
     """This rank's FSDP2 shard of the fused tensor, from each part's shard as transformers read it.
 
-    Each part's shares are all-gathered over the FSDP2 group (every rank, every part, in
-    the same order: the collectives match), and the rows of the part that fall in this
-    rank's contiguous cut of the fused tensor are copied into it.  One part is held
-    whole at a time, the cut is allocated once, and the heap memory the gathered parts
-    leave is given back (``bench/load_memory.py --fsdp``).
+    Where the shares are views of the memory-mapped checkpoint (a safetensors load in
+    the checkpoint's dtype, on every rank), each rank copies its rows of the fused
+    tensor from the whole parts in the file, with no collective but one agreement, and
+    gives their file pages back.  Otherwise each part's shares are all-gathered over
+    the FSDP2 group (every rank, every part, in the same order: the collectives match),
+    one part held whole at a time, and the heap memory the gathered parts leave is
+    given back.  Either way the cut is allocated once (``bench/load_memory.py --fsdp``).
     """
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
@@ -238,14 +283,26 @@ def _cut_of_gathered(tensors: list[Any], sizes: tuple[int, ...], dim: int, param
     cut_shape = list(tensors[0].shape)
     cut_shape[dim] = length
     cut = tensors[0].new_empty(cut_shape)
+    if found == sizes:  # read whole (on this rank at least): its shares, should the ranks gather
+        firsts = (min(rank * -(-size // ranks), size) for size in sizes)
+        shares = [tensor.narrow(dim, first, n) for tensor, first, n in zip(tensors, firsts, expected, strict=True)]
+        views: list[Any] = list(tensors)
+    else:
+        shares = tensors
+        views = [_whole_of_share(tensor, size, dim, ranks, rank) for tensor, size in zip(tensors, sizes, strict=True)]
+    local = all(view is not None for view in views)
+    wholes = views if _every_rank_can(local, tensors[0].device, group) else None
     at = 0  # where the part starts in the fused tensor
-    for tensor, size in zip(tensors, sizes, strict=True):
-        part = tensor if found == sizes else _gathered(tensor, size, dim, ranks, group)
+    for index, (share, size) in enumerate(zip(shares, sizes, strict=True)):
+        part = wholes[index] if wholes is not None else _gathered(share, size, dim, ranks, group)
         low, high = max(start, at), min(start + length, at + size)
         if low < high:
             cut.narrow(dim, low - start, high - low).copy_(part.narrow(dim, low - at, high - low))
         del part
         at += size
+    if wholes is not None:
+        release(wholes)  # the file pages of the whole parts, just copied: see pages.py
+        return cut
     release(tensors)
     trim_heap()  # the gathered parts, freed: see pages.trim_heap
     return cut
@@ -260,9 +317,10 @@ class SizedConcatenate(ConversionOps):
     and splits by them when saving.  In a load sharded by transformers the parts arrive
     as this rank's share of each.  Under tensor parallelism their concatenation is this
     rank's shard of the fused tensor (its own heads of q, k and v).  Under FSDP2, which
-    all-gathers the fused parameter whole for each forward, the shares are gathered and
-    the rank keeps its contiguous cut of the fused tensor, so the gathered parameter (and
-    a saved checkpoint) is the fused layout.
+    all-gathers the fused parameter whole for each forward, the rank keeps its contiguous
+    cut of the fused tensor (read from the whole parts the shares view in the
+    memory-mapped checkpoint, or else from the gathered shares), so the gathered
+    parameter (and a saved checkpoint) is the fused layout.
 
     Args:
         dim: the dimension to concatenate along.

@@ -20,6 +20,7 @@ case, so a rank never waits in a collective that the other skipped.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -28,7 +29,7 @@ import sys
 import tempfile
 import traceback
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -134,10 +135,18 @@ def load_group(checkpoints: dict[str, str]) -> dict[str, Result]:
         reference[name] = (logits(model), greedy(model))
     results: dict[str, Result] = {}
 
-    def sharded(name: str, mode: str, packs: str, *, strict: bool = False, check: Callable[..., None] | None = None):
+    def sharded(
+        name: str,
+        mode: str,
+        packs: str,
+        *,
+        strict: bool = False,
+        check: Callable[..., None] | None = None,
+        dtype: torch.dtype = torch.float32,
+    ):
         def body(result: Result) -> None:
-            with hfpatch_core.enabled(packs=packs, strict=strict):
-                model = AutoModelForCausalLM.from_pretrained(checkpoints[name], dtype=torch.float32, **sharding(mode))
+            with hfpatch_core.enabled(packs=packs, strict=strict), counted_all_gathers(result):
+                model = AutoModelForCausalLM.from_pretrained(checkpoints[name], dtype=dtype, **sharding(mode))
             result.replaced = replaced_of(model)
             found = logits(model)
             expected, tokens = reference[name]
@@ -173,6 +182,27 @@ def load_group(checkpoints: dict[str, str]) -> dict[str, Result]:
     return results
 
 
+@contextlib.contextmanager
+def counted_all_gathers(result: Result) -> Iterator[None]:
+    """Count the ``all_gather_into_tensor`` calls of a load (``extra["load_all_gathers"]``), calling through.
+
+    Under FSDP2 a fused tensor is cut from the whole parts in the memory-mapped checkpoint
+    (no gather); parts read as copies (a cast to another dtype) are gathered instead."""
+    original = dist.all_gather_into_tensor
+    calls = []
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    dist.all_gather_into_tensor = counting
+    try:
+        yield
+    finally:
+        dist.all_gather_into_tensor = original
+        result.extra["load_all_gathers"] = len(calls)
+
+
 def local_rows(model: Any, result: Result) -> None:
     """The rows this rank holds of each projection of layer 0 (its shard, under tensor parallelism),
     and what ``save_pretrained`` does (a sharded model with converted weights refuses, on every rank)."""
@@ -193,9 +223,14 @@ def local_rows(model: Any, result: Result) -> None:
 
 def fsdp_cases(sharded: Callable[..., Callable[[Result], None]]) -> list[tuple[str, Callable[[Result], None]]]:
     """FSDP2 beyond the per-mode cases: qwen3's per-head norms, an MLP whose gate and up do not halve
-    (intermediate size 75: shares of 38 and 37 rows), and a pack that declares no plan."""
+    (intermediate size 75: shares of 38 and 37 rows), a load cast to float64 (each share read as a copy, so
+    gathered), and a pack that declares no plan."""
     return [
         ("qwen3/fsdp/fused-dense", sharded("qwen3", "fsdp", "fused-dense", check=fsdp_cut)),
+        (
+            "llama/fsdp/fused-dense/float64",
+            sharded("llama", "fsdp", "fused-dense", check=fsdp_cut, dtype=torch.float64),
+        ),
         ("llama_uneven/fsdp/fused-dense", sharded("llama_uneven", "fsdp", "fused-dense", check=fsdp_cut)),
         ("llama/fsdp/undeclared", sharded("llama", "fsdp", "undeclared")),
         ("llama/fsdp/undeclared/strict", sharded("llama", "fsdp", "undeclared", strict=True)),
@@ -217,7 +252,7 @@ def fsdp_cut(model: Any, result: Result) -> None:
         except AttributeError:  # qwen-moe fuses the attention only
             continue
         prefix = f"model.layers.0.{name.split('.')[0]}"
-        whole = torch.cat([checkpoint[f"{prefix}.{part}_proj.weight"] for part in parts])
+        whole = torch.cat([checkpoint[f"{prefix}.{part}_proj.weight"] for part in parts]).to(local.dtype)
         offset = RANK * -(-whole.shape[0] // dist.get_world_size())
         result.extra[f"rows:{name}"] = int(local.shape[0])
         result.extra[f"cut:{name}"] = bool(torch.equal(local, whole[offset : offset + local.shape[0]]))

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors import safe_open
+from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, LlamaForCausalLM, conversion_mapping
 from transformers.core_model_loading import WeightRenaming
 
@@ -15,7 +16,7 @@ import hfpatch_core
 from conftest import tiny_llama_config
 from hfpatch_core import ConverterConflictError, PackWarning, WeightLayoutError, plan_of
 from hfpatch_core.composition import ConversionScope, compose
-from hfpatch_core.conversion import Converter, SizedConcatenate, SizedSplit, describe_transform
+from hfpatch_core.conversion import Converter, SizedConcatenate, SizedSplit, _whole_of_share, describe_transform
 from hfpatch_core.plan import BUILTIN, ConverterClaim
 from hfpatch_core.resolution import resolve_converters
 from packs import FUSED_MLP_PACK, MLP_PACK, PackSpec, fused_attention_and_mlp_pack, fused_qkv_pack
@@ -51,6 +52,26 @@ def test_sized_ops_reverse_exactly() -> None:
         fuse.convert({"q": [q], "k": [k]}, ["q", "k", "v"], ["qkv"])
     with pytest.raises(hfpatch_core.InvalidPatchError, match="sizes must be positive ints"):
         SizedSplit(0, (3, 0))
+
+
+def test_an_fsdp2_share_read_from_the_checkpoint_views_its_whole_part_and_a_copy_does_not(tmp_path) -> None:
+    # what an FSDP2 rank of two reads of a 75-row part, as transformers does: a slice of the file's tensor
+    whole = {"rows": torch.randn(75, 8), "columns": torch.randn(6, 75)}
+    save_file(whole, str(tmp_path / "model.safetensors"))
+    handle = safe_open(str(tmp_path / "model.safetensors"), "pt")
+    for rank, (start, stop) in enumerate([(0, 38), (38, 75)]):
+        share = handle.get_slice("rows")[start:stop]
+        found = _whole_of_share(share, 75, 0, 2, rank)
+        assert found is not None and torch.equal(found, whole["rows"])
+        assert found.untyped_storage().data_ptr() == share.untyped_storage().data_ptr()  # no copy
+        columns = _whole_of_share(handle.get_slice("columns")[:, start:stop], 75, 1, 2, rank)
+        assert columns is not None and torch.equal(columns, whole["columns"])
+    share = handle.get_slice("rows")[0:38]
+    assert _whole_of_share(share.double(), 75, 0, 2, 0) is None  # cast on read: a copy of the share alone
+    assert _whole_of_share(share.clone(), 75, 0, 2, 0) is None
+    assert _whole_of_share(handle.get_slice("rows")[38:75], 75, 0, 2, 0) is None  # not rank 0's rows
+    assert _whole_of_share(handle.get_slice("rows")[0:38], 76, 0, 2, 0) is None  # not the declared size
+    assert _whole_of_share(handle.get_slice("rows")[75:75], 75, 0, 2, 1) is None  # an empty share
 
 
 def test_grouped_query_fused_qkv_loads_and_saves_the_original_layout(install, tmp_path, snapshot) -> None:

@@ -279,6 +279,7 @@ def test_a_declared_plan_shards_only_modules_the_model_plan_shards(loads: list[d
 #: The FSDP2 cases beyond those of every mode (``distributed_cases.fsdp_cases``).
 FSDP_CASES = (
     "qwen3/fsdp/fused-dense",
+    "llama/fsdp/fused-dense/float64",
     "llama_uneven/fsdp/fused-dense",
     "llama/fsdp/undeclared",
     "llama/fsdp/undeclared/strict",
@@ -286,32 +287,42 @@ FSDP_CASES = (
 
 
 @pytest.mark.parametrize(
-    ("case", "classes", "rows"),
+    ("case", "classes", "rows", "gathers"),
     [
         (
             "llama/fsdp/fused-dense",
             {"LlamaAttention": "FusedQKVLlamaAttention", "LlamaMLP": "FusedGateUpLlamaMLP"},
             {"self_attn.qkv_proj.weight": 64, "mlp.gate_up_proj.weight": 128},
+            0,  # each rank cuts its rows from the whole parts in the memory-mapped checkpoint
+        ),
+        (  # cast on read, each share is a copy of its rows alone: the shares of every part are gathered
+            "llama/fsdp/fused-dense/float64",
+            {"LlamaAttention": "FusedQKVLlamaAttention", "LlamaMLP": "FusedGateUpLlamaMLP"},
+            {"self_attn.qkv_proj.weight": 64, "mlp.gate_up_proj.weight": 128},
+            2 * 5,  # 2 layers, q, k, v, gate and up
         ),
         (
             "qwen3/fsdp/fused-dense",
             {"Qwen3Attention": "FusedQKVQwen3Attention", "Qwen3MLP": "FusedGateUpQwen3MLP"},
             {"self_attn.qkv_proj.weight": 64, "mlp.gate_up_proj.weight": 128},
+            0,
         ),
-        (  # gate and up of 75 rows: shares of 38 and 37, gathered, the fused 150 cut in 75 and 75
+        (  # gate and up of 75 rows: shares of 38 and 37, the fused 150 cut in 75 and 75
             "llama_uneven/fsdp/fused-dense",
             {"LlamaAttention": "FusedQKVLlamaAttention", "LlamaMLP": "FusedGateUpLlamaMLP"},
             {"self_attn.qkv_proj.weight": 64, "mlp.gate_up_proj.weight": 75},
+            0,
         ),
         (
             "qwen2_moe/fsdp/qwen-moe",
             {"Qwen2MoeExperts": "PerExpertExperts", "Qwen2MoeAttention": "Qwen2MoeFusedQKVAttention"},
             {"self_attn.qkv_proj.weight": 64},
+            0,
         ),
     ],
 )
 def test_fused_packs_load_under_fsdp2_as_cuts_of_the_fused_tensor_and_save_the_original_layout(
-    loads: list[dict[str, Any]], case: str, classes: dict[str, str], rows: dict[str, int]
+    loads: list[dict[str, Any]], case: str, classes: dict[str, str], rows: dict[str, int], gathers: int
 ) -> None:
     if "fsdp" not in modes():  # 5.3's DistributedConfig has no fsdp_size
         assert case not in loads[0]["cases"]
@@ -328,6 +339,7 @@ def test_fused_packs_load_under_fsdp2_as_cuts_of_the_fused_tensor_and_save_the_o
         # saved gathered: the original q/k/v (gate/up) tensors, which plain transformers reloads to equal logits
         assert extra["saved_fused"] == [] and extra["saved_q_proj"], extra
         assert extra["reloaded_diff"] <= ATOL
+        assert extra["load_all_gathers"] == gathers
 
 
 # --- expert parallelism: qwen-moe's experts cut per rank; fused-dense on a MoE; more families under TP ----

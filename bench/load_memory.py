@@ -14,11 +14,11 @@ the checkpoint where vanilla stacks them, so its load peaks below vanilla's.)
 
 With ``--fsdp`` the llama is also loaded by transformers' FSDP2 on two ranks
 (``torchrun --nproc_per_node 2``, gloo, ``DistributedConfig(fsdp_size=2)``, transformers
-5.25), vanilla and with the pack, and each rank reports the same two figures for its
-own shards: one row per rank.
+5.25), and with ``--tp`` by its tensor parallelism (``tp_plan="auto"``), vanilla and with
+the pack, and each rank reports the same two figures for its own shards: one row per rank.
 
 Run: ``PYTHONPATH=.venv/first-party-packs .venv/bin/python bench/load_memory.py``
-(``--rounds``, ``--qwen``, ``--fsdp``); Linux only (``/proc/self/status``).
+(``--rounds``, ``--qwen``, ``--fsdp``, ``--tp``); Linux only (``/proc/self/status``).
 """
 
 from __future__ import annotations
@@ -71,7 +71,8 @@ print(json.dumps(measure(model)))
 """
 )
 
-#: One rank of a 2-rank FSDP2 load by transformers (``DistributedConfig(fsdp_size=2)``, gloo).
+#: One rank of a 2-rank sharded load by transformers (gloo): FSDP2 (``DistributedConfig(fsdp_size=2)``)
+#: or tensor parallelism (``tp_plan="auto"``).
 _RANK = (
     _MEASURE
     + r"""
@@ -82,12 +83,12 @@ from transformers import AutoModelForCausalLM
 from transformers.distributed import DistributedConfig
 import hfpatch_core
 
-path, packs, out = sys.argv[1], sys.argv[2], sys.argv[3]
+path, packs, out, mode = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4]
 dist.init_process_group("gloo")
 if packs != "vanilla":
     hfpatch_core.enable(packs, strict=True)
-config = DistributedConfig(fsdp_size=2)
-model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, distributed_config=config)
+sharding = {"distributed_config": DistributedConfig(fsdp_size=2)} if mode == "fsdp" else {"tp_plan": "auto"}
+model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **sharding)
 with open(os.path.join(out, f"rank{dist.get_rank()}.json"), "w") as report:
     json.dump(measure(model), report)
 dist.barrier()
@@ -136,39 +137,46 @@ def sample(path: Path, packs: str) -> dict:
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
-def fsdp_sample(path: Path, packs: str, directory: Path) -> list[dict]:
-    """Each rank's report of one ``torchrun --nproc_per_node 2`` FSDP2 load."""
-    script, out = directory / "rank.py", directory / f"out-{packs}"
+#: How each sharded mode is named in the table.
+MODES = {"fsdp": "FSDP2", "tp": "TP"}
+
+
+def sharded_sample(path: Path, packs: str, directory: Path, mode: str) -> list[dict]:
+    """Each rank's report of one ``torchrun --nproc_per_node 2`` load sharded by ``mode``."""
+    script, out = directory / "rank.py", directory / f"out-{mode}-{packs}"
     script.write_text(_RANK)
     out.mkdir(exist_ok=True)
     environment = {**os.environ, "USE_HUB_KERNELS": os.environ.get("USE_HUB_KERNELS", "0"), "OMP_NUM_THREADS": "1"}
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script)]
     result = subprocess.run(
-        [*command, str(path), packs, str(out)], capture_output=True, text=True, env=environment, check=False
+        [*command, str(path), packs, str(out), mode], capture_output=True, text=True, env=environment, check=False
     )
     if result.returncode != 0:
-        raise SystemExit(f"FSDP2 load of {path.name} with {packs} failed:\n{result.stderr[-3000:]}")
+        raise SystemExit(f"{MODES[mode]} load of {path.name} with {packs} failed:\n{result.stderr[-3000:]}")
     return [json.loads((out / f"rank{rank}.json").read_text()) for rank in (0, 1)]
 
 
-def fsdp_rows(path: Path, pack: str, rounds: int, directory: Path) -> list[list[str]]:
-    """One row per rank: median peaks of vanilla and ``pack`` under FSDP2, interleaved round by round."""
+def sharded_rows(path: Path, pack: str, rounds: int, directory: Path, mode: str) -> list[list[str]]:
+    """One row per rank: median peaks of vanilla and ``pack`` sharded by ``mode``, interleaved round by round."""
     peaks: dict[str, list[list[int]]] = {"vanilla": [[], []], pack: [[], []]}
     built: dict[str, list[int]] = {}
     for round_index in range(rounds):
         for packs in ["vanilla", pack] if round_index % 2 == 0 else [pack, "vanilla"]:
-            reports = fsdp_sample(path, packs, directory)
+            reports = sharded_sample(path, packs, directory, mode)
             for rank, report in enumerate(reports):
                 peaks[packs][rank].append(report["peak"])
             built[packs] = [report["built"] for report in reports]
     rows = []
     for rank in (0, 1):
         vanilla, patched = median(peaks["vanilla"][rank]), median(peaks[pack][rank])
-        ratio = (patched - vanilla) / built[pack][rank] if built[pack][rank] else float("nan")
+        # what vanilla builds too (under TP its row-wise cuts, copies of the file's columns) is
+        # not converted by the pack: the goal counts what the pack builds beyond it
+        converted = built[pack][rank] - built["vanilla"][rank]
+        ratio = (patched - vanilla) / converted if converted > 0 else float("nan")
         values = (vanilla, built["vanilla"][rank], patched, built[pack][rank])
         rows.append(
             [
-                f"{path.name}, FSDP2 rank {rank}",
+                f"{path.name}, {MODES[mode]} rank {rank}",
                 pack,
                 *(f"{value / 2**20:.0f}" for value in values),
                 f"{ratio:.2f}",
@@ -186,6 +194,11 @@ def main() -> None:
         "--fsdp",
         action="store_true",
         help="also the llama loaded by transformers' FSDP2 on 2 ranks (torchrun, gloo), each rank's figures",
+    )
+    parser.add_argument(
+        "--tp",
+        action="store_true",
+        help="also the llama loaded by transformers' tensor parallelism on 2 ranks (torchrun, gloo)",
     )
     args = parser.parse_args()
     print("\n".join(machine_info()))
@@ -213,8 +226,8 @@ def main() -> None:
                     "met" if ratio <= GOAL else "MISSED",
                 ]
             )
-            if args.fsdp and kind == "llama":
-                rows.extend(fsdp_rows(path, pack, args.rounds, Path(directory)))
+            for mode in [mode for mode in MODES if getattr(args, mode)] if kind == "llama" else []:
+                rows.extend(sharded_rows(path, pack, args.rounds, Path(directory), mode))
     print(f"\npeak RSS after from_pretrained and bytes built, MiB (median of {args.rounds} fresh processes each)")
     header = ["model", "pack", "vanilla peak", "vanilla built", "pack peak", "pack built", "(pack - vanilla) / built"]
     print(table([*header, f"<= {GOAL}"], rows))

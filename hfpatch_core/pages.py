@@ -47,12 +47,20 @@ def _madvise() -> Any:
 
 
 def _ranges(tensors: Iterable[Any]) -> Iterator[tuple[int, int]]:
-    """The whole pages inside each contiguous CPU tensor's bytes, as ``(first page, end page)``."""
+    """The whole pages of the storage behind each contiguous CPU tensor, as ``(first page, end page)``.
+
+    The storage, not only the tensor's own bytes: a per-rank share (tensor parallelism,
+    FSDP2) is a view of the whole checkpoint tensor it was read from, and reading the
+    share maps more of that tensor than the share (the kernel's fault-around and
+    readahead), pages that no one else reads.  Releasing a clean file page changes no value
+    whoever uses it: a later read maps it again.
+    """
     for tensor in tensors:
         if getattr(tensor, "device", None) is None or tensor.device.type != "cpu" or not tensor.is_contiguous():
             continue
-        start = tensor.data_ptr()
-        end = start + tensor.numel() * tensor.element_size()
+        storage = tensor.untyped_storage()
+        start = storage.data_ptr()
+        end = start + storage.nbytes()
         first, last = -(-start // _PAGE), end // _PAGE
         if last > first:
             yield first, last

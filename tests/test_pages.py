@@ -51,6 +51,22 @@ def test_release_unmaps_file_pages_and_keeps_values(checkpoint):
     assert torch.equal(q, expected)  # read again from the file
 
 
+def test_release_of_a_share_gives_back_what_reading_it_mapped_of_its_whole_tensor(tmp_path):
+    """A per-rank share (rows of a checkpoint tensor, as tensor parallelism reads it) is a view of the
+    whole tensor: the pages around it that reading mapped are given back with it, and none changes."""
+    path = tmp_path / "model.safetensors"
+    save_file({"q": torch.randn(64, _FLOATS // 64)}, str(path))
+    share = safe_open(str(path), "pt").get_slice("q")[32:64]  # rank 1 of 2
+    whole = torch.as_strided(share, (64, _FLOATS // 64), share.stride(), 0)  # the same storage, from its start
+    expected = whole.clone()  # maps every page of the tensor, the other rank's rows included
+    assert share.untyped_storage().nbytes() == _FLOATS * 4 and _resident_pages(whole) > 250
+
+    release([share])
+
+    assert _resident_pages(whole) <= 2  # rank 0's rows too
+    assert torch.equal(whole, expected)
+
+
 def test_release_never_touches_anonymous_memory():
     tensor = torch.randn(_FLOATS)
     expected = tensor.clone()

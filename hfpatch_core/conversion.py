@@ -148,11 +148,14 @@ def _rank_shares(found: tuple[int, ...], sizes: tuple[int, ...]) -> bool:
 _FSDP_MESH_DIMS = frozenset({"fsdp", "efsdp"})
 
 
+def _shard_start(size: int, ranks: int, rank: int) -> int:
+    """The first of ``size`` rows that ``rank``'s ``Shard`` over ``ranks`` holds (``torch.chunk``'s cut)."""
+    return min(rank * -(-size // ranks), size)
+
+
 def _shard_length(size: int, ranks: int, rank: int) -> int:
     """How many of ``size`` rows ``rank``'s ``Shard`` over ``ranks`` holds (``torch.chunk``'s cut)."""
-    step = -(-size // ranks)
-    start = min(rank * step, size)
-    return min(start + step, size) - start
+    return _shard_start(size, ranks, rank + 1) - _shard_start(size, ranks, rank)
 
 
 def _fully_sharded_target(model: Any, name: Any, dim: int) -> Any:
@@ -220,7 +223,7 @@ def _whole_of_share(share: Any, size: int, dim: int, ranks: int, rank: int) -> A
     """
     if share.numel() == 0:
         return None
-    start = min(rank * -(-size // ranks), size)
+    start = _shard_start(size, ranks, rank)
     shape = [*share.shape]
     shape[dim] = size
     strides = [1] * len(shape)
@@ -284,7 +287,7 @@ def _cut_of_gathered(tensors: list[Any], sizes: tuple[int, ...], dim: int, param
     cut_shape[dim] = length
     cut = tensors[0].new_empty(cut_shape)
     if found == sizes:  # read whole (on this rank at least): its shares, should the ranks gather
-        firsts = (min(rank * -(-size // ranks), size) for size in sizes)
+        firsts = (_shard_start(size, ranks, rank) for size in sizes)
         shares = [tensor.narrow(dim, first, n) for tensor, first, n in zip(tensors, firsts, expected, strict=True)]
         views: list[Any] = list(tensors)
     else:

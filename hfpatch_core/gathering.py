@@ -62,7 +62,6 @@ class _Registries:
 
     patches: dict[str, Any]
     cache: dict[str, Any]
-    conversions: dict[str, Any]
     keys: list[str]
     values: list[Any]
     #: each list of ``values`` copied (anything else as it is), as captured
@@ -99,7 +98,6 @@ class _Registries:
         _last_capture = cls(
             patches=_compat.module("monkey_patching").get_patch_mapping(),
             cache=cache,
-            conversions=dict(cache),
             keys=list(cache),
             values=values,
             contents=contents,
@@ -125,6 +123,7 @@ class _Registries:
             if self.patches:
                 monkey_patching.register_patch_mapping(self.patches)
         cache = self.cache
+        conversions = dict(zip(self.keys, self.values, strict=True))
         lists = {
             key: items
             for key, value, items in zip(self.keys, self.values, self.contents, strict=True)
@@ -135,16 +134,16 @@ class _Registries:
             conversion_mapping._checkpoint_conversion_mapping_cache = cache  # type: ignore[attr-defined]
         edited = [
             key
-            for key in dict.fromkeys([*self.conversions, *cache])
-            if cache.get(key, _MISSING) is not self.conversions.get(key, _MISSING)
+            for key in dict.fromkeys([*conversions, *cache])
+            if cache.get(key, _MISSING) is not conversions.get(key, _MISSING)
             or (key in lists and not _same_items(lists[key], cache[key]))
         ]
         if edited:
             changes += [f"register_checkpoint_conversion_mapping({key!r}, ...)" for key in edited]
             for key, items in lists.items():
-                self.conversions[key][:] = items
+                conversions[key][:] = items
             cache.clear()
-            cache.update(self.conversions)
+            cache.update(conversions)
         user_keys = _compat.user_registered_conversions()
         if user_keys is not None and self.user_keys is not None and user_keys != self.user_keys:
             if not edited:

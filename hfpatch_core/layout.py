@@ -19,14 +19,13 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from . import _compat
 from .adapters import declares_packed_modules, watch_peft
 from .composition import pattern_regex
 from .conversion import source_patterns_of, target_patterns_of
 from .errors import PackWarning, WeightLayoutError
 from .plan import BUILTIN, Plan, plan_of
 from .scope import vanilla
-from .state_dicts import guard_loading
+from .state_dicts import guard_loading, reversible_conversions
 
 #: The attribute of a patched model holding the unbound ``save_pretrained`` it shadows.
 _SAVE_GUARD = "_hfpatch_save_guard"
@@ -263,14 +262,6 @@ def guard_saving(model: nn.Module, plan: Plan) -> None:
         return
     object.__setattr__(model, "save_pretrained", SaveGuard(model))
     object.__setattr__(model, _SAVE_GUARD, True)
-
-
-def reversible_conversions(model: Any) -> list[Any]:
-    """The conversions a model built from a config should save with (``get_model_conversion_mapping``)."""
-    from transformers.conversion_mapping import get_model_conversion_mapping
-
-    prefix_change = _compat.prefix_change_type()
-    return [t for t in get_model_conversion_mapping(model, add_legacy=False) if not isinstance(t, prefix_change)]
 
 
 def secure(model: nn.Module, plan: Plan, loading_info: Mapping[str, Any] | None) -> None:

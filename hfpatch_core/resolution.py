@@ -116,11 +116,11 @@ def _class_table(
     keys: tuple[str, ...], class_names: tuple[str, ...]
 ) -> tuple[tuple[str, str | None, frozenset[str]], ...]:
     """For each class name: the key of ``keys`` that ``find_replacement`` picks for it, and every key matching it."""
-    table = []
-    for name in class_names:
-        matching = [key for key in keys if matches(key, name)]
-        table.append((name, name if name in keys else next(iter(matching), None), frozenset(matching)))
-    return tuple(table)
+    by_key = {key: key for key in keys}
+    return tuple(
+        (name, find_replacement(name, by_key), frozenset(key for key in keys if matches(key, name)))
+        for name in class_names
+    )
 
 
 def resolve_patches(

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from . import _compat
 from .errors import WeightLayoutError
 
 __all__ = ["LoadGuard", "guard_loading", "original_state_dict"]
@@ -128,18 +129,19 @@ def load_original_layout(
     return _incompatible(missing, unexpected)
 
 
+def reversible_conversions(model: Any) -> list[Any]:
+    """The conversions a model built from a config should save with (``get_model_conversion_mapping``)."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+
+    prefix_change = _compat.prefix_change_type()
+    return [t for t in get_model_conversion_mapping(model, add_legacy=False) if not isinstance(t, prefix_change)]
+
+
 def _conversions(model: Any) -> list[Any]:
     """The conversions in force for ``model``, forward: those its load ran, else the ones a save reverses."""
     conversions = getattr(model, "_weight_conversions", None)
     if conversions is None:
-        from transformers.conversion_mapping import get_model_conversion_mapping
-
-        from . import _compat
-
-        prefix_change = _compat.prefix_change_type()
-        conversions = [
-            t for t in get_model_conversion_mapping(model, add_legacy=False) if not isinstance(t, prefix_change)
-        ]
+        conversions = reversible_conversions(model)
     return copy.deepcopy(list(conversions))  # the loader records use on them: never on the model's own
 
 

@@ -165,7 +165,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     from .session import Session
 
     _check_model_types(args.model_type)
-    selection = current_selection(args.packs or None)
+    selection = current_selection(args.packs or None, origin="hfpatch check")
     session = Session(selection, strict=False)
     failed = False
     for error in selection.problems:
@@ -228,9 +228,15 @@ def cmd_verify(args: argparse.Namespace) -> int:
     from .session import Session
     from .testing import Report, TinyCheckpointError, check_pack_equivalence, tiny_checkpoint
 
+    from .demo import checkpoint_problem
+
     _check_model_types(args.model_type)
     distributed = _distributed_modes(args.distributed)
-    selection = current_selection(args.packs or None)
+    if args.model is not None:
+        problem = checkpoint_problem(args.model)
+        if problem is not None:
+            raise _UsageError(f"{problem} (or --model-type TYPE to verify on a tiny random model of that type)")
+    selection = current_selection(args.packs or None, origin="hfpatch verify")
     session = Session(selection, strict=False)
     jobs: list[tuple[str, str]] = []
     unverified: dict[str, str] = {str(getattr(error, "pack", "")) or "?": str(error) for error in selection.problems}

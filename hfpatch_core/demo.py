@@ -62,14 +62,22 @@ def _default_pack() -> str:
     return FIRST_PARTY_PACK if FIRST_PARTY_PACK in current_selection("all").packs else EXAMPLE_PACK
 
 
-def _check_model_dir(model_dir: str) -> None:
+def checkpoint_problem(model_dir: str) -> str | None:
+    """Why ``--model model_dir`` is not a local checkpoint directory (one line, with the fix); ``None`` when it is."""
     path = Path(model_dir)
     if not path.exists():
-        raise DemoError(f"--model {model_dir!r}: the path does not exist; give a local checkpoint directory")
+        return f"--model {model_dir!r}: the path does not exist; give a local checkpoint directory"
     if not path.is_dir():
-        raise DemoError(f"--model {model_dir!r}: not a directory; give a local checkpoint directory")
+        return f"--model {model_dir!r}: not a directory; give a local checkpoint directory"
     if not (path / "config.json").is_file():
-        raise DemoError(f"--model {model_dir!r}: no config.json in it; is it a checkpoint saved by save_pretrained?")
+        return f"--model {model_dir!r}: no config.json in it; give a checkpoint directory saved by save_pretrained"
+    return None
+
+
+def _check_model_dir(model_dir: str) -> None:
+    problem = checkpoint_problem(model_dir)
+    if problem is not None:
+        raise DemoError(problem)
 
 
 def run_demo(model_dir: str | None = None, packs: str | None = None, *, out: TextIO | None = None) -> Any:
@@ -108,7 +116,7 @@ def run_demo(model_dir: str | None = None, packs: str | None = None, *, out: Tex
             choice = _default_pack()
         if EXAMPLE_PACK in parse_selection(choice).named:
             _install_example_pack(Path(tmp) / "site")
-        selection = current_selection(choice)
+        selection = current_selection(choice, origin=PACKS_ENV if packs is None else "hfpatch demo --packs")
         if not selection.packs and not selection.problems:
             write(f"No pack to demonstrate: {PACKS_ENV}={choice!r} selects none.")
             return None

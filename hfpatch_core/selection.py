@@ -44,6 +44,9 @@ class SelectionSpec:
         excluded: the packs listed as ``-name``.
         priority_offsets: ``name@N`` items: added to each claim priority of that pack.
         source: the text as the user wrote it, quoted in messages.
+        origin: where the text came from, as messages name it: a variable or parameter
+            (``HF_PATCH_PACKS``, quoted as ``HF_PATCH_PACKS='a,b'``) or a command line
+            (``hfpatch verify``, quoted as ``hfpatch verify 'a,b'``).
     """
 
     mode: Literal["all", "none", "only"]
@@ -51,6 +54,13 @@ class SelectionSpec:
     excluded: tuple[str, ...] = ()
     priority_offsets: Mapping[str, int] = dataclasses.field(default_factory=dict)
     source: str = ""
+    origin: str = PACKS_ENV
+
+    @property
+    def quoted(self) -> str:
+        """The text with where it came from, as messages quote it: ``HF_PATCH_PACKS='a,b'``."""
+        glue = "=" if self.origin.isidentifier() else " "
+        return f"{self.origin}{glue}{self.source!r}"
 
     @property
     def text(self) -> str | None:
@@ -63,9 +73,9 @@ class SelectionSpec:
         return tuple(dict.fromkeys([*self.included, *self.excluded, *self.priority_offsets]))
 
 
-def _error(source: str, problem: str) -> SelectionError:
+def _error(spec: SelectionSpec, problem: str) -> SelectionError:
     return SelectionError(
-        f"{PACKS_ENV}={source!r}: {problem}. Write a comma-separated list such as 'a,b', '-a', "
+        f"{spec.quoted}: {problem}. Write a comma-separated list such as 'a,b', '-a', "
         "'all,-a', 'a@+10' or 'none'."
     )
 
@@ -81,8 +91,11 @@ def _join(spec: object) -> str:
     return ",".join(items)
 
 
-def parse_selection(spec: str | Iterable[str] | None) -> SelectionSpec:
+def parse_selection(spec: str | Iterable[str] | None, *, origin: str = PACKS_ENV) -> SelectionSpec:
     """Parse a pack choice; ``None`` (the variable unset) means every pack.
+
+    ``origin`` says where the choice came from (``SelectionSpec.origin``): messages about
+    it name that, not ``HF_PATCH_PACKS``, when the user wrote it elsewhere.
 
     Raises:
         SelectionError: the text does not follow the grammar in this module's docstring, or
@@ -91,11 +104,12 @@ def parse_selection(spec: str | Iterable[str] | None) -> SelectionSpec:
     if spec is None:
         return SelectionSpec(mode="all", source=UNSET)
     source = spec if isinstance(spec, str) else _join(spec)
+    written = SelectionSpec(mode="none", source=source, origin=origin)  # what messages quote
     items = [item.strip() for item in source.split(",") if item.strip()]
     if not items or items == ["none"]:
-        return SelectionSpec(mode="none", source=source)
+        return written
     if "none" in items:
-        raise _error(source, "'none' cannot be combined with other items")
+        raise _error(written, "'none' cannot be combined with other items")
     everything = "all" in items
     included: list[str] = []
     excluded: list[str] = []
@@ -105,32 +119,34 @@ def parse_selection(spec: str | Iterable[str] | None) -> SelectionSpec:
             continue
         match = _ITEM.fullmatch(item)
         if match is None:
-            raise _error(source, f"{item!r} is not a pack name, '-name' or 'name@N'")
+            raise _error(written, f"{item!r} is not a pack name, '-name' or 'name@N'")
         name, offset = match["name"], match["offset"]
         if name in _RESERVED:
-            raise _error(source, f"{item!r} uses {name!r}, which is a keyword, not a pack name")
+            raise _error(written, f"{item!r} uses {name!r}, which is a keyword, not a pack name")
         if match["minus"]:
             if offset is not None:
-                raise _error(source, f"{item!r} both disables a pack and sets its priority")
+                raise _error(written, f"{item!r} both disables a pack and sets its priority")
             excluded.append(name)
             continue
         if offset is not None:
             if offsets.get(name, int(offset)) != int(offset):
-                raise _error(source, f"pack {name!r} is given two priority offsets")
+                raise _error(written, f"pack {name!r} is given two priority offsets")
             offsets[name] = int(offset)
         included.append(name)
     clash = sorted(set(included) & set(excluded))
     if clash:
-        raise _error(source, f"{clash[0]!r} is both enabled and disabled")
+        raise _error(written, f"{clash[0]!r} is both enabled and disabled")
     if excluded and included and not everything:
         raise _error(
-            source,
+            written,
             f"'-{excluded[0]}' disables a pack while {included[0]!r} lists the only packs to enable; "
             f"start with 'all' to mean every pack but some",
         )
     if everything or excluded:
-        return SelectionSpec("all", tuple(dict.fromkeys(included)), tuple(dict.fromkeys(excluded)), offsets, source)
-    return SelectionSpec("only", tuple(dict.fromkeys(included)), (), offsets, source)
+        return SelectionSpec(
+            "all", tuple(dict.fromkeys(included)), tuple(dict.fromkeys(excluded)), offsets, source, origin
+        )
+    return SelectionSpec("only", tuple(dict.fromkeys(included)), (), offsets, source, origin)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,7 +171,7 @@ class Selection:
         return self.spec.priority_offsets.get(name, 0)
 
 
-def _unknown(name: str, installed: Sequence[str], source: str) -> SelectionError:
+def _unknown(name: str, installed: Sequence[str], spec: SelectionSpec) -> SelectionError:
     listing = "no pack is installed" if not installed else "installed packs: " + ", ".join(installed)
     import difflib
 
@@ -163,7 +179,7 @@ def _unknown(name: str, installed: Sequence[str], source: str) -> SelectionError
     hint = f"; did you mean {close[0]!r}?" if close else ""
     if name.lower() in _RESERVED:
         hint = f"; did you mean the keyword {name.lower()!r}? (keywords are lower case)"
-    return SelectionError(f"{PACKS_ENV}={source!r} names pack {name!r}, which is not installed ({listing}){hint}")
+    return SelectionError(f"{spec.quoted} names pack {name!r}, which is not installed ({listing}){hint}")
 
 
 def select(spec: SelectionSpec, discovery: Discovery, transformers_version: str) -> Selection:
@@ -175,20 +191,20 @@ def select(spec: SelectionSpec, discovery: Discovery, transformers_version: str)
     installed = discovery.names
     for name in spec.named:
         if name not in installed:
-            raise _unknown(name, installed, spec.source)
+            raise _unknown(name, installed, spec)
 
     packs: dict[str, PackInfo] = {}
     status: dict[str, str] = {}
     problems: list[HfPatchError] = []
     for name in installed:
         if spec.mode == "none":
-            status[name] = f"disabled: {PACKS_ENV}=none"
+            status[name] = f"disabled: {spec.origin}=none" if spec.origin.isidentifier() else f"disabled: {spec.quoted}"
             continue
         if spec.mode == "only" and name not in spec.included:
-            status[name] = f"disabled: not listed in {PACKS_ENV}={spec.source!r}"
+            status[name] = f"disabled: not listed in {spec.quoted}"
             continue
         if name in spec.excluded:
-            status[name] = f"disabled: excluded by {PACKS_ENV}={spec.source!r}"
+            status[name] = f"disabled: excluded by {spec.quoted}"
             continue
         if name in discovery.duplicates:
             error = discovery.duplicate_error(name)
@@ -224,13 +240,19 @@ def installed_transformers_version() -> str:
         return "0"
 
 
-def current_selection(packs: str | Iterable[str] | None = None) -> Selection:
+def current_selection(packs: str | Iterable[str] | None = None, *, origin: str = PACKS_ENV) -> Selection:
     """Discover the installed packs and apply ``packs`` (``None``: ``HF_PATCH_PACKS``) to them.
+
+    ``origin`` names where ``packs`` came from in messages (``parse_selection``); when
+    ``packs`` is ``None`` the choice is the variable's.
 
     Imports neither torch, transformers nor any pack.
     """
     from .discovery import discover
     from .settings import packs_from_env
 
-    spec = parse_selection(packs_from_env() if packs is None else packs)
+    if packs is None:
+        spec = parse_selection(packs_from_env())
+    else:
+        spec = parse_selection(packs, origin=origin)
     return select(spec, discover(), installed_transformers_version())

@@ -282,6 +282,33 @@ def test_verify_fails_a_selected_pack_it_cannot_verify(install, capsys) -> None:
     assert "nothing: not verified: pack 'nothing' targets no model type" in found and "--model-type TYPE" in found
 
 
+def test_verify_bad_input_is_one_line_and_exit_2_before_any_work(install, capsys, monkeypatch, tmp_path) -> None:
+    from hfpatch_core.cli import main
+
+    install(PackSpec("mlp", MLP_PACK))
+    monkeypatch.delenv("HF_PATCH_PACKS", raising=False)
+    monkeypatch.setattr("hfpatch_core.testing.tiny_checkpoint", _no_checkpoint)
+    assert main(["verify", "mlp", "--model", str(tmp_path / "nope")]) == 2
+    missing = capsys.readouterr()
+    assert missing.out == "" and len(missing.err.strip().splitlines()) == 1
+    assert "nope': the path does not exist; give a local checkpoint directory" in missing.err
+    assert "--model-type TYPE" in missing.err and "model type of" not in missing.err
+    assert main(["verify", "mlp", "--model", str(tmp_path)]) == 2
+    assert "no config.json in it" in capsys.readouterr().err
+    # the names came from the command line: the message says so, not HF_PATCH_PACKS (which is unset)
+    assert main(["verify", "mpl"]) == 2
+    typo = capsys.readouterr()
+    assert typo.out == "" and "HF_PATCH_PACKS" not in typo.err
+    assert typo.err.startswith("hfpatch: error: hfpatch verify 'mpl' names pack 'mpl', which is not installed")
+    assert typo.err.rstrip().endswith("did you mean 'mlp'?")
+    assert main(["check", "mpl"]) == 2
+    assert capsys.readouterr().err.startswith("hfpatch: error: hfpatch check 'mpl' names pack 'mpl'")
+
+
+def _no_checkpoint(*args: object, **kwargs: object) -> None:
+    raise AssertionError("a checkpoint was built for bad input")
+
+
 PROGRAM = """
 import subprocess, sys, tempfile
 import torch

@@ -279,6 +279,27 @@ def test_bad_answers_are_one_error_and_leave_nothing(tmp_path: Path, answers: di
     assert list(tmp_path.iterdir()) == []  # not even the output directory it created
 
 
+def test_every_bad_answer_is_reported_at_once(tmp_path: Path) -> None:
+    """A misspelt model type does not hide a misspelt target class: it is checked against the closest type."""
+    import transformers
+
+    with pytest.raises(ScaffoldError) as caught:
+        new_pack("Bad Name", model_type="lama", target="LlamaMPL", no_input=True, output_dir=tmp_path / "out")
+    message = str(caught.value)
+    expected = [
+        "pack_name 'Bad Name' is not a valid pack name",
+        f"model_type 'lama' is not a model type transformers {transformers.__version__} knows; did you mean 'llama'",
+        "for the closest model type, 'llama': target_class 'LlamaMPL' is not defined in "
+        "transformers.models.llama.modeling_llama; did you mean 'LlamaMLP'",
+    ]
+    assert all(part in message for part in expected), message
+    assert "\n" not in message and list(tmp_path.iterdir()) == []
+    # the default target follows the model type: a wrong type is not reported twice
+    with pytest.raises(ScaffoldError) as default:
+        new_pack(model_type="lama", no_input=True, output_dir=tmp_path / "out")
+    assert "target_class" not in str(default.value)
+
+
 def test_cookiecutter_itself_removes_a_rejected_project(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(FailedHookException):
         cookiecutter(

@@ -19,6 +19,9 @@ ANSWERS = {
     "target_class": {{ cookiecutter.target_class | tojson }},
     "transformers_range": {{ cookiecutter.transformers_range | tojson }},
 }
+# target_class's default, derived from model_type: a wrong model type makes it wrong too,
+# and saying so would be a second report of the same mistake.
+DEFAULT_TARGET = {{ cookiecutter.model_type | mlp_class | tojson }}
 
 REPORT_ENV = "HFPATCH_SCAFFOLD_REPORT"
 
@@ -95,11 +98,13 @@ def check_range(answers):
 
 
 def check_model(answers, specifier):
-    """Problems with model_type / target_class, and warnings (found only with transformers installed)."""
+    """Problems with model_type / target_class, and warnings (found only with transformers installed).
+
+    An unknown model_type does not hide a wrong target_class: the target is checked against
+    the closest model type, so that both are reported at once.
+    """
     model_type, target = answers["model_type"], answers["target_class"]
     try:
-        import importlib
-
         import transformers
         from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
     except ImportError:
@@ -113,7 +118,33 @@ def check_model(answers, specifier):
         )
     if model_type not in CONFIG_MAPPING_NAMES:
         hint = did_you_mean(model_type, CONFIG_MAPPING_NAMES) or "; use the model_type of a checkpoint's config.json."
-        return [f"model_type {model_type!r} is not a model type transformers {version} knows{hint}"], warnings
+        problems = [f"model_type {model_type!r} is not a model type transformers {version} knows{hint}"]
+        closest = difflib.get_close_matches(str(model_type), list(CONFIG_MAPPING_NAMES), n=1, cutoff=0.6)
+        if closest and target != DEFAULT_TARGET:
+            problem, _ = check_target(closest[0], target)
+            if problem:
+                problems.append(f"for the closest model type, {closest[0]!r}: {problem}")
+        return problems, warnings
+    problem, module = check_target(model_type, target)
+    if module is not None:
+        try:
+            from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+            if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+                warnings.append(
+                    f"{model_type!r} has no causal LM class: tests/test_pack.py loads a tiny checkpoint with "
+                    "AutoModelForCausalLM, so pass it a checkpoint directory your model class loads instead."
+                )
+        except ImportError:
+            pass
+    return ([problem] if problem else []), warnings
+
+
+def check_target(model_type, target):
+    """Why ``target`` is not a module class of ``model_type``'s modeling module (``None`` when it is
+    one), and that module (``None`` when it cannot be imported)."""
+    import importlib
+
     module_name = model_type.replace("-", "_")
     modeling = f"transformers.models.{module_name}.modeling_{module_name}"
     try:
@@ -121,20 +152,10 @@ def check_model(answers, specifier):
         import torch.nn as nn
         from transformers import PreTrainedModel
     except ImportError as exc:
-        return [
+        return (
             f"model_type {model_type!r} has no importable modeling module {modeling} ({exc}); "
             "choose the model type whose modeling module defines the class to replace."
-        ], warnings
-    try:
-        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-        if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
-            warnings.append(
-                f"{model_type!r} has no causal LM class: tests/test_pack.py loads a tiny checkpoint with "
-                "AutoModelForCausalLM, so pass it a checkpoint directory your model class loads instead."
-            )
-    except ImportError:
-        pass
+        ), None
     defined = sorted(
         name
         for name, value in vars(module).items()
@@ -144,7 +165,7 @@ def check_model(answers, specifier):
         and not issubclass(value, PreTrainedModel)
     )
     if target in defined:
-        return [], warnings
+        return None, module
     value = getattr(module, target, None)
     if isinstance(value, type) and issubclass(value, PreTrainedModel):
         problem = f"target_class {target!r} is a whole model class of {modeling}; a pack replaces its building blocks"
@@ -158,7 +179,7 @@ def check_model(answers, specifier):
     if not hint:
         listed = ", ".join(defined[:15]) + (", ..." if len(defined) > 15 else "")
         hint = f"; its module classes are {listed}." if defined else "; it defines no module class to replace."
-    return [problem + hint], warnings
+    return problem + hint, module
 
 
 def remove_rendered_copy():

@@ -7,13 +7,15 @@ Exit codes: 0 success; 1 a check found problems; 2 bad input (arguments,
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import os
 import sys
 import tempfile
-from collections.abc import Sequence
-from typing import Any
+import warnings
+from collections.abc import Iterator, Sequence
+from typing import Any, TextIO
 
 EXIT_OK = 0
 EXIT_PROBLEMS = 1
@@ -223,12 +225,11 @@ def _transformers_version() -> str:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
+    from .demo import checkpoint_problem
     from .inspection import check_pack
     from .selection import current_selection
     from .session import Session
     from .testing import Report, TinyCheckpointError, check_pack_equivalence, tiny_checkpoint
-
-    from .demo import checkpoint_problem
 
     _check_model_types(args.model_type)
     distributed = _distributed_modes(args.distributed)
@@ -509,11 +510,53 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _show_warning(
+    message: Warning | str,
+    category: type[Warning],
+    filename: str,
+    lineno: int,
+    file: TextIO | None = None,
+    line: str | None = None,
+) -> None:
+    """A warning as one line, ``hfpatch: warning: ...``: where in hfpatch's code it was raised
+    (``sys.exit(main())``, for a pack's) tells a command-line user nothing."""
+    from .errors import PackWarning
+
+    kind = "" if issubclass(category, PackWarning | UserWarning) else f"{category.__name__}: "
+    stream = sys.stderr if file is None else file
+    with contextlib.suppress(OSError):  # as warnings' own: a warning never stops the command
+        stream.write(f"hfpatch: warning: {kind}{message}\n")
+
+
+@contextlib.contextmanager
+def _without_progress_bars() -> Iterator[None]:
+    """transformers' progress bars ("Loading weights", for every tiny model a command loads)
+    off while the command runs: they bury its output on stderr and say nothing of the packs."""
+    from transformers.utils import logging as hf_logging
+
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            hf_logging.enable_progress_bar()
+
+
+#: The commands that load models: transformers' progress bars are off while they run.
+_LOADING_COMMANDS = frozenset({"verify", "demo", "explain"})
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        code: int = args.handler(args)
+        with warnings.catch_warnings(), contextlib.ExitStack() as stack:
+            # installed here, by the command, never on import: a program using the library keeps its own
+            warnings.showwarning = _show_warning
+            if args.command_name in _LOADING_COMMANDS:
+                stack.enter_context(_without_progress_bars())
+            code: int = args.handler(args)
         sys.stdout.flush()  # here, so that a reader gone away is caught below and not at exit
         return code
     except KeyboardInterrupt:

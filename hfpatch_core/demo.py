@@ -40,16 +40,15 @@ def _install_example_pack(site: Path) -> None:
 
 @contextlib.contextmanager
 def _quiet_transformers() -> Iterator[None]:
+    # its progress bars are the command's business (hfpatch demo turns them off)
     from transformers.utils import logging as hf_logging
 
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
     try:
         yield
     finally:
         hf_logging.set_verbosity(verbosity)
-        hf_logging.enable_progress_bar()
 
 
 class DemoError(HfPatchError, ValueError):

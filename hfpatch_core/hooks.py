@@ -32,6 +32,7 @@ from .plan import PLAN_ATTRIBUTE, Plan
 from .scope import LOAD_LOCK
 from .selection import Selection
 from .session import Session, activate, active_session, current_session, live_session, new_session, scoped
+from .settings import log_level_from_env
 from .sharding import add_declared_plans
 
 logger = logging.getLogger("hfpatch")
@@ -40,6 +41,23 @@ logger = logging.getLogger("hfpatch")
 _originals: dict[str, tuple[Any, Any]] = {}
 #: ``enabled()`` blocks open, in every thread and task (guarded by ``LOAD_LOCK``).
 _open_blocks = 0
+
+
+def configure_logging() -> None:
+    """Apply ``HF_PATCH_LOG``: the ``hfpatch`` logger's level, and a stderr handler when
+    neither it nor an ancestor has one (a program that configured logging keeps its own).
+
+    Raises:
+        ValueError: ``HF_PATCH_LOG`` is not a level name.
+    """
+    level = log_level_from_env()
+    if level is None:
+        return
+    logger.setLevel(level)
+    if not logger.hasHandlers():
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(message)s"))  # every hfpatch message starts "hfpatch: "
+        logger.addHandler(handler)
 
 
 def attach(model: object, plan: Plan) -> None:
@@ -236,8 +254,10 @@ def enable(packs: str | Iterable[str] | None = None, strict: bool | None = None)
     Raises:
         SelectionError: the choice is malformed or names a pack that is not installed.
         PackError: strict mode, and a selected pack is incompatible or ambiguous.
+        ValueError: ``HF_PATCH_STRICT`` or ``HF_PATCH_LOG`` holds no valid value.
     """
     session = new_session(packs, strict)
+    configure_logging()
     session.report(session.selection.problems)
     install(session)
     return session.selection
@@ -266,9 +286,11 @@ def enabled(packs: str | Iterable[str] | None = None, strict: bool | None = None
     Raises:
         SelectionError: the choice is malformed or names a pack that is not installed.
         PackError: strict mode, and a selected pack is incompatible or ambiguous.
+        ValueError: ``HF_PATCH_STRICT`` or ``HF_PATCH_LOG`` holds no valid value.
     """
     global _open_blocks
     session = new_session(packs, strict)
+    configure_logging()
     session.report(session.selection.problems)
     with LOAD_LOCK:
         _hook()

@@ -37,8 +37,8 @@ def launch(command: Sequence[str]) -> NoReturn:
     activated), so ``hfpatch`` and ``python`` in the program and its children are this
     environment's too.
 
-    Fails here, once, rather than in every child: on a malformed ``HF_PATCH_PACKS`` or
-    ``HF_PATCH_STRICT``, on a pack name that is not installed (package metadata is read
+    Fails here, once, rather than in every child: on a malformed ``HF_PATCH_PACKS``,
+    ``HF_PATCH_STRICT`` or ``HF_PATCH_LOG``, on a pack name that is not installed (package metadata is read
     only when the choice names a pack: it costs tens of milliseconds), on a missing
     start-up hook or command.
 
@@ -46,7 +46,7 @@ def launch(command: Sequence[str]) -> NoReturn:
         LaunchError: the command cannot be started; nothing was run.
     """
     from .errors import HfPatchError
-    from .settings import AUTORUN_ENV, PACKS_ENV, strict_from_env
+    from .settings import AUTORUN_ENV, PACKS_ENV, log_level_from_env, strict_from_env
 
     command = list(command)
     if command[:1] == ["--"]:
@@ -63,7 +63,8 @@ def launch(command: Sequence[str]) -> NoReturn:
             if parse_selection(choice).named:
                 current_selection()
         strict_from_env()
-    except (HfPatchError, ValueError) as exc:  # a bad choice, a pack installed twice, a bad HF_PATCH_STRICT
+        log_level_from_env()
+    except (HfPatchError, ValueError) as exc:  # a bad choice, a pack installed twice, a bad variable
         raise LaunchError(str(exc)) from None
     environment = {**os.environ, AUTORUN_ENV: "1"}
     scripts = os.path.dirname(sys.executable)

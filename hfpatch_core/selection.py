@@ -75,8 +75,7 @@ class SelectionSpec:
 
 def _error(spec: SelectionSpec, problem: str) -> SelectionError:
     return SelectionError(
-        f"{spec.quoted}: {problem}. Write a comma-separated list such as 'a,b', '-a', "
-        "'all,-a', 'a@+10' or 'none'."
+        f"{spec.quoted}: {problem}. Write a comma-separated list such as 'a,b', '-a', 'all,-a', 'a@+10' or 'none'."
     )
 
 
@@ -251,8 +250,5 @@ def current_selection(packs: str | Iterable[str] | None = None, *, origin: str =
     from .discovery import discover
     from .settings import packs_from_env
 
-    if packs is None:
-        spec = parse_selection(packs_from_env())
-    else:
-        spec = parse_selection(packs, origin=origin)
+    spec = parse_selection(packs_from_env()) if packs is None else parse_selection(packs, origin=origin)
     return select(spec, discover(), installed_transformers_version())

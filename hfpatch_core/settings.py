@@ -19,6 +19,11 @@ PACKS_ENV = "HF_PATCH_PACKS"
 #: anything is registered.
 STRICT_ENV = "HF_PATCH_STRICT"
 
+#: ``debug``, ``info``, ``warning`` or ``error``: the level of the ``hfpatch`` logger, with a
+#: stderr handler when the program configured none, so that ``info`` logs each patched
+#: load's plan (which packs replaced what).  Unset: logging is left to the program.
+LOG_ENV = "HF_PATCH_LOG"
+
 #: Set by ``hfpatch run``; makes every Python process that inherits it enable hfpatch
 #: when transformers' modeling code is first imported.
 AUTORUN_ENV = "HFPATCH_AUTORUN"
@@ -26,6 +31,8 @@ AUTORUN_ENV = "HFPATCH_AUTORUN"
 #: The ``source`` of a selection made while ``HF_PATCH_PACKS`` is unset.
 UNSET = "<unset>"
 
+# logging's numeric levels, without importing logging on hfpatch run's start-up path
+_LOG_LEVELS = {"debug": 10, "info": 20, "warning": 30, "error": 40}
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"", "0", "false", "no", "off"})
 
@@ -49,4 +56,21 @@ def strict_from_env() -> bool:
     raise ValueError(
         f"{STRICT_ENV}={os.environ[STRICT_ENV]!r} is not a boolean; "
         f"use one of {sorted(_TRUE)} to turn strict mode on, or unset it."
+    )
+
+
+def log_level_from_env() -> int | None:
+    """The logging level ``HF_PATCH_LOG`` asks for, or ``None`` when it is unset or empty.
+
+    Raises:
+        ValueError: the variable holds something that is not a level name.
+    """
+    raw = os.environ.get(LOG_ENV, "").strip().lower()
+    if not raw:
+        return None
+    if raw in _LOG_LEVELS:
+        return _LOG_LEVELS[raw]
+    raise ValueError(
+        f"{LOG_ENV}={os.environ[LOG_ENV]!r} is not a log level; use one of {', '.join(_LOG_LEVELS)} "
+        "(info logs which packs each load applied), or unset it."
     )

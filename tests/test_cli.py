@@ -265,6 +265,25 @@ def test_check_flags_a_pattern_that_replaces_a_model_class_or_a_container(instal
     )
 
 
+def test_cli_warnings_are_one_line_each(install) -> None:
+    site = install(PackSpec("mlp", MLP_PACK), PackSpec("future", MLP_PACK, requires=("transformers>=6",)))
+    result = run(HFPATCH, "explain", "llama", site=site)
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.splitlines() == [
+        f"hfpatch: warning: pack 'future' (hfpatch-pack-future 1.0.0) supports transformers>=6 but "
+        f"{transformers.__version__} is installed; it is skipped. Install a release of hfpatch-pack-future "
+        f"made for transformers {transformers.__version__}, or disable it with HF_PATCH_PACKS=all,-future."
+    ]
+    # the format is the command's: importing the library (or the CLI module) leaves Python's in place
+    code = (
+        "import warnings; import hfpatch_core, hfpatch_core.cli; from hfpatch_core.cli import main; "
+        "before = warnings.showwarning; main(['list']); assert warnings.showwarning is before; "
+        "print(before.__module__)"
+    )
+    library = run(sys.executable, "-c", code, site=site)
+    assert library.returncode == 0 and library.stdout.splitlines()[-1] == "warnings", library.stderr
+
+
 def test_explain_prints_a_patterns_nesting_warning_once(install) -> None:
     site = install(PackSpec("broad", BROAD_PACK))
     result = run(HFPATCH, "explain", "llama", site=site)
@@ -344,6 +363,36 @@ def test_run_enables_packs_in_the_program_and_its_children(install, llama_checkp
     assert off.stdout.split() == ["parent", "LlamaMLP"]
 
 
+SERVING = """
+import subprocess, sys
+from transformers import AutoModelForCausalLM
+AutoModelForCausalLM.from_pretrained(sys.argv[1])
+if sys.argv[2:] == ["spawn"]:  # a worker process, its stderr the server's
+    sys.exit(subprocess.run([sys.executable, __file__, sys.argv[1]]).returncode)
+"""
+
+
+def test_run_with_hf_patch_log_says_which_packs_each_load_applied(install, llama_checkpoint, tmp_path) -> None:
+    """What ``hfpatch run -- transformers serve`` relies on: HF_PATCH_LOG reaches the children, each logs its plan."""
+    site = install(PackSpec("mlp", MLP_PACK, version="1.2.0"))
+    program = tmp_path / "serve.py"
+    program.write_text(textwrap.dedent(SERVING))
+    command = (HFPATCH, "run", "--", sys.executable, str(program), str(llama_checkpoint), "spawn")
+    logged = run(*command, site=site, env={"HF_PATCH_LOG": "info"})
+    assert logged.returncode == 0, logged.stderr
+    plans = [line for line in logged.stderr.splitlines() if line.startswith("hfpatch: LlamaForCausalLM:")]
+    assert len(plans) == 2, logged.stderr  # the program's load and its child's
+    assert all("LlamaMLP <- PackMLP [mlp==1.2.0] (plan " in plan for plan in plans), plans
+    quiet = run(*command, site=site)
+    assert quiet.returncode == 0 and "hfpatch:" not in quiet.stderr, quiet.stderr
+    bad = run(*command, site=site, env={"HF_PATCH_LOG": "loud"})
+    assert bad.returncode == 2 and bad.stdout == ""
+    assert bad.stderr.strip() == (
+        "hfpatch: error: HF_PATCH_LOG='loud' is not a log level; use one of debug, info, warning, error "
+        "(info logs which packs each load applied), or unset it."
+    )
+
+
 def test_run_checks_the_selection_and_the_command_first(install) -> None:
     site = install(PackSpec("mlp", MLP_PACK))
     bad = run(HFPATCH, "run", "--", sys.executable, "-c", "print(1)", site=site, env={"HF_PATCH_PACKS": "nope"})
@@ -398,6 +447,8 @@ def test_verify_prints_a_table_and_fails_a_bad_pack(install) -> None:
     assert report["model_type"] == "llama" and report["replaced"] == {"LlamaMLP": "PackMLP"} and report["ok"]
     assert report["apply_path"] is True
     assert "[1/1] verifying mlp on llama" in good.stderr
+    # transformers' progress bars (Loading weights, Writing model shards) are off: the progress line is all
+    assert good.stderr.splitlines() == ["[1/1] verifying mlp on llama ..."], good.stderr
     bad = run(HFPATCH, "verify", "doubling", "mlp", "--model-type", "llama", site=site)
     assert bad.returncode == 1
     assert "verdict" in bad.stdout and "FAIL" in bad.stdout and "PASS" in bad.stdout

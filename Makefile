@@ -31,7 +31,7 @@ TRANSFORMERS_REQUIREMENTS := huggingface-hub numpy packaging pyyaml regex tokeni
 CORE_REQUIREMENTS := torch pluggy importlib-metadata cookiecutter
 export USE_HUB_KERNELS := 0
 
-.PHONY: all venv venv-oldest demo test lint typecheck docs unit unit-oldest compat interop clean
+.PHONY: all venv venv-oldest demo dist test lint typecheck docs unit unit-oldest compat interop clean
 
 all: test
 
@@ -73,6 +73,14 @@ venv-oldest: $(VENV_OLDEST)/.installed $(PACKS_SITE_OLDEST)/.installed $(PACK_TE
 
 demo: venv
 	PYTHONPATH=$(PACKS_SITE) $(BIN)/hfpatch demo
+
+# The wheels of hfpatch-core and of every first-party pack, in DIST: nothing is published
+# on the package index, so `pip install --find-links dist hfpatch-core hfpatch-pack-...`
+# installs from here (the README's Install section). The venv's hatchling builds them.
+DIST ?= dist
+dist: $(VENV)/.installed
+	rm -rf $(DIST)
+	$(BIN)/python -m pip wheel $(PIP_FLAGS) --no-deps --no-build-isolation -w $(DIST) . $(PLUGINS)
 
 lint: venv
 	$(BIN)/ruff check .

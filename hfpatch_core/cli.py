@@ -411,6 +411,7 @@ def cmd_new(args: argparse.Namespace) -> int:
     print(f"Created {shown}. Next:")
     print(f"  cd {shown}")
     print('  pip install -e ".[test]"   # the pack, hfpatch-core, transformers, torch and pytest')
+    print("                             # (hfpatch-core not on your index: add --find-links, see README.md)")
     print("  pytest                     # the generated equivalence test")
     return EXIT_OK
 

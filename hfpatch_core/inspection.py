@@ -347,6 +347,25 @@ def pattern_problems(plan: Plan, classes: Mapping[str, type], model: nn.Module |
     return problems
 
 
+def converter_problems(plan: Plan) -> list[str]:
+    """Converters of ``plan`` left out although their pack's patch replaces a class of the model.
+
+    Such a load builds the pack's modules but reads the checkpoint in the original layout
+    (``WeightLayoutError``); a correct plan has none.
+    """
+    replaced = {(claim.pack, claim.target) for claim in plan.replaced.values()}
+    replacing = {claim.pack for claim in plan.replaced.values()}
+    problems = []
+    for claim, reason in plan.conversions.lost:
+        targets = claim.converter.patch_targets
+        if any((claim.pack, target) in replaced for target in targets) or (not targets and claim.pack in replacing):
+            problems.append(
+                f"{claim.describe()} is not applied ({reason}) although its patch replaces a "
+                "class of the model: a load would fail with WeightLayoutError."
+            )
+    return problems
+
+
 def check_pack(
     session: Session, name: str, model_types: Sequence[str] = (), *, config_for: ConfigFor | None = None
 ) -> CheckResult:
@@ -442,7 +461,10 @@ def check_pack(
         except (PatchConflictError, ConverterConflictError) as exc:
             note(str(exc))
         else:
-            for problem in pattern_problems(plan, classes, _meta_model(plan, config), model_type):
+            for problem in [
+                *pattern_problems(plan, classes, _meta_model(plan, config), model_type),
+                *converter_problems(plan),
+            ]:
                 note(problem)
         for claim in gathered.claims:
             hit = targets_of(model_type, [claim.target], classes)
@@ -588,10 +610,13 @@ def check_combination(
         except (PatchConflictError, ConverterConflictError) as exc:
             problems.append(f"{together} on {model_type}: every load of a {model_type} model would raise: {exc}")
             continue
-        for problem in pattern_problems(plan, classes, _meta_model(plan, config), model_type):
-            problem = f"{together} on {model_type}: {problem}"
-            if problem not in problems:
-                problems.append(problem)
+        # what a pack does alone, check_pack reported under the pack already
+        alone = {problem for result in results if result.pack in names for problem in result.problems}
+        found = [*pattern_problems(plan, classes, _meta_model(plan, config), model_type), *converter_problems(plan)]
+        for problem in found:
+            prefixed = f"{together} on {model_type}: {problem}"
+            if problem not in alone and prefixed not in problems:
+                problems.append(prefixed)
     return problems
 
 

@@ -175,10 +175,11 @@ def settled(
     spec: SelectionSpec | None,
     enabled: Iterable[str],
     offsets: Mapping[str, int] | None = None,
+    limit: int = LIMIT,
 ) -> _ConflictError:
     """``conflict`` with the remedy the search finds for ``problems`` (checked), or says it found none."""
     model_types = ", ".join(dict.fromkeys(str(problem.model_type) for problem in problems))
-    change, checked = settle(problems)
+    change, checked = settle(problems, limit=limit)
     if change is None:
         remedy = (
             f"No selection settles every conflict of {model_types}: the resolver checked {checked} (raising one "

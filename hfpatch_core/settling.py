@@ -107,9 +107,10 @@ def settle(problems: Sequence[Problem], *, limit: int = LIMIT) -> tuple[Change |
     """The change with fewest steps under which every problem resolves, and how many were checked.
 
     Each conflict met branches into raising one of its tied packs by 1 and disabling one.
-    Among changes of one size, raising comes before disabling (every pack keeps running),
-    then the change touching fewest of the load's claims: raising a pack raises all its
-    claims, on every model type, and fewer claims moved means fewer new ties elsewhere.
+    Among changes of one size (packs named), raising comes before disabling (every pack
+    keeps running), a smaller raise before a larger, then the change touching fewest of
+    the problems' claims: raising a pack raises all its claims, on every model type, and
+    fewer claims moved means fewer new ties elsewhere.
     """
     footprint = Counter(
         pack
@@ -117,8 +118,9 @@ def settle(problems: Sequence[Problem], *, limit: int = LIMIT) -> tuple[Change |
         for pack in [*(claim.pack for claim in problem.gathered.claims), *(c.pack for c in problem.gathered.converters)]
     )
 
-    def key(change: Change) -> tuple[int, int, int, Change]:
-        return (change.size, len(change.excluded), sum(footprint[pack] for pack in change.packs()), change)
+    def key(change: Change) -> tuple[int, int, int, int, Change]:
+        moved = sum(footprint[pack] for pack in change.packs())
+        return (change.size, len(change.excluded), sum(offset for _, offset in change.raised), moved, change)
 
     start = Change()
     queue = [(key(start), start)]

@@ -277,7 +277,8 @@ def test_check_together_reports_only_what_the_packs_do_together(install, capsys)
     assert found.count("pattern 'Llama.*' matches the model classes") == 1
     together = found.split("FAIL  together: broad, mlp\n", 1)[1]
     # what mlp adds: a class the pattern's replacement contains is replaced by another pack
-    assert together.startswith("      - broad + mlp on llama: pattern 'Llama.*' of pack 'broad' replaces LlamaForCausal")
+    prefix = "      - broad + mlp on llama: pattern 'Llama.*' of pack 'broad' replaces LlamaForCausalLM"
+    assert together.startswith(prefix)
     assert "(by 'broad''s AnyMLP, 'mlp''s PackMLP)" in together
 
 

@@ -46,11 +46,44 @@ class PackError(HfPatchError):
         self.stage = stage
 
 
-class PatchConflictError(HfPatchError):
+class _ConflictError(HfPatchError):
+    """A tie the resolver cannot decide.
+
+    Attributes:
+        problem: what ties, naming every claimant of the target.
+        remedy: how to settle it (a selection the resolver checked, when planning found one).
+        packs: the packs whose claims tie, sorted.
+        target: the patch target, or the converter key, they tie on.
+        selection: the ``HF_PATCH_PACKS`` value the remedy names, checked to settle every
+            conflict of the load's model type; ``None`` when none was checked or found.
+    """
+
+    def __init__(
+        self,
+        problem: str,
+        remedy: str = "",
+        *,
+        packs: tuple[str, ...] = (),
+        target: str = "",
+        selection: str | None = None,
+    ) -> None:
+        super().__init__(f"{problem} {remedy}".strip())
+        self.problem = problem
+        self.remedy = remedy
+        self.packs = packs
+        self.target = target
+        self.selection = selection
+
+    def with_remedy(self, remedy: str, selection: str | None) -> _ConflictError:
+        """The same conflict, with ``remedy`` in place of the generic one."""
+        return type(self)(self.problem, remedy, packs=self.packs, target=self.target, selection=selection)
+
+
+class PatchConflictError(_ConflictError):
     """Two packs claim the same target with the same priority and neither (or both) overwrite."""
 
 
-class ConverterConflictError(HfPatchError):
+class ConverterConflictError(_ConflictError):
     """Two packs' converters claim the same checkpoint tensors with the same priority."""
 
 

@@ -339,8 +339,11 @@ class PackSet:
                     Claim(pack=name, version=info.version, patch=patch, priority=patch.priority + offset, index=index)
                     for index, patch in enumerate(patches)
                 )
+                # numbered from before the extend: len(converters) grows while a generator feeds it,
+                # and two converters sharing an index would share unused_converters' verdict
+                first = len(converters)
                 converters.extend(
-                    ConverterClaim(name, info.version, converter, converter.priority + offset, len(converters) + index)
+                    ConverterClaim(name, info.version, converter, converter.priority + offset, first + index)
                     for index, converter in enumerate(pack_converters)
                 )
                 packs.append((name, info.version))

@@ -26,9 +26,11 @@ from .drift import Drift, DriftRecord, RecordError, Target, compare, read_record
 from .errors import ConverterConflictError, HfPatchError, PatchConflictError
 from .gathering import PackSet
 from .plan import Claim, Plan
-from .planning import default_class_names, modeling_module, module_classes, plan_load
-from .resolution import find_replacement, matches
+from .planning import decider, default_class_names, gather_for, modeling_module, module_classes, plan_load
+from .resolution import find_replacement, matches, patch_conflicts
+from .selection import Selection
 from .session import Session
+from .settling import Problem, selection_text, settle
 
 
 class ModelNotFoundError(HfPatchError, ValueError):
@@ -201,6 +203,7 @@ def explain(model: str, session: Session, *, registered: Mapping[str, type] | No
         class_names=counts,
         registered=monkey_patching.get_patch_mapping() if registered is None else registered,
         report=session.report,
+        selection=session.selection.spec,
     )
     lost_by_class: dict[str, list[str]] = {}
     for lost in plan.lost:
@@ -344,6 +347,25 @@ def pattern_problems(plan: Plan, classes: Mapping[str, type], model: nn.Module |
     return problems
 
 
+def converter_problems(plan: Plan) -> list[str]:
+    """Converters of ``plan`` left out although their pack's patch replaces a class of the model.
+
+    Such a load builds the pack's modules but reads the checkpoint in the original layout
+    (``WeightLayoutError``); a correct plan has none.
+    """
+    replaced = {(claim.pack, claim.target) for claim in plan.replaced.values()}
+    replacing = {claim.pack for claim in plan.replaced.values()}
+    problems = []
+    for claim, reason in plan.conversions.lost:
+        targets = claim.converter.patch_targets
+        if any((claim.pack, target) in replaced for target in targets) or (not targets and claim.pack in replacing):
+            problems.append(
+                f"{claim.describe()} is not applied ({reason}) although its patch replaces a "
+                "class of the model: a load would fail with WeightLayoutError."
+            )
+    return problems
+
+
 def check_pack(
     session: Session, name: str, model_types: Sequence[str] = (), *, config_for: ConfigFor | None = None
 ) -> CheckResult:
@@ -439,7 +461,10 @@ def check_pack(
         except (PatchConflictError, ConverterConflictError) as exc:
             note(str(exc))
         else:
-            for problem in pattern_problems(plan, classes, _meta_model(plan, config), model_type):
+            for problem in [
+                *pattern_problems(plan, classes, _meta_model(plan, config), model_type),
+                *converter_problems(plan),
+            ]:
                 note(problem)
         for claim in gathered.claims:
             hit = targets_of(model_type, [claim.target], classes)
@@ -580,15 +605,109 @@ def check_combination(
                 class_names=classes,
                 registered={},
                 report=_ignore,
+                selection=session.selection.spec,
             )
         except (PatchConflictError, ConverterConflictError) as exc:
             problems.append(f"{together} on {model_type}: every load of a {model_type} model would raise: {exc}")
             continue
-        for problem in pattern_problems(plan, classes, _meta_model(plan, config), model_type):
-            if problem not in problems:
-                problems.append(f"{together} on {model_type}: {problem}")
+        # what a pack does alone, check_pack reported under the pack already
+        alone = {problem for result in results if result.pack in names for problem in result.problems}
+        found = [*pattern_problems(plan, classes, _meta_model(plan, config), model_type), *converter_problems(plan)]
+        for problem in found:
+            prefixed = f"{together} on {model_type}: {problem}"
+            if problem not in alone and prefixed not in problems:
+                problems.append(prefixed)
     return problems
 
 
 def _ignore(errors: Iterable[HfPatchError]) -> None:
     """check_pack notes failures from its own gathering; planning for a conflict need not report them."""
+
+
+@dataclasses.dataclass(frozen=True)
+class PackConflict:
+    """Two or more enabled packs tie on one target of one model type: every load of it raises.
+
+    Attributes:
+        model_type: the model type.
+        target: the patch target (or converter key) they tie on.
+        packs: the packs that tie, sorted.
+        message: the conflict error's problem (it names every claimant of the target).
+    """
+
+    model_type: str
+    target: str
+    packs: tuple[str, ...]
+    message: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Conflicts:
+    """The conflicts of a selection on every model type two or more of its packs target.
+
+    Attributes:
+        model_types: the model types planned (two or more enabled packs target each).
+        conflicts: one per tied target.
+        selection: an ``HF_PATCH_PACKS`` value under which every model type of
+            ``model_types`` resolves (the resolver decided each with it); ``None`` when
+            there is no conflict, or none was found.
+        checked: how many candidate selections the resolver decided.
+    """
+
+    model_types: tuple[str, ...]
+    conflicts: tuple[PackConflict, ...] = ()
+    selection: str | None = None
+    checked: int = 0
+
+    def of(self, pack: str) -> list[PackConflict]:
+        """The conflicts ``pack`` takes part in."""
+        return [conflict for conflict in self.conflicts if pack in conflict.packs]
+
+
+def targeted_model_types(packs: PackSet, priority_offsets: Mapping[str, int] | None = None) -> dict[str, set[str]]:
+    """For each model type, the packs of ``packs`` that target it, as ``check_pack`` finds targets:
+    a patch or converter asked with ``config=None``, or the model type declared (``provide_model_types``)."""
+    targets: dict[str, set[str]] = {}
+    for model_type in CONFIG_MAPPING_NAMES:
+        context = LoadContext(model_type=model_type, model_class_name=_default_class_name(model_type), config=None)
+        gathered = packs.gather(context, priority_offsets)
+        for pack in [*(claim.pack for claim in gathered.claims), *(claim.pack for claim in gathered.converters)]:
+            targets.setdefault(model_type, set()).add(pack)
+    for name, info in packs.infos.items():
+        for model_type in declared_model_types(info)[0]:
+            targets.setdefault(model_type, set()).add(name)
+    return targets
+
+
+def find_conflicts(selection: Selection, *, config_for: ConfigFor | None = None) -> Conflicts:
+    """Plan every model type two or more of ``selection``'s packs target, on the meta device's
+    terms (configs and class names, no weights), as a load would: the ties, and one selection
+    checked to settle all of them at once (``settling.settle`` over every such model type, so
+    that settling one model type's conflicts makes none on another)."""
+    configs = config_for or default_config
+    offsets = selection.spec.priority_offsets
+    packs = PackSet(selection.packs)
+    problems: list[Problem] = []
+    conflicts: list[PackConflict] = []
+    for model_type, names in sorted(targeted_model_types(packs, offsets).items()):
+        if len(names) < 2:
+            continue
+        context = LoadContext(
+            model_type=model_type, model_class_name=_default_class_name(model_type), config=configs(model_type)
+        )
+        classes = tuple(modeling_module_classes(model_type))
+        gathered = gather_for(context, packs, priority_offsets=offsets, class_names=classes)
+        decide = decider(context, classes, registered={})
+        problems.append(Problem(model_type, gathered, decide))
+        found: list[PatchConflictError | ConverterConflictError] = list(patch_conflicts(gathered.claims))
+        if not found:
+            try:
+                decide(gathered)
+            except ConverterConflictError as exc:
+                found.append(exc)
+        conflicts.extend(PackConflict(model_type, exc.target, exc.packs, exc.problem) for exc in found)
+    if not conflicts:
+        return Conflicts(tuple(problem.model_type or "" for problem in problems))
+    change, checked = settle(problems)
+    text = None if change is None else selection_text(change, spec=selection.spec, enabled=selection.packs)
+    return Conflicts(tuple(problem.model_type or "" for problem in problems), tuple(conflicts), text, checked)

@@ -24,10 +24,12 @@ from . import _compat
 from .composition import compose, scope_for
 from .context import LoadContext
 from .distribution import refuse_unsharded
-from .errors import HfPatchError, PackError
+from .errors import ConverterConflictError, HfPatchError, PackError, PatchConflictError
 from .gathering import Gathered, PackSet
 from .plan import Conversions, Plan
-from .resolution import matches, resolve_converters, resolve_patches, unused_converters
+from .resolution import PatchDecision, matches, resolve_converters, resolve_patches, unused_converters
+from .selection import SelectionSpec
+from .settling import Problem, settled
 
 #: How a caller hears of pack failures while a plan is made: a warning each, or raise (strict).
 Report = Callable[[Iterable[HfPatchError]], None]
@@ -204,6 +206,66 @@ def context_for(
     return context, class_names
 
 
+def gather_for(
+    context: LoadContext,
+    packs: PackSet,
+    *,
+    priority_offsets: Mapping[str, int] | None = None,
+    class_names: Iterable[str] = (),
+) -> Gathered:
+    """What ``packs`` offer for ``context``, without the packs that target no class or cannot shard
+    (those are among its ``failures``): what ``plan_load`` resolves."""
+    gathered = packs.gather(context, priority_offsets)
+    gathered = _without(gathered, _unknown_targets(gathered, tuple(class_names)))
+    return refuse_unsharded(gathered, context)
+
+
+#: A load's resolution of what was gathered: raises the first conflict (see ``decider``).
+Decide = Callable[[Gathered], "tuple[PatchDecision, Conversions]"]
+
+
+def decider(
+    context: LoadContext,
+    class_names: Iterable[str] = (),
+    *,
+    registered: Mapping[str, type] | None = None,
+    overridable: Iterable[str] = (),
+) -> Decide:
+    """How ``plan_load`` decides a ``Gathered`` for ``context`` (arguments as ``plan_load``'s):
+    ``settling`` decides candidate selections with it."""
+    names, owned = tuple(class_names), tuple(overridable)
+    return functools.partial(_decide, context=context, class_names=names, registered=registered, overridable=owned)
+
+
+def _decide(
+    gathered: Gathered,
+    *,
+    context: LoadContext,
+    class_names: tuple[str, ...],
+    registered: Mapping[str, type] | None,
+    overridable: tuple[str, ...],
+) -> tuple[PatchDecision, Conversions]:
+    """Resolve ``gathered``: which patches win and the conversions registered; raises the first conflict."""
+    decision = resolve_patches(gathered.claims, registered=registered, overridable=overridable, class_names=class_names)
+    if not gathered.converters:
+        return decision, Conversions()
+    unused = unused_converters(gathered.converters, gathered.claims, decision, classes_known=bool(class_names))
+    kept = [claim for claim in gathered.converters if claim.index not in unused]
+    dropped = [(claim, unused[claim.index]) for claim in gathered.converters if claim.index in unused]
+    if not kept:
+        return decision, Conversions(lost=tuple(dropped))
+    conversion_mapping = _compat.module("conversion_mapping")
+    scope = scope_for(context.model_type, context.model_class_name, kept)
+    converters = resolve_converters(kept, overlap=scope.overlap)
+    conversions = compose(
+        converters.winners,
+        builtin=conversion_mapping.get_checkpoint_conversion_mapping,
+        scope=scope,
+        lost=[*dropped, *converters.lost],
+    )
+    return decision, conversions
+
+
 def plan_load(
     context: LoadContext,
     packs: PackSet,
@@ -213,6 +275,7 @@ def plan_load(
     registered: Mapping[str, type] | None = None,
     overridable: Iterable[str] = (),
     report: Report = raise_first,
+    selection: SelectionSpec | None = None,
 ) -> Plan:
     """Gather ``packs``' claims for ``context``, resolve them and compose the conversions.
 
@@ -226,42 +289,32 @@ def plan_load(
         overridable: keys of ``registered`` an enclosing hfpatch load put there.
         report: hears each pack failure (a failing pack's claims are left out); raising
             from it stops planning (strict mode).
+        selection: the choice that selected ``packs``, to write the ``HF_PATCH_PACKS``
+            value a conflict error suggests (``None``: the enabled packs are listed).
 
     Raises:
-        PatchConflictError: two packs tie on a target.
+        PatchConflictError: two packs tie on a target; the message names every claimant
+            of the target and a selection checked to settle every conflict of the load
+            (``settling``).
         ConverterConflictError: two packs convert the same tensors with the same rank.
     """
-    gathered = packs.gather(context, priority_offsets)
     class_names = tuple(class_names)
-    gathered = _without(gathered, _unknown_targets(gathered, class_names))
-    gathered = refuse_unsharded(gathered, context)
+    gathered = gather_for(context, packs, priority_offsets=priority_offsets, class_names=class_names)
     report(gathered.failures)
-    decision = resolve_patches(gathered.claims, registered=registered, overridable=overridable, class_names=class_names)
-    conversions = Conversions()
-    if gathered.converters:
-        unused = unused_converters(gathered.converters, gathered.claims, decision, classes_known=bool(class_names))
-        kept = [claim for claim in gathered.converters if claim.index not in unused]
-        dropped = [(claim, unused[claim.index]) for claim in gathered.converters if claim.index in unused]
-        if kept:
-            conversion_mapping = _compat.module("conversion_mapping")
-            scope = scope_for(context.model_type, context.model_class_name, kept)
-            converters = resolve_converters(kept, overlap=scope.overlap)
-            conversions = compose(
-                converters.winners,
-                builtin=conversion_mapping.get_checkpoint_conversion_mapping,
-                scope=scope,
-                lost=[*dropped, *converters.lost],
-            )
-        else:
-            conversions = Conversions(lost=tuple(dropped))
-        report(
-            PackError(
-                claim.pack,
-                f"pack {claim.pack!r}: converter for {claim.key!r} replaces {pattern!r}, "
-                "which matches no transform registered for that key; check the source pattern.",
-            )
-            for claim, pattern in conversions.unmatched
+    decide = decider(context, class_names, registered=registered, overridable=overridable)
+    try:
+        decision, conversions = decide(gathered)
+    except (PatchConflictError, ConverterConflictError) as exc:
+        problem = Problem(context.model_type, gathered, decide)
+        raise settled(exc, [problem], spec=selection, enabled=packs.infos, offsets=priority_offsets) from None
+    report(
+        PackError(
+            claim.pack,
+            f"pack {claim.pack!r}: converter for {claim.key!r} replaces {pattern!r}, "
+            "which matches no transform registered for that key; check the source pattern.",
         )
+        for claim, pattern in conversions.unmatched
+    )
     return Plan(
         context=context,
         packs=tuple(sorted(set(gathered.packs))),

@@ -62,38 +62,95 @@ def _beaten_because(loser: Claim | ConverterClaim, winner: Claim | ConverterClai
     return f"same priority; {winner.describe()} sets overwrite=True"
 
 
-def _choose_between(first: str, second: str) -> str:
+def _choose_between(packs: Sequence[str]) -> str:
+    """The generic remedy, for a conflict resolved without a selection to check (``planning`` replaces it)."""
+    first, *others = packs
     return (
-        f"Choose a winner: {PACKS_ENV}=all,{first}@+1 raises {first!r}, "
-        f"{PACKS_ENV}=all,-{second} disables {second!r}, or give one of them a higher priority."
+        f"Choose a winner: raise one pack ({PACKS_ENV}=all,{first}@+1), disable the others "
+        f"({PACKS_ENV}=all,{','.join(f'-{other}' for other in others)}), or give one of them a higher priority."
     )
 
 
-def _conflict(first: Claim, second: Claim) -> PatchConflictError:
+def _names(packs: Sequence[str]) -> str:
+    quoted = [repr(pack) for pack in packs]
+    return quoted[0] if len(quoted) == 1 else f"{', '.join(quoted[:-1])} and {quoted[-1]}"
+
+
+def _claimants(claims: Iterable[Claim]) -> str:
+    """Every claim of one target, best first: pack, replacement, priority and overwrite."""
+    return "; ".join(
+        f"{claim.pack}: {claim.patch.replacement_name}, priority {claim.priority}"
+        + (", overwrite=True" if claim.patch.overwrite else "")
+        for claim in sorted(claims, key=rank)
+    )
+
+
+def _conflict(tied: Sequence[Claim], claims: Sequence[Claim]) -> PatchConflictError:
+    first, second = tied[0], tied[1]
     target = first.target
+    packs = tuple(sorted({claim.pack for claim in tied}))
     if first.pack == second.pack:
         return PatchConflictError(
             f"pack {first.pack!r} claims {target!r} twice ({first.patch.replacement_name} and "
             f"{second.patch.replacement_name}) with the same priority; return one patch per target, "
-            "or give one of them a higher priority."
+            "or give one of them a higher priority.",
+            packs=packs,
+            target=target,
         )
-    both = "both set overwrite=True" if first.patch.overwrite else "neither sets overwrite=True"
+    many = len(tied) > 2
+    both = {(True, True): "all set", (True, False): "both set", (False, True): "none sets"}.get(
+        (first.patch.overwrite, many), "neither sets"
+    )
+    every = f"every claimant of {target!r}: {_claimants(claims)}"
     return PatchConflictError(
-        f"packs {first.pack!r} and {second.pack!r} both replace {target!r} with priority {first.priority} "
-        f"({first.pack}: {first.patch.replacement_name}; {second.pack}: {second.patch.replacement_name}) and {both}. "
-        + _choose_between(first.pack, second.pack)
+        f"packs {_names([claim.pack for claim in tied])} {'all' if many else 'both'} replace {target!r} "
+        f"with priority {first.priority} and {both} overwrite=True ({every}).",
+        _choose_between(packs),
+        packs=packs,
+        target=target,
     )
 
 
+def tied_claims(claims: Sequence[Claim]) -> list[Claim]:
+    """The claims of one target that tie with its best (the best first): a conflict when two or more.
+
+    A claim of another pack with the very same replacement class as the best does not tie
+    (both packs want the same thing).
+    """
+    ranked = sorted(claims, key=rank)
+    winner = ranked[0]
+    tied = [winner]
+    for other in ranked[1:]:
+        if other.patch.replacement is winner.patch.replacement and other.pack != winner.pack:
+            continue
+        if _tied(other, winner):
+            tied.append(other)
+    return tied
+
+
+def patch_conflicts(claims: Iterable[Claim]) -> list[PatchConflictError]:
+    """Every target the claims tie on, one error each (by target): what ``resolve_patches`` raises first."""
+    by_target: dict[str, list[Claim]] = {}
+    for claim in claims:
+        by_target.setdefault(claim.target, []).append(claim)
+    found = []
+    for target in sorted(by_target):
+        tied = tied_claims(by_target[target])
+        if len(tied) > 1:
+            found.append(_conflict(tied, by_target[target]))
+    return found
+
+
 def _winner_of(claims: Sequence[Claim], lost: list[Lost]) -> Claim:
+    tied = tied_claims(claims)
+    if len(tied) > 1:
+        raise _conflict(tied, claims)
     ranked = sorted(claims, key=rank)
     winner = ranked[0]
     for other in ranked[1:]:
         if other.patch.replacement is winner.patch.replacement and other.pack != winner.pack:
             lost.append(Lost(other, f"same replacement as {winner.describe()}", winner))
             continue
-        if _tied(other, winner):
-            raise _conflict(winner, other)
         lost.append(Lost(other, _beaten_because(other, winner), winner))
     return winner
 
@@ -220,10 +277,13 @@ def resolve(
 
 
 def _converter_conflict(first: ConverterClaim, second: ConverterClaim, patterns: list[str]) -> ConverterConflictError:
+    packs = tuple(sorted({first.pack, second.pack}))
     return ConverterConflictError(
         f"packs {first.pack!r} and {second.pack!r} both convert checkpoint tensors {patterns} for {second.key!r} "
-        f"with priority {first.priority} and {'both' if first.overwrite else 'neither'} overwrite=True. "
-        + _choose_between(first.pack, second.pack)
+        f"with priority {first.priority} and {'both' if first.overwrite else 'neither'} overwrite=True.",
+        _choose_between(packs),
+        packs=packs,
+        target=second.key,
     )
 
 

@@ -99,6 +99,7 @@ class Session:
             registered={**monkey_patching.get_patch_mapping(), **(fusion or {})},
             overridable=self._owned(),
             report=self.report,
+            selection=self.selection.spec,
         )
 
     @contextmanager

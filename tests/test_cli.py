@@ -2,11 +2,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
+import pytest
 import transformers
 
 import hfpatch_core
@@ -234,8 +236,8 @@ def test_check_several_packs_checks_them_together(install, capsys) -> None:
     assert "ok    mlp 1.0.0: targets llama" in found and "ok    other 1.0.0: targets llama" in found
     assert "FAIL  together: mlp, other" in found
     assert "mlp + other on llama: every load of a llama model would raise" in found
-    assert "packs 'mlp' and 'other' both replace 'LlamaMLP'" in found and "HF_PATCH_PACKS=all,mlp@+1" in found
-    assert main(["check", "mlp", "other@+1"]) == 0  # the fix it names
+    assert "packs 'mlp' and 'other' both replace 'LlamaMLP'" in found and "HF_PATCH_PACKS=mlp@+1,other " in found
+    assert main(["check", "mlp@+1", "other"]) == 0  # the fix it names, checked by the resolver
 
 
 BROAD_PACK = """
@@ -282,6 +284,21 @@ def test_cli_warnings_are_one_line_each(install) -> None:
     )
     library = run(sys.executable, "-c", code, site=site)
     assert library.returncode == 0 and library.stdout.splitlines()[-1] == "warnings", library.stderr
+
+
+def test_check_together_reports_only_what_the_packs_do_together(install, capsys) -> None:
+    from hfpatch_core.cli import main
+
+    install(PackSpec("broad", BROAD_PACK), PackSpec("mlp", MLP_PACK))
+    assert main(["check", "broad", "mlp"]) == 1
+    found = capsys.readouterr().out
+    # broad's pattern matches the model class whoever else is installed: reported under broad, once
+    assert found.count("pattern 'Llama.*' matches the model classes") == 1
+    together = found.split("FAIL  together: broad, mlp\n", 1)[1]
+    # what mlp adds: a class the pattern's replacement contains is replaced by another pack
+    prefix = "      - broad + mlp on llama: pattern 'Llama.*' of pack 'broad' replaces LlamaForCausalLM"
+    assert together.startswith(prefix)
+    assert "(by 'broad''s AnyMLP, 'mlp''s PackMLP)" in together
 
 
 def test_explain_prints_a_patterns_nesting_warning_once(install) -> None:
@@ -423,12 +440,47 @@ def test_run_refuses_when_the_start_up_hook_is_not_on_the_path() -> None:
     assert result.returncode == 2 and "start-up hook is not installed" in result.stderr
 
 
-def test_list_does_not_import_torch(install) -> None:
-    site = install(PackSpec("mlp", MLP_PACK))
-    code = "import sys; from hfpatch_core.cli import main; main(['list']); print('torch' in sys.modules)"
+@pytest.mark.parametrize("two", [False, True])
+def test_list_does_not_import_torch(install, two: bool) -> None:
+    # one pack cannot conflict with another; with two, --no-conflicts reads metadata only
+    site = install(PackSpec("mlp", MLP_PACK), *([PackSpec("other", mlp_pack("OtherMLP"))] if two else []))
+    arguments = "['list', '--no-conflicts']" if two else "['list']"
+    code = f"import sys; from hfpatch_core.cli import main; main({arguments}); print('torch' in sys.modules)"
     result = run(sys.executable, "-c", code, site=site)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip().splitlines()[-1] == "False"
+    assert "conflicts with" not in result.stdout
+
+
+def test_list_marks_packs_that_conflict_and_a_selection_checked_on_every_model_type(
+    install, capsys, monkeypatch
+) -> None:
+    from hfpatch_core.cli import main
+
+    install(PackSpec("mlp", MLP_PACK), PackSpec("other", mlp_pack("OtherMLP")), PackSpec("norm", NORM_PATTERN_PACK))
+    assert main(["list"]) == 0
+    out = capsys.readouterr().out
+    status = {row[0]: row[3] for row in (re.split(r"\s{2,}", line) for line in out.splitlines()[2:5])}
+    assert status == {
+        "mlp": "enabled, conflicts with other on llama",
+        "norm": "enabled",
+        "other": "enabled, conflicts with mlp on llama",
+    }
+    assert "Conflicts: with HF_PATCH_PACKS unset, every load of these model types raises PatchConflictError:" in out
+    assert "  llama: packs 'mlp' and 'other' both replace 'LlamaMLP' with priority 0" in out
+    assert "HF_PATCH_PACKS=all,mlp@+1 settles every one: the resolver decided each model type two or more" in out
+    assert main(["list", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["settled_by"] == {"HF_PATCH_PACKS": "all,mlp@+1"} and data["conflicts_checked_on"] == ["llama"]
+    assert {row["name"]: row["conflicts"] for row in data["packs"]} == {
+        "mlp": [{"model_type": "llama", "target": "LlamaMLP", "with": ["other"]}],
+        "norm": [],
+        "other": [{"model_type": "llama", "target": "LlamaMLP", "with": ["mlp"]}],
+    }
+    monkeypatch.setenv("HF_PATCH_PACKS", "all,mlp@+1")
+    assert main(["list"]) == 0
+    out = capsys.readouterr().out
+    assert "conflicts with" not in out and "No conflict on llama (the model types two or more enabled packs" in out
 
 
 def test_check_follows_the_selection_like_every_other_command(install) -> None:

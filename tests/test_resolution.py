@@ -10,7 +10,10 @@ from hypothesis import strategies as st
 from transformers.monkey_patching import _find_replacement_class
 
 from hfpatch_core import Claim, Patch, PatchConflictError
-from hfpatch_core.resolution import find_replacement, resolve
+from hfpatch_core.gathering import Gathered
+from hfpatch_core.resolution import find_replacement, patch_conflicts, resolve, resolve_patches
+from hfpatch_core.selection import parse_selection
+from hfpatch_core.settling import Change, Problem, adjusted, selection_text, settle, settled
 
 
 class A(nn.Module):
@@ -174,3 +177,79 @@ def test_all_orders_of_a_small_set_agree() -> None:
     claims = [claim("a", "LlamaMLP", A, 1), claim("b", "LlamaMLP", B, 2), claim("c", ".*MLP$", C, 2)]
     outcomes = {repr(_outcome(list(order))) for order in itertools.permutations(claims)}
     assert len(outcomes) == 1
+
+
+# --- conflicts: every claimant, and a selection the resolver checked (issue 27 item 3) -----
+
+
+def test_a_three_way_tie_names_every_claimant_of_the_target() -> None:
+    claims = [claim("a", "LlamaMLP", A), claim("b", "LlamaMLP", B), claim("c", "LlamaMLP", C), claim("d", "LlamaMLP")]
+    claims[3] = Claim("d", "1.0", Patch("LlamaMLP", C, priority=-1), -1)
+    with pytest.raises(PatchConflictError) as caught:
+        resolve(claims)
+    assert caught.value.packs == ("a", "b", "c") and caught.value.target == "LlamaMLP"
+    assert str(caught.value).startswith(
+        "packs 'a', 'b' and 'c' all replace 'LlamaMLP' with priority 0 and none sets overwrite=True "
+        "(every claimant of 'LlamaMLP': a: test_resolution.A, priority 0; b: test_resolution.B, priority 0; "
+        "c: test_resolution.C, priority 0; d: test_resolution.C, priority -1)."
+    )
+
+
+def _problem(name: str, claims: list[Claim]) -> Problem:
+    return Problem(name, Gathered(claims=tuple(claims)), lambda gathered: resolve_patches(gathered.claims))
+
+
+def test_settling_checks_every_problem_so_a_raise_that_ties_elsewhere_is_passed_over() -> None:
+    # raising 'a' (fewer claims than 'b') settles the first model type but ties the second
+    first = _problem("one", [claim("a", "X", A), claim("b", "X", B), claim("b", "Y", B), claim("b", "Z", B)])
+    second = _problem("two", [claim("a", "W", A, priority=-1), claim("c", "W", C)])
+    assert settle([first]) == (Change(raised=(("a", 1),)), 2)
+    change, checked = settle([first, second])
+    assert change == Change(raised=(("b", 1),)) and checked == 3
+
+
+def test_no_selection_found_is_said_with_how_many_were_checked() -> None:
+    problem = _problem("llama", [claim("a", "X", A), claim("b", "X", B)])
+    with pytest.raises(PatchConflictError) as caught:
+        resolve(problem.gathered.claims)
+    assert settle([problem], limit=1) == (None, 1)
+    error = settled(caught.value, [problem], spec=None, enabled=["a", "b"], limit=1)
+    assert error.selection is None and "No selection settles every conflict of llama: the resolver checked 1" in str(
+        error
+    )
+    error = settled(caught.value, [problem], spec=parse_selection(None), enabled=["a", "b"])
+    assert error.selection == "all,a@+1" and str(error).startswith(caught.value.problem)
+
+
+@pytest.mark.parametrize(
+    ("spec", "change", "expected"),
+    [
+        (None, Change(raised=(("b", 1),)), "all,b@+1"),
+        ("all,b@+1,-z", Change(raised=(("b", 1), ("a", 1))), "all,b@+2,a@+1,-z"),
+        ("all,a@-1,-z", Change(raised=(("a", 1),)), "all,-z"),
+        ("b,a@+2", Change(raised=(("b", 1),)), "b@+1,a@+2"),
+        ("a,b", Change(excluded=("b",)), "a"),
+        ("a,b", Change(excluded=("a", "b")), "none"),
+    ],
+)
+def test_a_change_is_written_as_an_hf_patch_packs_value(spec: str | None, change: Change, expected: str) -> None:
+    written = selection_text(change, spec=parse_selection(spec), enabled=["a", "b"])
+    assert written == expected
+    assert parse_selection(written).mode == ("none" if expected == "none" else parse_selection(spec).mode)
+
+
+@settings(max_examples=150, deadline=None)
+@given(claims_strategy)
+def test_the_selection_settling_finds_resolves_and_conflicts_are_what_resolution_raises(claims: list[Claim]) -> None:
+    unique = list({(c.pack, c.target): c for c in claims}.values())
+    conflicts = patch_conflicts(unique)
+    try:
+        resolve(unique)
+    except PatchConflictError as exc:
+        assert conflicts and str(conflicts[0]) == str(exc)
+    else:
+        assert conflicts == []
+    problem = Problem("t", Gathered(claims=tuple(unique)), lambda gathered: resolve_patches(gathered.claims))
+    change, _ = settle([problem])
+    assert change is not None  # disabling packs always settles, within the limit for a few packs
+    resolve(adjusted(problem.gathered, change).claims)

@@ -200,7 +200,9 @@ def _shrunk(config: Any, overrides: Mapping[str, Any]) -> Any:
     for name, value in current.items():
         if isinstance(value, PretrainedConfig):
             inner = own.pop(name, None)
-            values[name] = inner if isinstance(inner, PretrainedConfig) else _shrunk(value, inner or {})
+            inner = inner if isinstance(inner, PretrainedConfig) else _shrunk(value, inner or {})
+            # before configs were dataclasses (5.3), some composite configs take a sub-config as a dict only
+            values[name] = inner if dataclasses.is_dataclass(cls) else inner.to_dict()
     for name, small in SHRINK.items():
         value = current.get(name) if name in names else None
         if _is_int(value) and value > small:

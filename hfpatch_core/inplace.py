@@ -169,6 +169,9 @@ def apply(model: nn.Module, packs: str | Iterable[str] | None = None, strict: bo
                 if blamed is None:
                     raise
                 raise blamed from exc
+        # the block's plan and those of the sub-models built inside it (a composite model's text
+        # model is built by a from_config of its own, whose patches only this holds)
+        planned = plan_of(skeleton) or planned
         swaps = _swaps(model, skeleton, planned)
         if not swaps:
             return planned

@@ -68,7 +68,8 @@ def patched(config_or_model_type: Any, *, model_class: type | None = None) -> It
     ):
         assert frame.plan is not None  # a context was given: planned on entry
         yield frame.plan
-        plan = frame.plan
+        # with the plans of the sub-models built inside (a composite model's text model), as a load attaches
+        plan = frame.final_plan() or frame.plan
         inner = {id(module) for model in built for module in list(model.modules())[1:]}
         for model in built:
             if id(model) in inner or plan_of(model) is not None:

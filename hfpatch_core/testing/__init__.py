@@ -26,7 +26,7 @@ The same checks back ``hfpatch verify``; the pytest fixtures live in
 ``hfpatch_core.pytest_plugin``.
 
 The helpers live in one module per job, and every name is importable from here:
-``checkpoints`` (``tiny_config``, ``tiny_checkpoint``), ``installs`` (``install_pack``,
+``checkpoints`` (``tiny_config``, ``tiny_checkpoint``, ``check_tiny_checkpoint``), ``installs`` (``install_pack``,
 ``install_wheel``, ``discover_from_wheel``), ``models`` (``load_model``,
 ``padded_batch``, ``logits_of``, ``safetensors_of``), ``equivalence``
 (``check_pack_equivalence``, ``assert_pack_equivalent``, ``Report``), ``training``
@@ -37,10 +37,17 @@ The helpers live in one module per job, and every name is importable from here:
 
 from __future__ import annotations
 
-from .checkpoints import SHRINK, TinyCheckpointError, tiny_checkpoint, tiny_config
+from .checkpoints import (
+    SHRINK,
+    TINY_PARAMETERS,
+    TinyCheckpointError,
+    check_tiny_checkpoint,
+    tiny_checkpoint,
+    tiny_config,
+)
 from .equivalence import BF16_ATOL, EquivalenceError, Report, assert_pack_equivalent, check_pack_equivalence
 from .installs import DiscoveredWheel, discover_from_wheel, install_pack, install_wheel
-from .models import load_model, logits_of, padded_batch, safetensors_of
+from .models import load_model, logits_of, padded_batch, safetensors_of, text_config_of, text_token_ids
 from .trainer import TrainerBatches, trainer_losses
 from .training import (
     BF16_TOLERANCES,
@@ -56,6 +63,7 @@ __all__ = [
     "BF16_TOLERANCES",
     "FP32_TOLERANCES",
     "SHRINK",
+    "TINY_PARAMETERS",
     "DiscoveredWheel",
     "EquivalenceError",
     "Report",
@@ -65,6 +73,7 @@ __all__ = [
     "TrainingTolerances",
     "assert_pack_equivalent",
     "check_pack_equivalence",
+    "check_tiny_checkpoint",
     "check_training_equivalence",
     "discover_from_wheel",
     "install_pack",
@@ -73,6 +82,8 @@ __all__ = [
     "logits_of",
     "padded_batch",
     "safetensors_of",
+    "text_config_of",
+    "text_token_ids",
     "tiny_checkpoint",
     "tiny_config",
     "trainer_losses",

@@ -9,19 +9,22 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import dataclasses
+import inspect
 import os
 import shutil
 import tempfile
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 import torch
 import torch.nn as nn
 
 from ..errors import HfPatchError
 
-#: Values ``tiny_checkpoint`` gives the size fields of a default config, where present.
+#: Values ``tiny_checkpoint`` gives the size fields of a default config (and of each of its
+#: sub-configs), where present and larger.
 SHRINK: Mapping[str, int] = {
     "hidden_size": 64,
     "intermediate_size": 128,
@@ -35,15 +38,73 @@ SHRINK: Mapping[str, int] = {
     "shared_expert_intermediate_size": 64,
     "num_experts": 4,
     "num_local_experts": 4,
+    "n_routed_experts": 4,
     "num_experts_per_tok": 2,
+    "n_shared_experts": 1,
     "max_window_layers": 2,
     "sliding_window": 64,
     "n_embd": 64,
     "n_layer": 2,
     "n_head": 4,
     "n_positions": 256,
+    "n_inner": 128,
+    "d_model": 64,
+    "num_layers": 2,
+    "encoder_layers": 2,
+    "decoder_layers": 2,
+    "encoder_attention_heads": 4,
+    "decoder_attention_heads": 4,
+    "encoder_ffn_dim": 128,
+    "decoder_ffn_dim": 128,
+    "ffn_hidden_size": 128,
+    "ffn_dim": 128,
+    "mlp_dim": 128,
+    "num_kv_heads": 2,
+    "emb_dim": 64,
+    "n_heads": 4,
+    "n_layers": 2,
+    "vocab_size_per_layer_input": 256,
+    "hidden_size_per_layer_input": 16,
+    # multi-head latent attention (deepseek_v2/v3 and their kin): kept consistent in _latent_attention
+    "kv_lora_rank": 16,
+    "q_lora_rank": 32,
+    "qk_rope_head_dim": 8,
+    "qk_nope_head_dim": 8,
+    "v_head_dim": 16,
+    "index_head_dim": 16,
+    "index_n_heads": 4,
 }
 
+#: The fields that count a model's layers: a list as long as one of them is a per-layer pattern.
+_LAYER_COUNTS = ("num_hidden_layers", "n_layer", "num_layers", "decoder_layers", "encoder_layers", "n_layers")
+
+#: Fields that keep the first layers of a MoE model dense: 0 (or 1) makes every layer sparse.
+_ALL_SPARSE: Mapping[str, int] = {
+    "first_k_dense_replace": 0,
+    "first_k_dense": 0,
+    "num_dense_layers": 0,
+    "moe_layer_start_index": 0,
+    "decoder_sparse_step": 1,
+    "moe_layer_freq": 1,
+    "sparse_step": 1,
+    "expert_interval": 1,
+}
+
+#: Per-type settings where no generic rule works; each says why.
+_OVERRIDES: Mapping[str, Mapping[str, Any]] = {
+    # the default config leaves layer_types None, which the model indexes per layer
+    "lfm2_moe": {"layer_types": ["conv", "full_attention"]},
+    # the default config leaves the expert counts None (every real checkpoint sets them)
+    "dots1": {"n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1},
+    # attention_types is run-length coded ([[kinds, repeats]]), not a per-layer list
+    "gpt_neo": {"attention_types": [[["global", "local"], 1]]},
+    # its default layer_types lists attention and MLP blocks apart (two entries a layer, as released
+    # config.json files do), which the config halves: unset, it is derived from the layer count
+    "dory": {"layer_types": None},
+    # its causal LM requires a decoder (the default config is an encoder), and the axial position
+    # embedding dims must add up to the hidden size (their defaults add up to 256)
+    "reformer": {"is_decoder": True, "axial_pos_embds_dim": [32, 32]},
+}
 
 #: The folder that holds the checkpoints ``tiny_checkpoint`` saves without a directory: one per
 #: process, removed when the process exits (by the process that made it, not a forked child).
@@ -69,7 +130,16 @@ class TinyCheckpointError(HfPatchError, ValueError):
 
 
 def tiny_config(model_type: str, **overrides: Any) -> Any:
-    """The default config of ``model_type`` with its size fields shrunk (``SHRINK``), then ``overrides``."""
+    """The default config of ``model_type`` shrunk (``SHRINK``), then ``overrides``.
+
+    Every sub-config is shrunk too (a composite model's text, vision and audio configs,
+    recursively), and what depends on the sizes is kept consistent: per-layer patterns
+    (``layer_types``, ``layers_block_type``, ...) cut to the new layer count with one
+    layer of each kind kept, layer index lists (``attn_layer_indices``, ...) cut to it,
+    every layer of a MoE model sparse (``first_k_dense_replace``, ``decoder_sparse_step``,
+    ``mlp_only_layers``, ``moe_layer_freq``, ...), the latent attention dims of MLA models,
+    ``head_dim``, and token ids inside the shrunk vocabulary.
+    """
     from transformers import AutoConfig
 
     from ..inspection import unknown_model_type
@@ -78,31 +148,8 @@ def tiny_config(model_type: str, **overrides: Any) -> Any:
     if unknown is not None:
         raise TinyCheckpointError(unknown)
     defaults = AutoConfig.for_model(model_type)
-    values: dict[str, Any] = {}
-    for name, value in SHRINK.items():
-        current = getattr(defaults, name, None)
-        if isinstance(current, int) and not isinstance(current, bool) and current > value:
-            values[name] = value
-    if getattr(defaults, "head_dim", None) is not None:
-        hidden = values.get("hidden_size", defaults.hidden_size)
-        values["head_dim"] = hidden // values.get("num_attention_heads", defaults.num_attention_heads)
-    vocab = values.get("vocab_size", getattr(defaults, "vocab_size", 0))
-    for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
-        token = getattr(defaults, name, None)
-        if isinstance(token, int) and token >= vocab:
-            values[name] = vocab - 1
-    layers = values.get("num_hidden_layers")
-    pattern = getattr(defaults, "layer_types", None)
-    if isinstance(layers, int) and isinstance(pattern, list) and "full_attention" in pattern:
-        # hybrid models (qwen3_next: 3 linear-attention layers, then 1 full) keep a full-attention layer
-        shrunk = list(pattern[:layers])
-        if "full_attention" not in shrunk:
-            shrunk[-1] = "full_attention"
-        values["layer_types"] = shrunk
-    values.update(overrides)
-    # built anew (not edited) so that derived fields such as layer_types follow the sizes
     try:
-        return type(defaults)(**values)
+        return _shrunk(defaults, {**_OVERRIDES.get(model_type, {}), **overrides})
     except Exception as exc:
         raise TinyCheckpointError(
             f"the shrunk default {model_type!r} config is invalid ({type(exc).__name__}: {exc}); "
@@ -110,10 +157,371 @@ def tiny_config(model_type: str, **overrides: Any) -> Any:
         ) from exc
 
 
+def _init_fields(cls: type) -> set[str]:
+    """The names a config class takes at construction (its dataclass fields, or ``__init__``'s parameters)."""
+    if dataclasses.is_dataclass(cls):
+        return {field.name for field in dataclasses.fields(cls) if field.init}
+    parameters = inspect.signature(cls.__init__).parameters.values()  # type: ignore[misc]
+    return {p.name for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name != "self"}
+
+
+def _read(config: Any, name: str) -> Any:
+    # per-layer configs (gemma4) raise on a global read of a per-layer field: that field is left as it is
+    try:
+        return getattr(config, name, None)
+    except Exception:
+        return None
+
+
+def _is_int(value: Any) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _shrunk(config: Any, overrides: Mapping[str, Any]) -> Any:
+    """``config`` built anew with its sizes (and its sub-configs') shrunk, then ``overrides``.
+
+    Built anew, not edited, so that the fields a config derives from its sizes follow
+    them; a sub-config keeps what its parent chose for it (``to_diff_dict``)."""
+    from transformers import PretrainedConfig
+
+    cls = type(config)
+    names = _init_fields(cls)
+    current = {name: _read(config, name) for name in names}
+    try:
+        chosen = config.to_diff_dict()
+    except Exception:
+        chosen = {}
+    values: dict[str, Any] = {
+        name: value
+        for name, value in chosen.items()
+        if name in names and not isinstance(value, dict) and name not in ("transformers_version", "architectures")
+    }
+    own = dict(overrides)
+    for name, value in current.items():
+        if isinstance(value, PretrainedConfig):
+            inner = own.pop(name, None)
+            inner = inner if isinstance(inner, PretrainedConfig) else _shrunk(value, inner or {})
+            # before configs were dataclasses (5.3), some composite configs take a sub-config as a dict only
+            values[name] = inner if dataclasses.is_dataclass(cls) else inner.to_dict()
+    for name, small in SHRINK.items():
+        value = current.get(name) if name in names else None
+        if _is_int(value) and value > small:
+            values[name] = small
+    mha = current.get("num_key_value_heads") == current.get("num_attention_heads")
+    if _is_int(current.get("kv_lora_rank")) and mha:
+        # MLA expands its latent keys to every head: as many key/value heads as heads
+        values["num_key_value_heads"] = _size(values, current, "num_attention_heads")
+    _follow_hidden(values, current, names)
+    _latent_attention(values, current, names)
+    _head_dim(values, current, names)
+    _state_space(values, current, names)
+    _experts(values, current, names)
+    _layers(values, current, names)
+    _tokens(values, current, names, config)
+    values.update(own)
+    return cls(**values)
+
+
+def _follow_hidden(values: dict[str, Any], current: Mapping[str, Any], names: set[str]) -> None:
+    """Fields that equal the hidden size by default (``embedding_dim``, ``attention_hidden_size``,
+    ``adapter_input_size``, ...) shrink with it; a missing key/value head count means one per head."""
+    old, new = current.get("hidden_size"), values.get("hidden_size")
+    if _is_int(old) and _is_int(new) and old >= 256:
+        for name in names:
+            if name in SHRINK or name.endswith(("_token_id", "_token_index")):
+                continue
+            if _is_int(current.get(name)) and current[name] == old and values.get(name, old) == old:
+                values[name] = new
+    if "num_key_value_heads" in names and current.get("num_key_value_heads") is None:
+        heads = _size(values, current, "num_attention_heads")
+        if _is_int(heads):
+            values["num_key_value_heads"] = heads
+
+
+def _state_space(values: dict[str, Any], current: Mapping[str, Any], names: set[str]) -> None:
+    """Mamba layers: heads x head dim = expand x hidden, with a small state."""
+    hidden = _size(values, current, "hidden_size")
+    for heads, head_dim, expand, state in (
+        ("mamba_n_heads", "mamba_d_head", "mamba_expand", "mamba_d_state"),
+        ("num_heads", "head_dim", "expand", "state_size"),
+    ):
+        if not all(name in names for name in (heads, head_dim, expand)) or not _is_int(hidden):
+            continue
+        factor = current.get(expand)
+        if not isinstance(factor, (int, float)) or isinstance(factor, bool) or not _is_int(current.get(heads)):
+            continue
+        values[head_dim] = 16
+        values[heads] = max(1, int(factor * hidden) // 16)
+        if state in names and _is_int(current.get(state)) and current[state] > 16:
+            values[state] = 16
+        groups = next((g for g in ("mamba_n_groups", "n_groups") if g in names), None)
+        if groups is not None and _is_int(current.get(groups)) and values[heads] % current[groups]:
+            values[groups] = 1
+
+
+def _size(values: Mapping[str, Any], current: Mapping[str, Any], name: str) -> Any:
+    return values.get(name, current.get(name))
+
+
+def _latent_attention(values: dict[str, Any], current: Mapping[str, Any], names: set[str]) -> None:
+    """MLA (``kv_lora_rank``): the query/key head is the no-position part plus the rotary part,
+    and ``head_dim`` (where the config has one) is the rotary part's size, as in deepseek_v3."""
+    if not _is_int(current.get("kv_lora_rank")):
+        return
+    if "q_lora_rank" in names and current.get("q_lora_rank") is None:
+        values.pop("q_lora_rank", None)  # no query compression in this model: stays so
+    rope, nope = _size(values, current, "qk_rope_head_dim"), _size(values, current, "qk_nope_head_dim")
+    if "qk_head_dim" in names and _is_int(rope) and _is_int(nope):
+        values["qk_head_dim"] = rope + nope
+    old_head, old_rope = current.get("head_dim"), current.get("qk_rope_head_dim")
+    if "head_dim" in names and _is_int(old_head) and _is_int(rope):
+        if old_head == old_rope:
+            values["head_dim"] = rope
+        elif _is_int(nope) and _is_int(old_rope) and old_head == old_rope + (current.get("qk_nope_head_dim") or 0):
+            values["head_dim"] = rope + nope
+    values["_mla"] = True
+
+
+def _head_dim(values: dict[str, Any], current: Mapping[str, Any], names: set[str]) -> None:
+    """``head_dim`` = hidden / heads (unless MLA set it); a partial rotary dim keeps its fraction."""
+    mla = values.pop("_mla", False)
+    hidden = next((_size(values, current, n) for n in ("hidden_size", "n_embd", "d_model") if current.get(n)), None)
+    heads = _size(values, current, "num_attention_heads") or _size(values, current, "n_head")
+    if not (_is_int(hidden) and _is_int(heads) and heads):
+        return
+    old_hidden = current.get("hidden_size") or current.get("n_embd") or current.get("d_model")
+    old_heads = current.get("num_attention_heads") or current.get("n_head")
+    new_head = hidden // heads
+    # a Mamba2 head_dim is the state-space head's (_state_space)
+    state_space = "expand" in names
+    unset = current.get("head_dim") is None  # hunyuan, ministral: the model reads it unset
+    if "head_dim" in names and not mla and not state_space and (_is_int(current.get("head_dim")) or unset):
+        values["head_dim"] = new_head
+    for name in ("d_head", "d_kv", "attention_head_size"):
+        if name in names and _is_int(current.get(name)):
+            values[name] = new_head
+    old_head = current.get("head_dim") if _is_int(current.get("head_dim")) else None
+    if old_head is None and _is_int(old_hidden) and _is_int(old_heads) and old_heads:
+        old_head = old_hidden // old_heads
+    rotary = current.get("rotary_dim")
+    if "rotary_dim" in names and _is_int(rotary) and old_head:
+        head = values.get("head_dim", new_head)
+        values["rotary_dim"] = max(2, (rotary * head // old_head) // 2 * 2)
+
+
+def _experts(values: dict[str, Any], current: Mapping[str, Any], names: set[str]) -> None:
+    """Every layer sparse where the config allows, and routing settings that fit the fewer experts."""
+    for name, sparse in _ALL_SPARSE.items():
+        value = current.get(name) if name in names else None
+        if _is_int(value) and value != sparse:
+            values[name] = sparse
+    for name in ("mlp_only_layers", "dense_layers"):
+        if name in names and isinstance(current.get(name), list) and current.get(name):
+            values[name] = []
+    experts = next(
+        (
+            _size(values, current, name)
+            for name in ("num_experts", "num_local_experts", "n_routed_experts")
+            if _is_int(_size(values, current, name))
+        ),
+        None,
+    )
+    if experts is None:
+        return
+    for name in ("n_group", "topk_group", "num_expert_group", "topk_groups"):
+        if name in names and _is_int(current.get(name)) and current[name] > 1:
+            values[name] = 1
+    per_token = _size(values, current, "num_experts_per_tok")
+    if ("num_experts_per_tok" in names and per_token is None) or (_is_int(per_token) and per_token > experts):
+        values["num_experts_per_tok"] = min(2, experts)  # None: the default routes nowhere
+
+
+def _pattern(pattern: list[Any], count: int) -> list[Any]:
+    """The first ``count`` entries of a per-layer pattern, with a layer of each kind kept where they fit,
+    and MoE layers in place of dense ones (every layer sparse)."""
+    kinds = list(dict.fromkeys(map(_hashable, pattern)))
+    sparse = [kind for kind in kinds if kind not in ("dense", "mlp")] if "dense" in kinds else kinds
+    if "dense" in kinds and sparse:
+        pattern = [sparse[0] if _hashable(kind) == "dense" else kind for kind in pattern]
+        kinds = sparse
+    shrunk = list(pattern[:count])
+    missing = [kind for kind in kinds if kind not in map(_hashable, shrunk)]
+    if len(kinds) <= count:
+        position = count - 1
+        for kind in missing:
+            # replace a kind that is there more than once, from the end
+            while position >= 0 and list(map(_hashable, shrunk)).count(_hashable(shrunk[position])) < 2:
+                position -= 1
+            if position < 0:
+                break
+            shrunk[position] = next(entry for entry in pattern if _hashable(entry) == kind)
+            position -= 1
+    return shrunk
+
+
+def _hashable(value: Any) -> Any:
+    return repr(value) if isinstance(value, (list, dict)) else value
+
+
+def _layers(values: dict[str, Any], current: Mapping[str, Any], names: set[str]) -> None:
+    """Per-layer patterns cut to the new layer count; layer index lists cut to it; periods within it."""
+    counts = {
+        current[name]: values[name]
+        for name in _LAYER_COUNTS
+        if name in values and _is_int(current.get(name)) and values[name] != current[name]
+    }
+    if not counts:
+        return
+    old, new = max(counts.items())
+    # layer counts that add up to the whole (dory: input + recurrent + output layers): one layer each
+    parts = [n for n in names if n.endswith("_layers") and n not in _LAYER_COUNTS and _is_int(current.get(n))]
+    if len(parts) > 1 and sum(current[n] for n in parts) == old:
+        for name in parts:
+            values[name] = min(1, current[name])
+        new = sum(values[name] for name in parts)
+        counts = dict.fromkeys(counts, new)
+        for name in _LAYER_COUNTS:
+            if name in values and current.get(name) == old:
+                values[name] = new
+    for name in names:
+        value = current.get(name)
+        if not isinstance(value, list) or not value:
+            continue
+        if name in values and (not isinstance(values[name], list) or len(values[name]) != len(value)):
+            continue  # already set to fit (by a rule above)
+        if len(value) in counts:
+            values[name] = _pattern(value, counts[len(value)])
+        elif (
+            all(_is_int(entry) for entry in value)
+            and max(value) < old
+            and any(part in name for part in ("layer", "index", "indices", "indexes"))
+        ):
+            kept = [entry for entry in value if entry < new]
+            values[name] = kept or [new - 1]
+    for name in names:
+        sparse = any(part in name for part in ("expert", "moe", "sparse"))
+        if name.endswith("_period") and _is_int(current.get(name)) and current[name] > (1 if sparse else new):
+            offset = name.removesuffix("_period") + "_offset"
+            values[name] = 1 if sparse else new
+            if offset in names and _is_int(current.get(offset)):
+                values[offset] = 0 if sparse else new - 1
+
+
+def _tokens(values: dict[str, Any], current: Mapping[str, Any], names: set[str], config: Any) -> None:
+    """Token ids inside the shrunk vocabulary: the special ones at its top, each its own."""
+    vocab = _size(values, current, "vocab_size")
+    if not _is_int(vocab):
+        text = next((v for k, v in values.items() if k == "text_config" and hasattr(v, "vocab_size")), None)
+        vocab = getattr(text, "vocab_size", None)
+        if not _is_int(vocab):
+            return
+    taken: dict[int, int] = {}
+    for name in sorted(names):
+        if not name.endswith(("_token_id", "_token_index", "_token_ids")):
+            continue
+        value = current.get(name)
+        if _is_int(value) and value >= vocab:
+            values[name] = taken.setdefault(value, vocab - 1 - len(taken))
+        elif isinstance(value, list) and value and all(_is_int(v) for v in value) and max(value) >= vocab:
+            values[name] = [taken.setdefault(v, vocab - 1 - len(taken)) if v >= vocab else v for v in value]
+
+
 def _causal_lm_class(config: Any) -> type[nn.Module]:
     from ..inspection import model_class_for
 
     return model_class_for(config)
+
+
+def _text_config(config: Any) -> Any:
+    try:
+        return config.get_text_config()
+    except Exception:
+        return None
+
+
+def _config_for(model_class: Any, config: Any) -> Any:
+    """The config ``model_class`` is built from: ``config``, or its text sub-config where the class
+    takes that (emu3, llama4, qwen3_5: a text-only causal LM of a composite model type)."""
+    wanted = getattr(model_class, "config_class", None)
+    if not isinstance(wanted, type) or isinstance(config, wanted):
+        return config
+    try:
+        text = config.get_text_config()
+    except Exception:  # several text configs (musicgen: text encoder and decoder): the one of the class
+        text = None
+    if isinstance(text, wanted):
+        return text
+    # not a text config a load reads out of the composite one: the checkpoint keeps the sub-config
+    inner = [getattr(config, name, None) for name in getattr(type(config), "sub_configs", {})]
+    return next((sub for sub in inner if isinstance(sub, wanted)), config)
+
+
+#: The most parameters a tiny checkpoint of a model type has (what ``check_tiny_checkpoint`` holds it to).
+TINY_PARAMETERS = 20_000_000
+
+#: Above this, ``tiny_checkpoint`` refuses a model type's shrunk config before building anything.
+_MOST_PARAMETERS = 100_000_000
+
+
+def parameter_count(config: Any) -> int:
+    """The parameters of the causal LM ``tiny_checkpoint`` builds from ``config``, counted on the meta device."""
+    from ..scope import vanilla
+
+    model_class = _causal_lm_class(config)
+    with vanilla(), torch.device("meta"):
+        model = model_class(_config_for(model_class, config))
+    return sum(parameter.numel() for parameter in model.parameters())
+
+
+def check_tiny_checkpoint(model_type: str) -> str | None:
+    """Why ``tiny_checkpoint(model_type)`` gives no working checkpoint, or ``None`` when it does.
+
+    Working: the shrunk config builds a causal LM of at most ``TINY_PARAMETERS`` parameters,
+    which saves, loads again with ``AutoModelForCausalLM`` (no weight missing, unexpected or
+    mismatched) and gives finite logits for a left-padded batch of text tokens.
+
+    Returns:
+        ``None``, or ``"<stage>: <error>"`` with stage ``config``, ``size``, ``save``,
+        ``load`` or ``forward``.
+    """
+    from transformers import AutoModelForCausalLM
+
+    from ..scope import vanilla
+    from .models import text_token_ids
+
+    stage = "config"
+    try:
+        config = tiny_config(model_type)
+        stage = "size"
+        count = parameter_count(config)
+        if count > TINY_PARAMETERS:
+            return f"size: {count:,} parameters (at most {TINY_PARAMETERS:,})"
+        with tempfile.TemporaryDirectory(prefix="hfpatch-tiny-") as directory:
+            stage = "save"
+            path = tiny_checkpoint(config, Path(directory) / "checkpoint")
+            stage = "load"
+            with vanilla():
+                loaded: Any = AutoModelForCausalLM.from_pretrained(path, output_loading_info=True)
+            model, info = loaded
+            wrong = {kind: sorted(map(str, info.get(kind) or ())) for kind in ("missing_keys", "unexpected_keys")}
+            wrong["mismatched_keys"] = sorted(str(entry[0]) for entry in info.get("mismatched_keys") or ())
+            problems = [f"{kind.replace('_', ' ')} {', '.join(keys[:3])}" for kind, keys in wrong.items() if keys]
+            if problems:
+                return f"load: {'; '.join(problems)}"
+            stage = "forward"
+            tokens = text_token_ids(model.config)
+            ids = tokens[torch.randint(0, len(tokens), (2, 10), generator=torch.Generator().manual_seed(0))]
+            mask = torch.ones_like(ids)
+            mask[1, :3] = 0
+            with torch.no_grad():
+                logits = model.eval()(input_ids=ids, attention_mask=mask).logits
+            if not torch.isfinite(logits).all():
+                return "forward: logits not finite"
+    except Exception as exc:
+        cause = exc.__cause__ if isinstance(exc, TinyCheckpointError) and exc.__cause__ is not None else exc
+        message = " ".join(str(cause).split())
+        return f"{stage}: {type(cause).__name__}: {message[:300]}"
+    return None
 
 
 def tiny_checkpoint(
@@ -134,6 +542,18 @@ def tiny_checkpoint(
     """
     if isinstance(model_type_or_config, str):
         config = tiny_config(model_type_or_config, **config_overrides)
+        try:
+            count = parameter_count(config)
+        except Exception as exc:
+            raise TinyCheckpointError(
+                f"could not build a tiny {model_type_or_config!r} model from its shrunk default config "
+                f"({type(exc).__name__}: {exc}); pass an explicit config: tiny_checkpoint(MyConfig(...))"
+            ) from exc
+        if count > _MOST_PARAMETERS:  # counted on the meta device: nothing that size is ever built
+            raise TinyCheckpointError(
+                f"the shrunk default {model_type_or_config!r} config still has {count:,} parameters (a tiny "
+                f"checkpoint has at most {TINY_PARAMETERS:,}); pass an explicit config: tiny_checkpoint(MyConfig(...))"
+            )
     else:
         config = model_type_or_config
         for name, value in config_overrides.items():
@@ -144,8 +564,14 @@ def tiny_checkpoint(
     try:
         with vanilla():
             torch.manual_seed(seed)
-            model: Any = _causal_lm_class(config)(config)
+            model_class = _causal_lm_class(config)
+            own = _config_for(model_class, config)
+            model: Any = model_class(own)
             model.save_pretrained(target)
+            if own is not config and _text_config(config) is own:
+                # the checkpoint keeps the composite config, as a released one does: a load reads
+                # the text config out of it
+                config.save_pretrained(target)
     except Exception as exc:
         raise TinyCheckpointError(
             f"could not build a tiny {getattr(config, 'model_type', config)!r} checkpoint from its shrunk default "

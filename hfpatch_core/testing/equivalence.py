@@ -96,9 +96,20 @@ class _Comparison:
         self.report.failures.append(message)
 
 
-def _inputs(vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _inputs(config: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two prompts of 10 tokens, the second left-padded by 3, drawn from the text model's vocabulary.
+
+    A composite model (an image-text model whose causal LM wraps a text sub-model) reads its
+    vocabulary from its text config, and a token that stands for an image, a video, ... would
+    make its forward ask for pixels: those are drawn again from the text tokens."""
+    from .models import text_config_of, text_token_ids
+
     generator = torch.Generator().manual_seed(1234)
+    vocab = int(text_config_of(config).vocab_size)
     ids = torch.randint(1, vocab, (2, 10), generator=generator)
+    allowed = text_token_ids(config, start=1)
+    if len(allowed) < vocab - 1:
+        ids = allowed[ids % len(allowed)]
     mask = torch.ones_like(ids)
     mask[1, :3] = 0  # a left-padded second row
     return ids, mask
@@ -200,9 +211,11 @@ def _check_replacements(comparison: _Comparison, expected_replacements: Sequence
 
     report = comparison.report
     plan = report.plan = plan_of(comparison.patched)
+    # a composite model's text model is loaded inside it, with a plan of its own (plan.nested)
+    claims = {name: claim for each in plan.all_plans() for name, claim in each.replaced.items()} if plan else {}
     for name, original, module in _replaced_modules(comparison.vanilla, comparison.patched):
         report.replaced.setdefault(type(original).__name__, type(module).__name__)
-        claim = plan.replaced.get(type(original).__name__) if plan is not None else None
+        claim = claims.get(type(original).__name__)
         if claim is None or claim.patch.replacement is not type(module):
             comparison.fail(
                 f"{name}: {type(original).__name__} became {type(module).__name__}, which the plan does not say"
@@ -329,7 +342,7 @@ def _check_equivalence(
     except Exception as exc:
         report.failures.append(f"loading with pack {pack!r} failed: {type(exc).__name__}: {exc}")
         return report
-    ids, mask = _inputs(int(vanilla.config.vocab_size))
+    ids, mask = _inputs(vanilla.config)
     comparison = _Comparison(
         report=report,
         source=source,

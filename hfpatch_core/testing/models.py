@@ -62,6 +62,47 @@ def load_model(
     return result
 
 
+def text_config_of(config: Any) -> Any:
+    """The config of the text model of ``config``: itself, or a composite model's text sub-config.
+
+    A composite model (an image-text model such as ``got_ocr2``, whose causal LM wraps a
+    text sub-model) keeps ``vocab_size``, the token ids and the layer sizes in its text
+    config (``config.get_text_config()``); its outer config has none of them.
+    """
+    get = getattr(config, "get_text_config", None)
+    text = get() if callable(get) else None
+    return text if text is not None else config
+
+
+#: Token ids of a text config that a prompt may hold (the others of a composite config stand for an image, ...).
+_TEXT_TOKENS = frozenset({"bos_token_id", "eos_token_id", "pad_token_id", "sep_token_id", "decoder_start_token_id"})
+
+
+def text_token_ids(config: Any, start: int = 3) -> torch.Tensor:
+    """The token ids from ``start`` to the text vocabulary's end that a text-only prompt may hold.
+
+    For a composite config, those its outer config names for another modality
+    (``image_token_id``, ``video_token_index``, ...) are left out: a prompt holding one makes
+    the model's forward ask for pixels.  For a text-only config, every id from ``start``.
+
+    Returns:
+        An ``int64`` tensor of the ids, ascending.
+    """
+    text = text_config_of(config)
+    vocab = int(text.vocab_size)
+    special: set[int] = set()
+    if text is not config:
+        for name, value in config.to_dict().items():
+            if (
+                name.endswith(("_token_id", "_token_index", "_token_ids"))
+                and name not in _TEXT_TOKENS
+                and isinstance(value, int)
+                and not isinstance(value, bool)
+            ):
+                special.add(value)
+    return torch.tensor([token for token in range(start, vocab) if token not in special], dtype=torch.int64)
+
+
 def padded_batch(vocab_size: int, *, pad_token_id: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Three random prompts of 12, 8 and 5 tokens, left-padded to 12: ``(input_ids, attention_mask)``.
 

@@ -1,7 +1,7 @@
 """pytest fixtures for pack authors (registered through the ``pytest11`` entry point).
 
 Kept free of heavy imports: torch and transformers load only when a fixture is used.
-``hfpatch_isolation`` records and restores global state with ``hfpatch_core.snapshot``.
+``hfpatch_isolation`` records and restores global state with ``hfpatch_core._runtime.snapshot``.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from . import settings
-from .snapshot import GlobalState
+from ._runtime.snapshot import GlobalState
 
 
 @pytest.fixture
@@ -33,7 +33,7 @@ def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., P
 @pytest.fixture
 def hfpatch_disabled() -> Iterator[None]:
     """Make sure hfpatch is disabled around the test."""
-    from .hooks import disable
+    from ._session.loaders import disable
 
     disable()
     yield
@@ -69,7 +69,7 @@ _ISOLATION = pytest.StashKey[_Isolation]()
 
 
 def _isolate(item: pytest.Item) -> _Isolation:
-    from .session import active_session
+    from ._session.session import active_session
 
     isolation = _Isolation(GlobalState.capture(), HfPatchIsolation(), active_session())
     item.stash[_ISOLATION] = isolation
@@ -106,12 +106,12 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> 
 
 def _finish(isolation: _Isolation) -> list[str]:
     """Restore what was recorded; the changes to report."""
-    from . import hooks
+    from ._session import loaders
 
-    hooks.disable()
+    loaders.disable()
     leaks = isolation.state.restore()
     if isolation.session is not None:
-        hooks.install(isolation.session)  # enabled before the test (hfpatch run -- pytest)
+        loaders.install(isolation.session)  # enabled before the test (hfpatch run -- pytest)
     return [] if isolation.handle.changes_allowed else leaks
 
 
@@ -141,7 +141,7 @@ def hfpatch_isolation(request: pytest.FixtureRequest) -> Iterator[HfPatchIsolati
     Yields:
         The handle with ``allow_changes()``.
     """
-    from .hooks import disable
+    from ._session.loaders import disable
 
     isolation = request.node.stash.get(_ISOLATION, None)
     if isolation is None:  # requested with getfixturevalue: record from here

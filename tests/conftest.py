@@ -13,10 +13,10 @@ import transformers
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import hfpatch_core
-import hfpatch_core.session
+import hfpatch_core._session.session
 import hfpatch_core.testing  # imported here, so pytester's in-process runs never re-import them
+from hfpatch_core._runtime.snapshot import GlobalState, loaded_classes
 from hfpatch_core.plan import plan_of
-from hfpatch_core.snapshot import GlobalState, loaded_classes
 from packs import PackSpec, install_packs
 
 transformers.utils.logging.disable_progress_bar()
@@ -54,7 +54,7 @@ def transformers_classes() -> dict[tuple[str, str], object]:
 
 
 class Snapshot:
-    """The global state a patched load changes (``hfpatch_core.snapshot.GlobalState``) at one moment."""
+    """The global state a patched load changes (``hfpatch_core._runtime.snapshot.GlobalState``) at one moment."""
 
     def __init__(self) -> None:
         self.state = GlobalState.capture()

@@ -182,7 +182,7 @@ def provide_model_types():
 
 
 def test_check_finds_what_a_pack_that_needs_a_config_targets(install, capsys) -> None:
-    from hfpatch_core.cli import main  # in-process: the probe's tiny configs are built once
+    from hfpatch_core.cli.commands import main  # in-process: the probe's tiny configs are built once
 
     install(PackSpec("sized", CONFIG_ONLY_PACK), PackSpec("nothing", NOTHING_PACK))
     assert main(["check", "sized"]) == 0  # asked with a tiny config of every model type
@@ -200,7 +200,7 @@ def test_check_finds_what_a_pack_that_needs_a_config_targets(install, capsys) ->
 
 
 def test_a_pack_can_declare_its_model_types(install, capsys) -> None:
-    from hfpatch_core.cli import main
+    from hfpatch_core.cli.commands import main
 
     install(PackSpec("declaring", DECLARING_PACK))
     assert main(["check", "declaring"]) == 1
@@ -210,7 +210,7 @@ def test_a_pack_can_declare_its_model_types(install, capsys) -> None:
 
 
 def test_an_unknown_model_type_is_bad_input_said_once(install, capsys) -> None:
-    from hfpatch_core.cli import main
+    from hfpatch_core.cli.commands import main
 
     install(PackSpec("mlp", MLP_PACK), PackSpec("sized", CONFIG_ONLY_PACK))
     for command in ("check", "verify"):
@@ -224,7 +224,7 @@ def test_an_unknown_model_type_is_bad_input_said_once(install, capsys) -> None:
 
 
 def test_check_several_packs_checks_them_together(install, capsys) -> None:
-    from hfpatch_core.cli import main
+    from hfpatch_core.cli.commands import main
 
     install(PackSpec("mlp", MLP_PACK), PackSpec("other", mlp_pack("OtherMLP")), PackSpec("norm", NORM_PATTERN_PACK))
     assert main(["check", "mlp", "norm"]) == 0
@@ -252,7 +252,7 @@ def provide_patches(context):
 
 
 def test_check_flags_a_pattern_that_replaces_a_model_class_or_a_container(install, capsys) -> None:
-    from hfpatch_core.cli import main
+    from hfpatch_core.cli.commands import main
 
     install(PackSpec("broad", BROAD_PACK), PackSpec("attn", NESTING_PACK))
     assert main(["check", "broad"]) == 1
@@ -274,7 +274,7 @@ def test_explain_prints_a_patterns_nesting_warning_once(install) -> None:
 
 
 def test_verify_fails_a_selected_pack_it_cannot_verify(install, capsys) -> None:
-    from hfpatch_core.cli import main
+    from hfpatch_core.cli.commands import main
 
     install(PackSpec("nothing", NOTHING_PACK))
     assert main(["verify", "nothing"]) == 1
@@ -339,7 +339,7 @@ def test_run_checks_the_selection_and_the_command_first(install) -> None:
 
 def test_run_refuses_when_the_start_up_hook_is_not_on_the_path() -> None:
     code = (
-        "import os, sys; from hfpatch_core.console import main; "
+        "import os, sys; from hfpatch_core.cli.console import main; "
         "sys.path[:] = [p for p in sys.path if not os.path.isfile(os.path.join(p or '.', '_hfpatch_autorun.py'))]; "
         "sys.exit(main(['run', '--', 'true']))"
     )
@@ -349,7 +349,7 @@ def test_run_refuses_when_the_start_up_hook_is_not_on_the_path() -> None:
 
 def test_list_does_not_import_torch(install) -> None:
     site = install(PackSpec("mlp", MLP_PACK))
-    code = "import sys; from hfpatch_core.cli import main; main(['list']); print('torch' in sys.modules)"
+    code = "import sys; from hfpatch_core.cli.commands import main; main(['list']); print('torch' in sys.modules)"
     result = run(sys.executable, "-c", code, site=site)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip().splitlines()[-1] == "False"

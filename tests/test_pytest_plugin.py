@@ -16,7 +16,7 @@ from transformers.models.llama import modeling_llama
 
 import hfpatch_core
 from conftest import Installer
-from hfpatch_core.snapshot import GlobalState
+from hfpatch_core._runtime.snapshot import GlobalState
 from packs import PackSpec
 from test_recorders import PROXY_PACK
 
@@ -68,15 +68,15 @@ def test_the_plugin_module_imports_neither_torch_nor_transformers() -> None:
     assert result.stdout.strip() == "[]", result.stdout + result.stderr
 
 
-#: The modules of hfpatch_core that hfpatch_core.snapshot must not import.
+#: The modules of hfpatch_core that hfpatch_core._runtime.snapshot must not import.
 ABOVE_SNAPSHOT = ("session", "cli", "inspection", "testing", "pytest_plugin")
 
 
 def test_the_snapshot_module_stays_in_its_layer() -> None:
-    # hfpatch_core.snapshot may import the value modules and transformers (lazily), never
+    # hfpatch_core._runtime.snapshot may import the value modules and transformers (lazily), never
     # torch or transformers at import time, nor the session, the command line or the helpers above it
     above = ["torch", "transformers", *(f"hfpatch_core.{name}" for name in ABOVE_SNAPSHOT)]
-    code = f"import sys, hfpatch_core.snapshot; print(sorted(set({above!r}) & set(sys.modules)))"
+    code = f"import sys, hfpatch_core._runtime.snapshot; print(sorted(set({above!r}) & set(sys.modules)))"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
     assert result.stdout.strip() == "[]", result.stdout + result.stderr
     # nor later, inside a function
@@ -122,7 +122,7 @@ def test_the_test_starts_clean_and_the_environment_comes_back(
     monkeypatch.setenv("HF_PATCH_STRICT", "1")
     monkeypatch.delenv("HFPATCH_AUTORUN", raising=False)
     hfpatch_core.enable("none")
-    outer = hfpatch_core.session.active_session()
+    outer = hfpatch_core._session.session.active_session()
     result = run_inner(
         pytester,
         """
@@ -139,7 +139,9 @@ def test_the_test_starts_clean_and_the_environment_comes_back(
     result.assert_outcomes(passed=1)
     assert (os.environ["HF_PATCH_PACKS"], os.environ["HF_PATCH_STRICT"]) == ("outer", "1")
     assert "HFPATCH_AUTORUN" not in os.environ
-    assert hfpatch_core.session.active_session() is outer  # enabled before the inner test: enabled again after it
+    assert (
+        hfpatch_core._session.session.active_session() is outer
+    )  # enabled before the inner test: enabled again after it
 
 
 def test_a_registered_patch_and_the_recorders_it_repointed_are_reported_and_restored(

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from transformers.monkey_patching import _find_replacement_class
 
 from hfpatch_core import Claim, Patch, PatchConflictError
-from hfpatch_core.resolution import find_replacement, resolve
+from hfpatch_core._pipeline.resolution import find_replacement, resolve
 
 
 class A(nn.Module):

@@ -188,7 +188,7 @@ def test_load_model_is_vanilla_and_restores_a_session_that_was_enabled(install, 
     assert type(vanilla.model.layers[0].mlp).__name__ == "LlamaMLP"
     patched = load_model(llama_checkpoint, "mlp")
     assert type(patched.model.layers[0].mlp).__name__ == "PackMLP"
-    session = hfpatch_core.session.active_session()
+    session = hfpatch_core._session.session.active_session()
     assert session is not None and session.selection.packs and not session.strict
 
 

@@ -72,7 +72,7 @@ def tiny_config(model_type: str, **overrides: Any) -> Any:
     """The default config of ``model_type`` with its size fields shrunk (``SHRINK``), then ``overrides``."""
     from transformers import AutoConfig
 
-    from ..inspection import unknown_model_type
+    from .._pipeline.model_types import unknown_model_type
 
     unknown = unknown_model_type(model_type)
     if unknown is not None:
@@ -111,7 +111,7 @@ def tiny_config(model_type: str, **overrides: Any) -> Any:
 
 
 def _causal_lm_class(config: Any) -> type[nn.Module]:
-    from ..inspection import model_class_for
+    from .._pipeline.model_types import model_class_for
 
     return model_class_for(config)
 
@@ -139,7 +139,7 @@ def tiny_checkpoint(
         for name, value in config_overrides.items():
             setattr(config, name, value)
     target = Path(directory) if directory is not None else Path(tempfile.mkdtemp(dir=_scratch_directory()))
-    from ..scope import vanilla
+    from .._runtime.scope import vanilla
 
     try:
         with vanilla():

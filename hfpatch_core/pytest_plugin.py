@@ -19,8 +19,12 @@ from ._runtime.snapshot import GlobalState
 
 
 @pytest.fixture
-def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
-    """``tiny_checkpoint("llama", num_hidden_layers=1)``: a small random checkpoint directory."""
+def tiny_checkpoint_factory(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    """``tiny_checkpoint_factory("llama", num_hidden_layers=1)``: a small random checkpoint directory.
+
+    ``hfpatch_core.testing.tiny_checkpoint`` writing into pytest's temporary directories;
+    takes a model type or a config, ``seed=`` and config overrides, and returns the directory.
+    """
     from .testing import tiny_checkpoint as build
 
     def factory(model_type_or_config: Any, *, seed: int = 0, **overrides: Any) -> Path:
@@ -28,6 +32,16 @@ def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., P
         return build(model_type_or_config, tmp_path_factory.mktemp(f"tiny-{name}"), seed=seed, **overrides)
 
     return factory
+
+
+@pytest.fixture
+def tiny_checkpoint(tiny_checkpoint_factory: Callable[..., Path]) -> Callable[..., Path]:
+    """The old name of ``tiny_checkpoint_factory``, kept for packs generated before it was renamed.
+
+    It shadows the function ``hfpatch_core.testing.tiny_checkpoint`` inside a test that
+    imports both; new tests request ``tiny_checkpoint_factory``.
+    """
+    return tiny_checkpoint_factory
 
 
 @pytest.fixture

@@ -273,3 +273,21 @@ def test_a_load_hfpatch_manages_leaves_nothing_to_report(pytester: pytest.Pytest
     )
     result.assert_outcomes(passed=1)
     assert_outer_state_clean()
+
+
+def test_the_factory_fixture_and_its_old_name_build_checkpoints_beside_the_function(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(
+        """
+        from hfpatch_core.testing import tiny_checkpoint
+
+        def test_both(tiny_checkpoint_factory, request, tmp_path):
+            made = tiny_checkpoint_factory("llama", num_hidden_layers=1)
+            assert (made / "model.safetensors").exists()
+            old = request.getfixturevalue("tiny_checkpoint")
+            assert (old("llama", num_hidden_layers=1) / "config.json").exists()
+            # the function keeps its name in a test that uses the factory
+            assert (tiny_checkpoint("llama", tmp_path / "c", num_hidden_layers=1) / "config.json").exists()
+        """
+    )
+    result = pytester.runpytest_inprocess("-p", "no:cacheprovider", "-q")
+    result.assert_outcomes(passed=1)

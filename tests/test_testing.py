@@ -28,8 +28,8 @@ from packs import DOUBLING_PACK, MLP_PACK, PackSpec, fused_qkv_pack
 PLUGIN_TEST = """
 from hfpatch_core.testing import assert_pack_equivalent
 
-def test_pack(tiny_checkpoint):
-    checkpoint = tiny_checkpoint("llama", num_hidden_layers=3)
+def test_pack(tiny_checkpoint_factory):
+    checkpoint = tiny_checkpoint_factory("llama", num_hidden_layers=3)
     assert_pack_equivalent({pack!r}, checkpoint{extra})
 """
 

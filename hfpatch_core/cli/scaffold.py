@@ -43,7 +43,7 @@ def template_path() -> Path:
     Raises:
         ScaffoldError: neither exists (a broken installation).
     """
-    package = Path(__file__).resolve().parent
+    package = Path(__file__).resolve().parent.parent  # hfpatch_core/, this module is in hfpatch_core/cli/
     candidates = (package / PACKAGED_TEMPLATE, package.parent / CHECKOUT_TEMPLATE)
     for candidate in candidates:
         if (candidate / "cookiecutter.json").is_file():

@@ -144,7 +144,7 @@ def zoo(
 
 def coverage(rows: Sequence[ZooRow]) -> dict[str, int]:
     """How many rows have each verdict (every verdict present, 0 where none)."""
-    counts = dict.fromkeys(VERDICTS, 0)
+    counts: dict[str, int] = dict.fromkeys(VERDICTS, 0)
     for row in rows:
         counts[row.verdict] += 1
     return counts

@@ -125,11 +125,11 @@ def measure(args: argparse.Namespace, work: Path) -> int:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     import hfpatch_core
-    from hfpatch_core import session as session_module
+    from hfpatch_core._pipeline.discovery import discover
+    from hfpatch_core._pipeline.planning import class_names_for
+    from hfpatch_core._pipeline.selection import current_selection
+    from hfpatch_core._session import session as session_module
     from hfpatch_core.context import LoadContext
-    from hfpatch_core.discovery import discover
-    from hfpatch_core.planning import class_names_for
-    from hfpatch_core.selection import current_selection
 
     install(work / "site")
     ours = {pack_name(i) for i in range(COUNT)}
@@ -249,7 +249,7 @@ def fast_path_cost(load: Callable[[], Any], count: int) -> tuple[list[list[str]]
     hook that replaces the original outright (hfpatch's ``apply_patches``) is measured
     against the original, both called with the arguments recorded during ``load``.
     """
-    from hfpatch_core import hooks
+    from hfpatch_core._session import loaders as hooks
 
     rows: list[list[str]] = []
     total = 0.0

@@ -95,7 +95,7 @@ def fast_apply() -> Iterator[None]:
     """
     from transformers import modeling_utils
 
-    from hfpatch_core import application
+    from hfpatch_core._runtime import application
 
     upstream = modeling_utils.apply_patches
     modeling_utils.apply_patches = application.apply_registered_patches

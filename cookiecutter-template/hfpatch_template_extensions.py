@@ -37,8 +37,8 @@ def drift_record(pack_name, model_type, target_class):
     try:
         import transformers
 
-        from hfpatch_core.drift import DriftRecord
-        from hfpatch_core.inspection import targets_of
+        from hfpatch_core.cli.drift import DriftRecord
+        from hfpatch_core.cli.inspection import targets_of
     except ImportError:
         return json.dumps({"format": 1, "pack": pack_name, "releases": {}}, indent=2) + "\n"
     targets = targets_of(str(model_type), [str(target_class)])

@@ -21,101 +21,79 @@ if TYPE_CHECKING:
 
 __version__ = "0.1.0"
 
+#: Every public name -> the module that defines it: the one table ``__all__``, the lazy
+#: ``__getattr__`` and (kept equal by tests/test_layers.py) the TYPE_CHECKING imports read.
 _EXPORTS = {
-    "AdapterError": "errors",
-    "ApplyError": "errors",
-    "apply": "inplace",
-    "revert": "inplace",
-    "Claim": "plan",
-    "Converter": "conversion",
-    "ConverterConflictError": "errors",
-    "SizedConcatenate": "conversion",
-    "SizedSplit": "conversion",
-    "WeightLayoutError": "errors",
-    "DuplicatePackError": "errors",
-    "HfPatchError": "errors",
-    "InvalidPatchError": "errors",
-    "LoadContext": "context",
-    "Lost": "plan",
-    "PackError": "errors",
-    "PackInfo": "discovery",
-    "PackWarning": "errors",
-    "PatchConflictError": "errors",
+    # values a pack builds or a user reads
     "Patch": "patches",
+    "Converter": "conversion",
+    "LoadContext": "context",
+    "Claim": "plan",
+    "Lost": "plan",
     "Plan": "plan",
-    "SelectionError": "errors",
-    "disable": "hooks",
-    "discover": "discovery",
-    "enable": "hooks",
-    "enabled": "hooks",
-    "hookimpl": "hookspecs",
-    "hookspec": "hookspecs",
-    "is_enabled": "hooks",
-    "original_state_dict": "state_dicts",
-    "patched": "manual",
     "plan_of": "plan",
+    "hookimpl": "hookspecs",
+    "SizedConcatenate": "authoring.sized",
+    "SizedSplit": "authoring.sized",
+    # errors, by how a caller reacts (errors.py)
+    "HfPatchError": "errors",
+    "ConfigurationError": "errors",
+    "SelectionError": "errors",
+    "DuplicatePackError": "errors",
+    "ConflictError": "errors",
+    "PatchConflictError": "errors",
+    "ConverterConflictError": "errors",
+    "PackError": "errors",
+    "ModelError": "errors",
+    "WeightLayoutError": "errors",
+    "ApplyError": "errors",
+    "AdapterError": "errors",
+    "InvalidPatchError": "errors",
+    "PackWarning": "errors",
+    # discovering packs
+    "PackInfo": "_pipeline.discovery",
+    "discover": "_pipeline.discovery",
+    # turning hfpatch on for loads, and patching models
+    "enable": "_session.loaders",
+    "enabled": "_session.loaders",
+    "disable": "_session.loaders",
+    "is_enabled": "_session.loaders",
+    "patched": "_session.manual",
+    "apply": "_session.inplace",
+    "revert": "_session.inplace",
+    "original_state_dict": "_runtime.state_dicts",
 }
 
-__all__ = [
-    "AdapterError",
-    "ApplyError",
-    "Claim",
-    "Converter",
-    "ConverterConflictError",
-    "DuplicatePackError",
-    "HfPatchError",
-    "InvalidPatchError",
-    "LoadContext",
-    "Lost",
-    "PackError",
-    "PackInfo",
-    "PackWarning",
-    "Patch",
-    "PatchConflictError",
-    "Plan",
-    "SelectionError",
-    "SizedConcatenate",
-    "SizedSplit",
-    "WeightLayoutError",
-    "__version__",
-    "apply",
-    "disable",
-    "discover",
-    "enable",
-    "enabled",
-    "hookimpl",
-    "hookspec",
-    "is_enabled",
-    "original_state_dict",
-    "patched",
-    "plan_of",
-    "revert",
-]
+__all__ = sorted([*_EXPORTS, "__version__"])
 
 if TYPE_CHECKING:
+    from ._pipeline.discovery import PackInfo, discover
+    from ._runtime.state_dicts import original_state_dict
+    from ._session.inplace import apply, revert
+    from ._session.loaders import disable, enable, enabled, is_enabled
+    from ._session.manual import patched
+    from .authoring.sized import SizedConcatenate, SizedSplit
     from .context import LoadContext
-    from .conversion import Converter, SizedConcatenate, SizedSplit
-    from .discovery import PackInfo, discover
+    from .conversion import Converter
     from .errors import (
         AdapterError,
         ApplyError,
+        ConfigurationError,
+        ConflictError,
         ConverterConflictError,
         DuplicatePackError,
         HfPatchError,
         InvalidPatchError,
+        ModelError,
         PackError,
         PackWarning,
         PatchConflictError,
         SelectionError,
         WeightLayoutError,
     )
-    from .hooks import disable, enable, enabled, is_enabled
-    from .hookspecs import hookimpl, hookspec
-    from .inplace import apply, revert
-    from .manual import patched
+    from .hookspecs import hookimpl
     from .patches import Patch
     from .plan import Claim, Lost, Plan, plan_of
-    from .state_dicts import original_state_dict
 
 
 def __getattr__(name: str) -> Any:

@@ -1,5 +1,5 @@
 import sys
 
-from .console import main
+from .cli.console import main
 
 sys.exit(main())

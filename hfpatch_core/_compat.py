@@ -57,34 +57,6 @@ def prefix_change_type() -> tuple[type, ...] | type:
     return found
 
 
-_router_probes: dict[type, bool] = {}
-
-
-def router_returns_probabilities(router_class: type) -> bool:
-    """Whether a top-k MoE router class returns softmax probabilities as its first output.
-
-    transformers 5.3 overwrites ``router_logits`` with their softmax before returning
-    them; later releases return the logits.  Found once per class by running it on one
-    token with known weights (a replacement router takes its parent's convention).
-    """
-    found = _router_probes.get(router_class)
-    if found is None:
-        import types
-
-        import torch
-
-        config = types.SimpleNamespace(
-            hidden_size=1, num_experts=2, num_local_experts=2, num_experts_per_tok=1, norm_topk_prob=False
-        )
-        probe: Any = router_class(config)
-        with torch.no_grad(), torch.autocast("cpu", enabled=False):
-            probe.weight.copy_(torch.tensor([[3.0], [1.0]]))
-            first = probe(torch.ones(1, 1))[0]
-        # logits (3, 1) sum to 4, probabilities to 1
-        found = _router_probes[router_class] = bool(abs(float(first.sum()) - 1.0) < 1e-3)
-    return found
-
-
 def fusion_patches() -> str | None:
     """How a load's ``fusion_config`` replaces module classes.
 

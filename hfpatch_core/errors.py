@@ -1,6 +1,17 @@
 """Exceptions and warnings raised by hfpatch.
 
-Every message says what was wrong, which input caused it and how to fix it.
+Every message says what was wrong, which input caused it and how to fix it.  The errors
+are grouped by how a caller reacts to them (catch the group, not each error):
+
+* ``ConfigurationError``: the choice of packs or the installed set is wrong; fix
+  ``HF_PATCH_PACKS`` / ``enable(packs=...)`` or the environment (``SelectionError``,
+  ``DuplicatePackError``).
+* ``ConflictError``: packs disagree about a target and no rule decides; choose one, e.g.
+  ``HF_PATCH_PACKS=all,pack@+1`` (``PatchConflictError``, ``ConverterConflictError``).
+* ``PackError``: a pack failed (import, hook, load); skipped with a ``PackWarning`` unless strict.
+* ``ModelError``: this model cannot be patched, loaded or adapted as asked; the model is
+  as it was (``WeightLayoutError``, ``ApplyError``, ``AdapterError``).
+* ``InvalidPatchError``: a pack built a ``Patch`` or ``Converter`` from bad input.
 """
 
 from __future__ import annotations
@@ -14,11 +25,19 @@ class InvalidPatchError(HfPatchError, ValueError):
     """A ``Patch`` or ``Converter`` was built from bad input."""
 
 
-class SelectionError(HfPatchError, ValueError):
+class ConfigurationError(HfPatchError):
+    """The selection of packs, or the set of installed packs, is wrong: fix it and run again."""
+
+
+class ModelError(HfPatchError):
+    """This model cannot be patched, loaded or adapted as asked; nothing was changed."""
+
+
+class SelectionError(ConfigurationError, ValueError):
     """``HF_PATCH_PACKS`` (or ``enable(packs=...)``) is malformed or names a pack that is not installed."""
 
 
-class DuplicatePackError(HfPatchError):
+class DuplicatePackError(ConfigurationError):
     """Two installed distributions declare a pack of the same name."""
 
 
@@ -46,8 +65,8 @@ class PackError(HfPatchError):
         self.stage = stage
 
 
-class _ConflictError(HfPatchError):
-    """A tie the resolver cannot decide.
+class ConflictError(HfPatchError):
+    """Packs claim the same thing and no rule decides between them: raise one's priority or leave one out.
 
     Attributes:
         problem: what ties, naming every claimant of the target.
@@ -74,20 +93,20 @@ class _ConflictError(HfPatchError):
         self.target = target
         self.selection = selection
 
-    def with_remedy(self, remedy: str, selection: str | None) -> _ConflictError:
+    def with_remedy(self, remedy: str, selection: str | None) -> ConflictError:
         """The same conflict, with ``remedy`` in place of the generic one."""
         return type(self)(self.problem, remedy, packs=self.packs, target=self.target, selection=selection)
 
 
-class PatchConflictError(_ConflictError):
+class PatchConflictError(ConflictError):
     """Two packs claim the same target with the same priority and neither (or both) overwrite."""
 
 
-class ConverterConflictError(_ConflictError):
+class ConverterConflictError(ConflictError):
     """Two packs' converters claim the same checkpoint tensors with the same priority."""
 
 
-class WeightLayoutError(HfPatchError):
+class WeightLayoutError(ModelError):
     """A patched model does not match its checkpoint: a weight would be missing, unexpected,
     of the wrong shape, or saved in a layout vanilla transformers cannot read."""
 
@@ -96,11 +115,11 @@ class PackWarning(UserWarning):
     """A pack was skipped (failure, incompatibility) or one of its claims was not applied."""
 
 
-class ApplyError(HfPatchError):
+class ApplyError(ModelError):
     """``hfpatch_core.apply`` / ``revert`` cannot patch (or unpatch) a built model in place;
     the message names the pack and the reason, and the model is as it was."""
 
 
-class AdapterError(HfPatchError, ValueError):
+class AdapterError(ModelError, ValueError):
     """An adapter (PEFT) cannot be put on a patched model as asked: it would target a module a pack
     fused (and so not load on an unpatched model), or a fused module cannot be split for it."""

@@ -1,7 +1,7 @@
 """pytest fixtures for pack authors (registered through the ``pytest11`` entry point).
 
 Kept free of heavy imports: torch and transformers load only when a fixture is used.
-``hfpatch_isolation`` records and restores global state with ``hfpatch_core.snapshot``.
+``hfpatch_isolation`` records and restores global state with ``hfpatch_core._runtime.snapshot``.
 """
 
 from __future__ import annotations
@@ -15,12 +15,16 @@ from typing import Any
 import pytest
 
 from . import settings
-from .snapshot import GlobalState
+from ._runtime.snapshot import GlobalState
 
 
 @pytest.fixture
-def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
-    """``tiny_checkpoint("llama", num_hidden_layers=1)``: a small random checkpoint directory."""
+def tiny_checkpoint_factory(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    """``tiny_checkpoint_factory("llama", num_hidden_layers=1)``: a small random checkpoint directory.
+
+    ``hfpatch_core.testing.tiny_checkpoint`` writing into pytest's temporary directories;
+    takes a model type or a config, ``seed=`` and config overrides, and returns the directory.
+    """
     from .testing import tiny_checkpoint as build
 
     def factory(model_type_or_config: Any, *, seed: int = 0, **overrides: Any) -> Path:
@@ -31,9 +35,19 @@ def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., P
 
 
 @pytest.fixture
+def tiny_checkpoint(tiny_checkpoint_factory: Callable[..., Path]) -> Callable[..., Path]:
+    """The old name of ``tiny_checkpoint_factory``, kept for packs generated before it was renamed.
+
+    It shadows the function ``hfpatch_core.testing.tiny_checkpoint`` inside a test that
+    imports both; new tests request ``tiny_checkpoint_factory``.
+    """
+    return tiny_checkpoint_factory
+
+
+@pytest.fixture
 def hfpatch_disabled() -> Iterator[None]:
     """Make sure hfpatch is disabled around the test."""
-    from .hooks import disable
+    from ._session.loaders import disable
 
     disable()
     yield
@@ -69,7 +83,7 @@ _ISOLATION = pytest.StashKey[_Isolation]()
 
 
 def _isolate(item: pytest.Item) -> _Isolation:
-    from .session import active_session
+    from ._session.session import active_session
 
     isolation = _Isolation(GlobalState.capture(), HfPatchIsolation(), active_session())
     item.stash[_ISOLATION] = isolation
@@ -106,12 +120,12 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> 
 
 def _finish(isolation: _Isolation) -> list[str]:
     """Restore what was recorded; the changes to report."""
-    from . import hooks
+    from ._session import loaders
 
-    hooks.disable()
+    loaders.disable()
     leaks = isolation.state.restore()
     if isolation.session is not None:
-        hooks.install(isolation.session)  # enabled before the test (hfpatch run -- pytest)
+        loaders.install(isolation.session)  # enabled before the test (hfpatch run -- pytest)
     return [] if isolation.handle.changes_allowed else leaks
 
 
@@ -141,7 +155,7 @@ def hfpatch_isolation(request: pytest.FixtureRequest) -> Iterator[HfPatchIsolati
     Yields:
         The handle with ``allow_changes()``.
     """
-    from .hooks import disable
+    from ._session.loaders import disable
 
     isolation = request.node.stash.get(_ISOLATION, None)
     if isolation is None:  # requested with getfixturevalue: record from here

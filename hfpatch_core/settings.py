@@ -12,7 +12,7 @@ import os
 ENTRY_POINT_GROUP = "hfpatch.packs"
 
 #: Which packs run: unset (all), ``none``, ``a,b``, ``-a``, ``all,-a``, ``a@+10`` ...
-#: See ``hfpatch_core.selection.parse_selection`` for the grammar.
+#: See ``hfpatch_core._pipeline.selection.parse_selection`` for the grammar.
 PACKS_ENV = "HF_PATCH_PACKS"
 
 #: ``1``/``true``/``yes``/``on`` turns every pack failure into an error raised before

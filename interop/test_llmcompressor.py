@@ -34,7 +34,7 @@ from transformers.models.qwen2_moe import modeling_qwen2_moe
 
 import hfpatch_core
 from hfpatch_core import PackWarning
-from hfpatch_core.snapshot import GlobalState
+from hfpatch_core._runtime.snapshot import GlobalState
 from hfpatch_core.testing import tiny_checkpoint
 
 transformers.utils.logging.disable_progress_bar()

@@ -13,10 +13,11 @@ import transformers
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import hfpatch_core
-import hfpatch_core.session
-import hfpatch_core.testing  # imported here, so pytester's in-process runs never re-import them
+import hfpatch_core._session.session
+import hfpatch_core.testing  # noqa: F401  (imported here, so pytester's in-process runs never re-import it)
+from hfpatch_core._runtime.snapshot import GlobalState, loaded_classes
 from hfpatch_core.plan import plan_of
-from hfpatch_core.snapshot import GlobalState, loaded_classes
+from hfpatch_core.pytest_plugin import HfPatchIsolation
 from packs import PackSpec, install_packs
 
 transformers.utils.logging.disable_progress_bar()
@@ -54,7 +55,7 @@ def transformers_classes() -> dict[tuple[str, str], object]:
 
 
 class Snapshot:
-    """The global state a patched load changes (``hfpatch_core.snapshot.GlobalState``) at one moment."""
+    """The global state a patched load changes (``hfpatch_core._runtime.snapshot.GlobalState``) at one moment."""
 
     def __init__(self) -> None:
         self.state = GlobalState.capture()
@@ -99,17 +100,13 @@ def snapshot() -> Snapshot:
 
 
 @pytest.fixture(autouse=True)
-def _isolation(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """Each test starts with hfpatch's variables unset; afterwards hfpatch is disabled and the global
-    state (``GlobalState``), ``sys.path`` and the test packs' modules are as before."""
-    monkeypatch.delenv("HF_PATCH_PACKS", raising=False)
-    monkeypatch.delenv("HF_PATCH_STRICT", raising=False)
-    state = GlobalState.capture()
+def _isolation(hfpatch_isolation: HfPatchIsolation) -> Iterator[HfPatchIsolation]:
+    """The shipped ``hfpatch_isolation`` on every test (hfpatch disabled and its variables unset
+    before, the global state restored after, a leak fails the test), and the test packs'
+    modules and ``sys.path`` entries removed afterwards."""
     modules = set(sys.modules)
     path = list(sys.path)
-    yield
-    hfpatch_core.disable()
-    state.restore()
+    yield hfpatch_isolation
     sys.path[:] = path
     for name in set(sys.modules) - modules:
         if name.startswith("hfpatch_test_pack"):

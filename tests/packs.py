@@ -111,7 +111,7 @@ def _fused_qkv_classes(class_name: str) -> str:
     return f"""import torch
 from torch import nn
 from hfpatch_core import Converter, Patch, hookimpl
-from hfpatch_core.conversion import SizedConcatenate
+from hfpatch_core.authoring import SizedConcatenate
 from transformers.core_model_loading import Concatenate, WeightConverter
 from transformers.models.llama.modeling_llama import LlamaAttention
 
@@ -185,7 +185,7 @@ _FUSED_MLP_CLASS = """
 import torch
 from torch import nn
 from hfpatch_core import Converter, Patch, hookimpl
-from hfpatch_core.conversion import SizedConcatenate
+from hfpatch_core.authoring import SizedConcatenate
 from transformers.core_model_loading import WeightConverter
 from transformers.models.llama.modeling_llama import LlamaMLP
 

@@ -26,9 +26,9 @@ import transformers
 from transformers import monkey_patching
 
 from conftest import Snapshot, transformers_classes
-from hfpatch_core import application
-from hfpatch_core.application import apply_mapping
-from hfpatch_core.resolution import find_replacement
+from hfpatch_core._pipeline.resolution import find_replacement
+from hfpatch_core._runtime import application
+from hfpatch_core._runtime.application import apply_mapping
 
 #: Model types whose modeling modules are imported before comparing (present in 5.3 and 5.24).
 MODEL_TYPES = (

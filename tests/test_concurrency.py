@@ -15,7 +15,7 @@ from transformers.models.llama import modeling_llama
 import hfpatch_core
 from conftest import Snapshot, race, tiny_llama_config, vanilla_problems
 from hfpatch_core import plan_of
-from hfpatch_core.application import apply_mapping
+from hfpatch_core._runtime.application import apply_mapping
 from hfpatch_core.testing import load_model
 from packs import MLP_PACK, NORM_PATTERN_PACK, PackSpec, fused_qkv_pack
 

@@ -15,10 +15,11 @@ from transformers.core_model_loading import WeightRenaming
 import hfpatch_core
 from conftest import tiny_llama_config
 from hfpatch_core import ConverterConflictError, PackWarning, WeightLayoutError, plan_of
-from hfpatch_core.composition import ConversionScope, compose
-from hfpatch_core.conversion import Converter, SizedConcatenate, SizedSplit, _whole_of_share, describe_transform
+from hfpatch_core._pipeline.composition import ConversionScope, compose
+from hfpatch_core._pipeline.resolution import resolve_converters
+from hfpatch_core.authoring.sized import SizedConcatenate, SizedSplit, _whole_of_share
+from hfpatch_core.conversion import Converter, describe_transform
 from hfpatch_core.plan import BUILTIN, ConverterClaim
-from hfpatch_core.resolution import resolve_converters
 from packs import FUSED_MLP_PACK, MLP_PACK, PackSpec, fused_attention_and_mlp_pack, fused_qkv_pack
 
 
@@ -242,7 +243,7 @@ def test_a_pack_that_loses_one_of_two_classes_converts_for_the_winning_one_only(
     model.save_pretrained(tmp_path / "saved")
     assert set(tensors(tmp_path / "saved")) == set(tensors(llama_checkpoint))
 
-    from hfpatch_core.cli import main
+    from hfpatch_core.cli.commands import main
 
     monkeypatch.setenv("HF_PATCH_PACKS", "all,mlp@+1")
     assert main(["explain", str(llama_checkpoint)]) == 0
@@ -400,8 +401,8 @@ def test_nested_patched_blocks_and_loads_inside_one_save_the_original_layout(
 
 
 def test_explain_shows_composed_lists_with_their_origins(install) -> None:
-    from hfpatch_core.inspection import explain
-    from hfpatch_core.session import new_session
+    from hfpatch_core._session.session import new_session
+    from hfpatch_core.cli.inspection import explain
 
     source = """
 from hfpatch_core import Converter, hookimpl

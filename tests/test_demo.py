@@ -2,8 +2,8 @@ from __future__ import annotations
 
 import io
 
-from hfpatch_core.cli import main
-from hfpatch_core.demo import EXAMPLE_PACK, run_demo
+from hfpatch_core.cli.commands import main
+from hfpatch_core.cli.demo import EXAMPLE_PACK, run_demo
 from packs import MLP_PACK, PackSpec
 
 

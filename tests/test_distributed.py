@@ -451,7 +451,7 @@ def test_qwen_moe_applies_to_qwen3_moe_in_every_mode(loads: list[dict[str, Any]]
 
 
 def test_fused_outputs_split_whole_or_by_rank_share() -> None:
-    from hfpatch_core.fusion import local_sizes
+    from hfpatch_core.authoring.fusion import local_sizes
 
     assert local_sizes((64, 32, 32), 128) == (64, 32, 32)
     assert local_sizes((64, 32, 32), 64) == (32, 16, 16)
@@ -526,8 +526,8 @@ def provide_converters(context):
 
 
 def _plan(parallel: tuple[str, ...], config: str | None = None):
+    from hfpatch_core._session.session import new_session
     from hfpatch_core.context import LoadContext
-    from hfpatch_core.session import new_session
 
     context = LoadContext("llama", "LlamaForCausalLM", config=config, parallel=parallel)
     return new_session("rule").plan(context, ("LlamaMLP", "LlamaAttention", "LlamaRMSNorm"))
@@ -563,8 +563,8 @@ def test_a_declared_plan_admits_the_class_for_that_parallelism_only(install) -> 
 
 
 def test_strict_mode_raises_the_refusal(install) -> None:
+    from hfpatch_core._session.session import new_session
     from hfpatch_core.context import LoadContext
-    from hfpatch_core.session import new_session
 
     install(PackSpec("rule", RULE_PACK))
     context = LoadContext("llama", "LlamaForCausalLM", parallel=("fsdp",))
@@ -619,7 +619,7 @@ def test_verify_distributed_reports_each_parallelism_from_one_torchrun() -> None
 
 
 def test_verify_distributed_takes_known_parallelisms_only(capsys) -> None:
-    from hfpatch_core.cli import main
+    from hfpatch_core.cli.commands import main
 
     assert main(["verify", "--distributed", "tp,dp"]) == 2
     assert "--distributed takes parallelisms among tp,fsdp,ep, got 'tp,dp'" in capsys.readouterr().err
@@ -661,7 +661,7 @@ class _Coordinates:
 
 def test_local_experts_keeps_this_ranks_share_under_the_global_numbers() -> None:
     from hfpatch_core._compat import expert_mesh_of_loader
-    from hfpatch_core.sharding import keep_local_experts
+    from hfpatch_core._runtime.parallel_plans import keep_local_experts
 
     model = _toy_moe(4)
     kept = keep_local_experts(model, lambda: _Coordinates(1, 2))
@@ -687,7 +687,7 @@ def test_local_experts_keeps_this_ranks_share_under_the_global_numbers() -> None
 )
 def test_local_experts_refuses_what_it_cannot_cut(experts: int, style: str, mesh: Any, message: str) -> None:
     from hfpatch_core._compat import expert_mesh_of_loader
-    from hfpatch_core.sharding import keep_local_experts
+    from hfpatch_core._runtime.parallel_plans import keep_local_experts
 
     model = _toy_moe(experts, style)
     if not expert_mesh_of_loader():

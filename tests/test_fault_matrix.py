@@ -34,7 +34,8 @@ from transformers import AutoModelForCausalLM, conversion_mapping, monkey_patchi
 
 import hfpatch_core
 from conftest import Snapshot
-from hfpatch_core import DuplicatePackError, PackError, PackWarning, SelectionError, cli, plan_of
+from hfpatch_core import DuplicatePackError, PackError, PackWarning, SelectionError, plan_of
+from hfpatch_core.cli import commands as cli
 from packs import MLP_PACK, PackSpec
 
 Outcome = Literal["raise@enable", "raise@load", "warn@enable", "warn@load", "quiet"]

@@ -1,4 +1,4 @@
-"""hfpatch_core.fusion: the fused-QKV attention computes exactly what the attention it replaces computes.
+"""hfpatch_core.authoring.fusion: the fused-QKV attention computes exactly what the attention it replaces computes.
 
 The weights and inputs are multiples of 1/8 in [-1/2, 1/2], so every projection output is
 exact in float32 whatever the summation order: one fused matmul and three separate ones
@@ -21,7 +21,13 @@ from transformers.models.qwen3 import modeling_qwen3
 from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention
 
 from conftest import tiny_llama_config
-from hfpatch_core.fusion import QKV_PROJECTIONS, FusedQKVAttentionBase, forward_for, fuse_projections, linear_like
+from hfpatch_core.authoring.fusion import (
+    QKV_PROJECTIONS,
+    FusedQKVAttentionBase,
+    forward_for,
+    fuse_projections,
+    linear_like,
+)
 from hfpatch_core.testing import tiny_config
 
 PACK = "hfpatch-pack-test"

@@ -43,3 +43,57 @@ def test_the_contract_holds() -> None:
     result = subprocess.run([str(lint), "--no-cache"], cwd=ROOT, capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "2 kept, 0 broken" in result.stdout
+
+
+def test_the_top_level_holds_at_most_twelve_modules() -> None:
+    modules = sorted(path.name for path in (ROOT / "hfpatch_core").glob("*.py"))
+    assert len(modules) <= 12, modules
+
+
+def test_all_the_lazy_exports_and_the_type_checking_imports_name_the_same_objects() -> None:
+    import ast
+    import importlib
+
+    import hfpatch_core
+
+    init = (ROOT / "hfpatch_core" / "__init__.py").read_text()
+    (block,) = [
+        node for node in ast.parse(init).body if isinstance(node, ast.If) and ast.unparse(node.test) == "TYPE_CHECKING"
+    ][1:]
+    stubs = {
+        alias.name: node.module.lstrip(".")
+        for node in block.body
+        if isinstance(node, ast.ImportFrom) and node.module
+        for alias in node.names
+    }
+    exports = hfpatch_core._EXPORTS
+    assert stubs == exports
+    assert sorted(hfpatch_core.__all__) == sorted([*exports, "__version__"])
+    for name, module in exports.items():
+        assert getattr(hfpatch_core, name) is getattr(importlib.import_module(f"hfpatch_core.{module}"), name), name
+
+
+PUBLIC_IMPORT = re.compile(r"^\s*(?:from|import)\s+(hfpatch_core[\w.]*)(?:\s+import\s+\(?([^)\n]*))?", re.M)
+
+
+def _imports_of_hfpatch_core(path: Path) -> list[tuple[str, list[str]]]:
+    found = []
+    for module, names in PUBLIC_IMPORT.findall(path.read_text()):
+        found.append((module, [name.strip().split(" as ")[0] for name in names.split(",") if name.strip()]))
+    return found
+
+
+def test_packs_and_the_template_import_only_the_public_surface() -> None:
+    sources = [
+        *(ROOT / "plugins").glob("*/hfpatch_pack_*/**/*.py"),
+        *(ROOT / "docs" / "examples").glob("*/*.py"),
+        *(ROOT / "cookiecutter-template").glob("{{cookiecutter.project_slug}}/**/*.py"),
+    ]
+    assert len(sources) >= 10
+    private = [
+        f"{path.relative_to(ROOT)}: {module} {names}"
+        for path in sources
+        for module, names in _imports_of_hfpatch_core(path)
+        if any(part.startswith("_") for part in module.split(".")) or any(name.startswith("_") for name in names)
+    ]
+    assert private == []

@@ -106,7 +106,7 @@ def test_the_summary_names_only_the_classes_replaced() -> None:
     from transformers.models.llama.modeling_llama import LlamaMLP
 
     from hfpatch_core import Claim, LoadContext, Patch
-    from hfpatch_core.resolution import resolve
+    from hfpatch_core._pipeline.resolution import resolve
 
     claims = [
         Claim("p", "1.0", Patch(target, LlamaMLP), 0, index) for index, target in enumerate(["LlamaMLP", "MistralMLP"])

@@ -11,8 +11,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from hfpatch_core.conversion import SizedConcatenate
-from hfpatch_core.pages import release
+from hfpatch_core.authoring import SizedConcatenate
+from hfpatch_core.authoring._pages import release
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the pagemap is Linux's")
 
@@ -109,7 +109,7 @@ def _resident_mib() -> int:
 
 
 def test_trim_heap_gives_back_what_freed_temporaries_left_in_the_heap() -> None:
-    from hfpatch_core.pages import trim_heap
+    from hfpatch_core.authoring._pages import trim_heap
 
     first = torch.ones(1 << 20, dtype=torch.uint8)
     del first  # freeing a 1 MiB block raises glibc's threshold: blocks of that size now come from the heap

@@ -16,7 +16,7 @@ from transformers.models.llama import modeling_llama
 
 import hfpatch_core
 from conftest import Installer
-from hfpatch_core.snapshot import GlobalState
+from hfpatch_core._runtime.snapshot import GlobalState
 from packs import PackSpec
 from test_recorders import PROXY_PACK
 
@@ -68,31 +68,29 @@ def test_the_plugin_module_imports_neither_torch_nor_transformers() -> None:
     assert result.stdout.strip() == "[]", result.stdout + result.stderr
 
 
-#: The modules of hfpatch_core that hfpatch_core.snapshot must not import.
-ABOVE_SNAPSHOT = ("session", "cli", "inspection", "testing", "pytest_plugin")
+#: The modules of hfpatch_core that hfpatch_core._runtime.snapshot must not import.
+ABOVE_SNAPSHOT = ("_session", "cli", "testing", "pytest_plugin")
 
 
 def test_the_snapshot_module_stays_in_its_layer() -> None:
-    # hfpatch_core.snapshot may import the value modules and transformers (lazily), never
+    # hfpatch_core._runtime.snapshot may import the value modules and transformers (lazily), never
     # torch or transformers at import time, nor the session, the command line or the helpers above it
     above = ["torch", "transformers", *(f"hfpatch_core.{name}" for name in ABOVE_SNAPSHOT)]
-    code = f"import sys, hfpatch_core.snapshot; print(sorted(set({above!r}) & set(sys.modules)))"
+    code = f"import sys, hfpatch_core._runtime.snapshot; print(sorted(set({above!r}) & set(sys.modules)))"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
     assert result.stdout.strip() == "[]", result.stdout + result.stderr
-    # nor later, inside a function
-    tree = ast.parse((Path(hfpatch_core.__file__).parent / "snapshot.py").read_text())
-    imported = {
-        (node.module or "").removeprefix("hfpatch_core.").split(".")[0]
-        for node in ast.walk(tree)
-        if isinstance(node, ast.ImportFrom)
-    }
-    imported |= {
-        alias.name
-        for node in ast.walk(tree)
-        if isinstance(node, ast.ImportFrom) and not node.module
-        for alias in node.names
-    }
-    assert not imported & set(ABOVE_SNAPSHOT), imported
+    # nor later, inside a function: every import, relative ones resolved from hfpatch_core._runtime
+    tree = ast.parse((Path(hfpatch_core.__file__).parent / "_runtime" / "snapshot.py").read_text())
+    imported = set()
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.ImportFrom):
+            continue
+        base = ["hfpatch_core", "_runtime"][: 2 - (node.level - 1)] if node.level else []
+        names = [node.module] if node.module else [alias.name for alias in node.names]
+        imported |= {".".join([*base, name]) for name in names}
+    assert imported, "the test reads no import of snapshot.py"
+    tops = {name.removeprefix("hfpatch_core.").split(".")[0] for name in imported if name.startswith("hfpatch_core.")}
+    assert not tops & set(ABOVE_SNAPSHOT), imported
 
 
 def test_the_snapshot_lists_changes_without_restoring_and_restore_puts_them_back() -> None:
@@ -122,7 +120,7 @@ def test_the_test_starts_clean_and_the_environment_comes_back(
     monkeypatch.setenv("HF_PATCH_STRICT", "1")
     monkeypatch.delenv("HFPATCH_AUTORUN", raising=False)
     hfpatch_core.enable("none")
-    outer = hfpatch_core.session.active_session()
+    outer = hfpatch_core._session.session.active_session()
     result = run_inner(
         pytester,
         """
@@ -139,7 +137,9 @@ def test_the_test_starts_clean_and_the_environment_comes_back(
     result.assert_outcomes(passed=1)
     assert (os.environ["HF_PATCH_PACKS"], os.environ["HF_PATCH_STRICT"]) == ("outer", "1")
     assert "HFPATCH_AUTORUN" not in os.environ
-    assert hfpatch_core.session.active_session() is outer  # enabled before the inner test: enabled again after it
+    assert (
+        hfpatch_core._session.session.active_session() is outer
+    )  # enabled before the inner test: enabled again after it
 
 
 def test_a_registered_patch_and_the_recorders_it_repointed_are_reported_and_restored(
@@ -273,3 +273,21 @@ def test_a_load_hfpatch_manages_leaves_nothing_to_report(pytester: pytest.Pytest
     )
     result.assert_outcomes(passed=1)
     assert_outer_state_clean()
+
+
+def test_the_factory_fixture_and_its_old_name_build_checkpoints_beside_the_function(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(
+        """
+        from hfpatch_core.testing import tiny_checkpoint
+
+        def test_both(tiny_checkpoint_factory, request, tmp_path):
+            made = tiny_checkpoint_factory("llama", num_hidden_layers=1)
+            assert (made / "model.safetensors").exists()
+            old = request.getfixturevalue("tiny_checkpoint")
+            assert (old("llama", num_hidden_layers=1) / "config.json").exists()
+            # the function keeps its name in a test that uses the factory
+            assert (tiny_checkpoint("llama", tmp_path / "c", num_hidden_layers=1) / "config.json").exists()
+        """
+    )
+    result = pytester.runpytest_inprocess("-p", "no:cacheprovider", "-q")
+    result.assert_outcomes(passed=1)

@@ -10,10 +10,10 @@ from hypothesis import strategies as st
 from transformers.monkey_patching import _find_replacement_class
 
 from hfpatch_core import Claim, Patch, PatchConflictError
-from hfpatch_core.gathering import Gathered
-from hfpatch_core.resolution import find_replacement, patch_conflicts, resolve, resolve_patches
-from hfpatch_core.selection import parse_selection
-from hfpatch_core.settling import Change, Problem, adjusted, selection_text, settle, settled
+from hfpatch_core._pipeline.gathering import Gathered
+from hfpatch_core._pipeline.resolution import find_replacement, patch_conflicts, resolve, resolve_patches
+from hfpatch_core._pipeline.selection import parse_selection
+from hfpatch_core._pipeline.settling import Change, Problem, adjusted, selection_text, settle, settled
 
 
 class A(nn.Module):

@@ -17,8 +17,8 @@ import pytest
 from cookiecutter.exceptions import FailedHookException
 from cookiecutter.main import cookiecutter
 
+from hfpatch_core.cli.scaffold import REPORT_ENV, ScaffoldError, new_pack, template_path, template_variables
 from hfpatch_core.errors import HfPatchError
-from hfpatch_core.scaffold import REPORT_ENV, ScaffoldError, new_pack, template_path, template_variables
 
 HFPATCH = str(Path(sys.executable).with_name("hfpatch"))
 REPOSITORY = Path(__file__).resolve().parent.parent

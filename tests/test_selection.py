@@ -3,8 +3,8 @@ from __future__ import annotations
 import pytest
 
 from hfpatch_core import PackError, SelectionError
-from hfpatch_core.discovery import Discovery, PackInfo
-from hfpatch_core.selection import parse_selection, select
+from hfpatch_core._pipeline.discovery import Discovery, PackInfo
+from hfpatch_core._pipeline.selection import parse_selection, select
 
 
 @pytest.mark.parametrize(

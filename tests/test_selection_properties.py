@@ -1,4 +1,4 @@
-"""Properties of the ``HF_PATCH_PACKS`` parser (:func:`hfpatch_core.selection.parse_selection`)."""
+"""Properties of the ``HF_PATCH_PACKS`` parser (:func:`hfpatch_core._pipeline.selection.parse_selection`)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from hfpatch_core import SelectionError
-from hfpatch_core.selection import SelectionSpec, parse_selection
+from hfpatch_core._pipeline.selection import SelectionSpec, parse_selection
 
 RESERVED = ("all", "none")
 _FIRST = string.ascii_letters + string.digits

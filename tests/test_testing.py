@@ -28,8 +28,8 @@ from packs import DOUBLING_PACK, MLP_PACK, PackSpec, fused_qkv_pack
 PLUGIN_TEST = """
 from hfpatch_core.testing import assert_pack_equivalent
 
-def test_pack(tiny_checkpoint):
-    checkpoint = tiny_checkpoint("llama", num_hidden_layers=3)
+def test_pack(tiny_checkpoint_factory):
+    checkpoint = tiny_checkpoint_factory("llama", num_hidden_layers=3)
     assert_pack_equivalent({pack!r}, checkpoint{extra})
 """
 
@@ -188,7 +188,7 @@ def test_load_model_is_vanilla_and_restores_a_session_that_was_enabled(install, 
     assert type(vanilla.model.layers[0].mlp).__name__ == "LlamaMLP"
     patched = load_model(llama_checkpoint, "mlp")
     assert type(patched.model.layers[0].mlp).__name__ == "PackMLP"
-    session = hfpatch_core.session.active_session()
+    session = hfpatch_core._session.session.active_session()
     assert session is not None and session.selection.packs and not session.strict
 
 

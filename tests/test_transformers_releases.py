@@ -19,8 +19,9 @@ from transformers.models.qwen2_vl import modeling_qwen2_vl
 from transformers.models.qwen2_vl.configuration_qwen2_vl import Qwen2VLVisionConfig
 
 import hfpatch_core
-from hfpatch_core import _compat, application, plan_of
-from hfpatch_core.application import apply_mapping, attribute_names
+from hfpatch_core import _compat, plan_of
+from hfpatch_core._runtime import application
+from hfpatch_core._runtime.application import apply_mapping, attribute_names
 from hfpatch_core.errors import ConverterConflictError
 from packs import MLP_PACK, PackSpec
 

@@ -37,7 +37,7 @@ def check_apply_path(comparison: Any) -> None:
 
     ``comparison``: the ``equivalence._Comparison`` of the run (not imported here: it imports this module).
     """
-    from ..inplace import applied_to, apply, revert
+    from .._session.inplace import applied_to, apply, revert
 
     c = comparison
     model = load_model(c.source, dtype=c.dtype)

@@ -142,7 +142,7 @@ def tiny_config(model_type: str, **overrides: Any) -> Any:
     """
     from transformers import AutoConfig
 
-    from ..inspection import unknown_model_type
+    from .._pipeline.model_types import unknown_model_type
 
     unknown = unknown_model_type(model_type)
     if unknown is not None:
@@ -427,7 +427,7 @@ def _tokens(values: dict[str, Any], current: Mapping[str, Any], names: set[str],
 
 
 def _causal_lm_class(config: Any) -> type[nn.Module]:
-    from ..inspection import model_class_for
+    from .._pipeline.model_types import model_class_for
 
     return model_class_for(config)
 
@@ -465,7 +465,7 @@ _MOST_PARAMETERS = 100_000_000
 
 def parameter_count(config: Any) -> int:
     """The parameters of the causal LM ``tiny_checkpoint`` builds from ``config``, counted on the meta device."""
-    from ..scope import vanilla
+    from .._runtime.scope import vanilla
 
     model_class = _causal_lm_class(config)
     with vanilla(), torch.device("meta"):
@@ -486,7 +486,7 @@ def check_tiny_checkpoint(model_type: str) -> str | None:
     """
     from transformers import AutoModelForCausalLM
 
-    from ..scope import vanilla
+    from .._runtime.scope import vanilla
     from .models import text_token_ids
 
     stage = "config"
@@ -559,7 +559,7 @@ def tiny_checkpoint(
         for name, value in config_overrides.items():
             setattr(config, name, value)
     target = Path(directory) if directory is not None else Path(tempfile.mkdtemp(dir=_scratch_directory()))
-    from ..scope import vanilla
+    from .._runtime.scope import vanilla
 
     try:
         with vanilla():

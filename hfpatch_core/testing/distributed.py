@@ -9,7 +9,7 @@ greedy generation with the reference.  ``hfpatch verify --distributed tp,fsdp,ep
 the result per pack, model type and parallelism.
 
 Outcomes: ``applied`` (the pack replaced classes, results equal), ``refused`` (hfpatch
-refused the pack's classes for that parallelism, see ``hfpatch_core.distribution``; the
+refused the pack's classes for that parallelism, see ``hfpatch_core._pipeline.parallel``; the
 model loaded vanilla, results equal), ``unavailable`` (the installed transformers has no
 such load, or loads this model that way not even without packs), ``failed`` (an error, or
 results that differ).

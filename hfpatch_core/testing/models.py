@@ -16,7 +16,7 @@ import torch
 
 def _enabled(packs: str, strict: bool = True) -> contextlib.AbstractContextManager[Any]:
     """hfpatch enabled for ``packs`` inside the block, for this thread or task only."""
-    from ..hooks import enabled
+    from .._session.loaders import enabled
 
     return enabled(packs, strict=strict)
 
@@ -49,7 +49,7 @@ def load_model(
         PackError: strict mode, and a selected pack failed.
         Exception: whatever ``from_pretrained`` raises.
     """
-    from ..scope import vanilla
+    from .._runtime.scope import vanilla
 
     if model_class is None:
         from transformers import AutoModelForCausalLM

@@ -14,7 +14,7 @@ from transformers.core_model_loading import WeightConverter
 from transformers.models.llama.modeling_llama import LlamaMLP
 
 from hfpatch_core import Converter, LoadContext, Patch, SizedConcatenate, hookimpl
-from hfpatch_core.packing import packed_outputs, record_sizes
+from hfpatch_core.authoring.packing import packed_outputs, record_sizes
 
 
 class FusedGateUpMLP(LlamaMLP):

@@ -35,8 +35,8 @@ from typing import Any
 from transformers.core_model_loading import WeightConverter
 
 import hfpatch_core
-from hfpatch_core import Converter, LoadContext, Patch, _compat
-from hfpatch_core.conversion import SizedConcatenate
+from hfpatch_core import Converter, LoadContext, Patch
+from hfpatch_core.authoring import SizedConcatenate, probes
 
 from .detection import Detection, Site, detect
 from .modules import (
@@ -145,7 +145,7 @@ class Fusion:
 
 def _submodel_conversions_supported() -> bool:
     # transformers 5.3 applies the root model type's conversions only (see hfpatch's README)
-    return _compat.class_keys_supported()
+    return probes.class_keys_supported()
 
 
 def detect_for(model_type: str, config: Any) -> Detection:

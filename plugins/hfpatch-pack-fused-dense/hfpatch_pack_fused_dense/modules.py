@@ -12,7 +12,7 @@ The forwards are the originals' with the projections fused:
 * attention: the q/k/v states are three splits of one matmul; rotary, the q/k norms
   (qwen3), the KV cache, the attention interface, the sliding window and ``o_proj`` are
   as in the original.  The fusion and the forward are shared with the other packs
-  (``hfpatch_core.fusion``, which also picks the installed class's cache
+  (``hfpatch_core.authoring.fusion``, which also picks the installed class's cache
   convention); a family's ``AttentionFlavor`` sets what differs.
 """
 
@@ -28,8 +28,8 @@ from typing import Any, ClassVar
 import torch
 import torch.nn as nn
 
-from hfpatch_core.fusion import FusedQKVAttentionBase, forward_for, fuse_projections
-from hfpatch_core.packing import packed_outputs
+from hfpatch_core.authoring.fusion import FusedQKVAttentionBase, forward_for, fuse_projections
+from hfpatch_core.authoring.packing import packed_outputs
 
 
 class SlidingWindow(enum.Enum):
@@ -88,7 +88,7 @@ class FusedGateUpMLP(nn.Module):
     gate_up_proj: nn.Linear
     down_proj: nn.Linear
     act_fn: Callable[[torch.Tensor], torch.Tensor]
-    #: What ``gate_up_proj`` stands for (``hfpatch_core.packing``): adapters name these.
+    #: What ``gate_up_proj`` stands for (``hfpatch_core.authoring.packing``): adapters name these.
     hfpatch_packed_modules: ClassVar[dict[str, tuple[str, ...]]] = {"gate_up_proj": ("gate_proj", "up_proj")}
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -106,7 +106,7 @@ class FusedQKVAttention(FusedQKVAttentionBase):
     """Mixin for an attention class: fuses ``q_proj`` / ``k_proj`` / ``v_proj`` into ``qkv_proj``.
 
     First among the bases, before the original attention class; the fusion and the
-    forward are ``hfpatch_core.fusion.FusedQKVAttentionBase``'s, with the q/k norms
+    forward are ``hfpatch_core.authoring.fusion.FusedQKVAttentionBase``'s, with the q/k norms
     and the ``sliding_window=`` argument as ``flavor`` says.
 
     Class attributes set by ``fused_attention_class``:
@@ -164,7 +164,7 @@ def fused_attention_class(original: type[nn.Module], flavor: AttentionFlavor) ->
 
     Raises:
         TypeError: the installed class takes neither ``cache`` nor ``past_key_values``
-            (see ``hfpatch_core.fusion.forward_for``).
+            (see ``hfpatch_core.authoring.fusion.forward_for``).
     """
     with _CLASSES_LOCK:
         key = (original, f"attention/{flavor.name}")

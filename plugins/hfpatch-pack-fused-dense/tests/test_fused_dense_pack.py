@@ -25,7 +25,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 import hfpatch_core
 from conftest import CASES, MODELING, PACK, PAD, VOCAB, Case, expected_sites
 from hfpatch_core import LoadContext
-from hfpatch_core.conversion import SizedConcatenate, source_patterns_of
+from hfpatch_core.authoring import SizedConcatenate, source_patterns_of
 from hfpatch_core.testing import (
     BF16_TOLERANCES,
     assert_pack_equivalent,
@@ -514,7 +514,7 @@ def test_the_pack_is_discovered_from_an_installed_wheel(checkpoints: dict[str, P
 
 def test_hfpatch_check_covers_every_family(capsys: pytest.CaptureFixture[str]) -> None:
     """The pack decides from the config; ``provide_model_types`` tells ``check`` and ``verify`` where to look."""
-    from hfpatch_core.cli import main
+    from hfpatch_core.cli.commands import main
 
     assert hfpatch_pack_fused_dense.provide_model_types() == list(FAMILIES)
     assert main(["check", PACK]) == 0

@@ -2,7 +2,7 @@
 
 The pack declares what each fused projection stands for (``hfpatch_packed_modules``); when
 PEFT wraps the model, hfpatch shows it the original projections as views of the fused
-weight (``hfpatch_core.packing``).  Every test compares with the same adapter on vanilla
+weight (``hfpatch_core.authoring.packing``).  Every test compares with the same adapter on vanilla
 transformers.
 """
 
@@ -19,7 +19,7 @@ from peft import LoraConfig, PeftModel, get_peft_model
 
 from conftest import PACK, PAD, VOCAB
 from hfpatch_core import AdapterError
-from hfpatch_core.packing import PackedPart
+from hfpatch_core.authoring.packing import PackedPart
 from hfpatch_core.testing import load_model, logits_of, padded_batch, safetensors_of
 
 ATOL = 1e-5
@@ -141,7 +141,7 @@ print(sorted({{name.rsplit(".", 1)[-1] for name, module in wrapped.named_modules
 
 
 def test_a_part_is_a_view_of_the_fused_rows() -> None:
-    from hfpatch_core.packing import PackedLinear
+    from hfpatch_core.authoring.packing import PackedLinear
 
     fused = PackedLinear(torch.nn.Linear(4, 5))
     part = PackedPart(fused, 2, 5)

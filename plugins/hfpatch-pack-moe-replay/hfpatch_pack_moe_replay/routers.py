@@ -29,12 +29,36 @@ from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeTopKRouter
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
 from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextTopKRouter
 
-from hfpatch_core import _compat
-
 from .scope import _replay_of
 from .values import RoutingError
 
-__all__ = ["REPLAYABLE_ROUTERS", "ReplayableRouter", "routers_of"]
+__all__ = ["REPLAYABLE_ROUTERS", "ReplayableRouter", "router_returns_probabilities", "routers_of"]
+
+
+_router_probes: dict[type, bool] = {}
+
+
+def router_returns_probabilities(router_class: type) -> bool:
+    """Whether a top-k MoE router class returns softmax probabilities as its first output.
+
+    A probe of the installed transformers that only this pack needs, so it lives here.
+
+    transformers 5.3 overwrites ``router_logits`` with their softmax before returning
+    them; later releases return the logits.  Found once per class by running it on one
+    token with known weights (a replacement router takes its parent's convention).
+    """
+    found = _router_probes.get(router_class)
+    if found is None:
+        config = types.SimpleNamespace(
+            hidden_size=1, num_experts=2, num_local_experts=2, num_experts_per_tok=1, norm_topk_prob=False
+        )
+        probe: Any = router_class(config)
+        with torch.no_grad(), torch.autocast("cpu", enabled=False):
+            probe.weight.copy_(torch.tensor([[3.0], [1.0]]))
+            first = probe(torch.ones(1, 1))[0]
+        # logits (3, 1) sum to 4, probabilities to 1
+        found = _router_probes[router_class] = bool(abs(float(first.sum()) - 1.0) < 1e-3)
+    return found
 
 
 class ReplayableRouter(nn.Module):
@@ -78,7 +102,7 @@ class ReplayableRouter(nn.Module):
         indices, live = replay.on(live_indices, self.top_k)
         if live is not None:
             indices = torch.where(live[:, None], live_indices, indices)
-        if _compat.router_returns_probabilities(type(self).original):
+        if router_returns_probabilities(type(self).original):
             probabilities = logits.float()
         else:
             probabilities = F.softmax(logits, dim=-1, dtype=torch.float)

@@ -32,11 +32,12 @@ from hfpatch_pack_moe_replay import (
     replay_routing,
     routers_of,
 )
+from hfpatch_pack_moe_replay.routers import router_returns_probabilities
 from transformers import AutoModelForCausalLM, Qwen2MoeConfig
 
 import hfpatch_core
 from conftest import CASES, COMMON, PACK, PAD, VOCAB
-from hfpatch_core import LoadContext, PackWarning, Patch, _compat
+from hfpatch_core import LoadContext, PackWarning, Patch
 from hfpatch_core.testing import assert_pack_equivalent, discover_from_wheel, load_model, padded_batch
 
 PACK_DIR = Path(__file__).resolve().parents[1]
@@ -562,7 +563,7 @@ def test_the_replay_reads_the_routers_first_output_as_the_installed_transformers
         probabilities = F.softmax(F.linear(hidden, router.weight), dim=-1)
     returns_probabilities = bool(torch.allclose(first, probabilities))
     assert returns_probabilities or torch.allclose(first, F.linear(hidden, router.weight))
-    assert _compat.router_returns_probabilities(original) is returns_probabilities
+    assert router_returns_probabilities(original) is returns_probabilities
     known = {"5.3.0": True, "5.24.0": False}
     assert known.get(transformers.__version__, returns_probabilities) is returns_probabilities
 

@@ -28,7 +28,7 @@ from transformers.core_model_loading import WeightConverter
 
 import hfpatch_core
 from hfpatch_core import Converter, LoadContext, Patch
-from hfpatch_core.conversion import SizedConcatenate
+from hfpatch_core.authoring import SizedConcatenate
 
 from .attention import FusedQKVAttention, Qwen2MoeFusedQKVAttention, Qwen3MoeFusedQKVAttention
 from .experts import ExpertMLP, PerExpertExperts

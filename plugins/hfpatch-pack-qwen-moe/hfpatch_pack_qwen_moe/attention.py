@@ -6,7 +6,7 @@ converter concatenates them on load with an exactly reversible operation
 (``hfpatch_core.conversion.SizedConcatenate``) and ``save_pretrained`` splits them
 back (grouped-query attention makes the three parts of different sizes).
 
-The fusion and the forward are ``hfpatch_core.fusion``'s, shared with the other
+The fusion and the forward are ``hfpatch_core.authoring.fusion``'s, shared with the other
 packs: the original forward with the three projections replaced by one projection and
 a split, in whichever cache convention the installed class has (transformers changed
 it after 5.3), so both behave exactly like the original.
@@ -20,7 +20,7 @@ from typing import Any, ClassVar
 from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeAttention
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeAttention
 
-from hfpatch_core.fusion import FusedQKVAttentionBase, forward_for
+from hfpatch_core.authoring.fusion import FusedQKVAttentionBase, forward_for
 
 _DISTRIBUTION = "hfpatch-pack-qwen-moe"
 
@@ -29,7 +29,7 @@ class FusedQKVAttention(FusedQKVAttentionBase):
     """Mixin for a family's attention class: fuses its q/k/v projections into ``qkv_proj``.
 
     Put it first among the bases, before the family's attention class (see
-    ``hfpatch_core.fusion.FusedQKVAttentionBase``, which also defines
+    ``hfpatch_core.authoring.fusion.FusedQKVAttentionBase``, which also defines
     ``family_module`` and ``qk_norm``, the q/k norms of qwen3_moe).
 
     Class attributes a family sets:

@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM
 
 import hfpatch_core
 from conftest import CASES, PACK, PAD, VOCAB
-from hfpatch_core.snapshot import GlobalState
+from hfpatch_core._runtime.snapshot import GlobalState
 from hfpatch_core.testing import assert_pack_equivalent, load_model, logits_of, padded_batch, safetensors_of
 
 

@@ -28,7 +28,7 @@ from transformers.models.qwen3_moe import modeling_qwen3_moe
 import hfpatch_core
 from conftest import CASES, PACK, PAD, VOCAB
 from hfpatch_core import LoadContext
-from hfpatch_core.conversion import SizedConcatenate, source_patterns_of
+from hfpatch_core.authoring import SizedConcatenate, source_patterns_of
 from hfpatch_core.testing import (
     BF16_TOLERANCES,
     FP32_TOLERANCES,
@@ -576,7 +576,7 @@ def test_hfpatch_demo_with_this_pack_passes_every_check() -> None:
     """``make demo`` (``hfpatch demo``) runs this pack on a tiny Qwen2-MoE checkpoint."""
     import io
 
-    from hfpatch_core.demo import run_demo
+    from hfpatch_core.cli.demo import run_demo
 
     out = io.StringIO()
     report = run_demo(packs=PACK, out=out)

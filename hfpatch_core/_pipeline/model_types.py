@@ -1,0 +1,80 @@
+"""Look-ups of the installed transformers' model types: their configs, classes and modeling modules.
+
+``hfpatch explain`` / ``check`` / ``verify`` and the testing helpers name a model by a
+checkpoint directory or a model type; these turn either into what planning needs.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+from typing import Any
+
+import torch.nn as nn
+import transformers
+from transformers import AutoConfig
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+from ..errors import HfPatchError
+from .planning import default_class_names, modeling_module, module_classes
+
+__all__ = [
+    "ModelNotFoundError",
+    "default_config",
+    "load_config",
+    "model_class_for",
+    "modeling_module_classes",
+    "unknown_model_type",
+]
+
+
+class ModelNotFoundError(HfPatchError, ValueError):
+    """``explain``/``check`` was given neither a checkpoint directory nor a known model type."""
+
+
+def unknown_model_type(model_type: str) -> str | None:
+    """Why ``model_type`` is not a model type of the installed transformers, with the closest
+    names; ``None`` when it is one."""
+    if model_type in CONFIG_MAPPING_NAMES:
+        return None
+    close = difflib.get_close_matches(model_type, list(CONFIG_MAPPING_NAMES), n=3)
+    hint = f"; did you mean {', '.join(map(repr, close))}?" if close else ""
+    return f"{model_type!r} is not a model type of transformers {transformers.__version__}{hint}"
+
+
+def load_config(model: str) -> Any:
+    """The config of a local checkpoint directory, or the default config of a model type."""
+    if os.path.isdir(model):
+        return AutoConfig.from_pretrained(model)
+    if model in CONFIG_MAPPING_NAMES:
+        return AutoConfig.for_model(model)
+    close = difflib.get_close_matches(model, list(CONFIG_MAPPING_NAMES), n=3)
+    hint = f"; did you mean {', '.join(repr(name) for name in close)}?" if close else ""
+    raise ModelNotFoundError(
+        f"{model!r} is neither a checkpoint directory nor a model type known to transformers "
+        f"{transformers.__version__}{hint}"
+    )
+
+
+def model_class_for(config: Any) -> type[nn.Module]:
+    """The class a checkpoint of ``config`` loads as: its architecture, else a causal LM, else the base model."""
+    model_type = getattr(config, "model_type", "")
+    for name in default_class_names(config, model_type):
+        model_class = getattr(transformers, name, None)
+        if isinstance(model_class, type) and issubclass(model_class, nn.Module):
+            return model_class
+    raise ModelNotFoundError(f"transformers {transformers.__version__} has no model class for {model_type!r}")
+
+
+def modeling_module_classes(model_type: str) -> dict[str, type]:
+    """The ``nn.Module`` classes of ``transformers.models.<type>.modeling_<type>`` (empty if none)."""
+    module = modeling_module(model_type)
+    return module_classes(module) if module is not None else {}
+
+
+def default_config(model_type: str) -> Any:
+    """The default config of ``model_type``, or ``None`` when it cannot be built."""
+    try:
+        return AutoConfig.for_model(model_type)
+    except Exception:  # some model types cannot build a default config
+        return None

@@ -1,0 +1,285 @@
+"""Making sure a patched model loads every weight and saves the original layout.
+
+After a patched load, any missing, unexpected or mismatched key under a module a pack
+touched is a ``WeightLayoutError`` (transformers would only
+warn, leaving randomly initialised weights).  Before a patched model is saved, the
+reversed conversions are run on meta tensors and the result compared with the layout
+vanilla transformers gives the same config: a difference is an error instead of a
+checkpoint vanilla transformers cannot read.
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+import warnings
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from .._pipeline.composition import pattern_regex
+from ..authoring.peft import declares_packed_modules, watch_peft
+from ..conversion import source_patterns_of, target_patterns_of
+from ..errors import PackWarning, WeightLayoutError
+from ..plan import BUILTIN, Plan, plan_of
+from .scope import vanilla
+from .state_dicts import guard_loading, reversible_conversions
+
+#: The attribute of a patched model holding the unbound ``save_pretrained`` it shadows.
+_SAVE_GUARD = "_hfpatch_save_guard"
+
+
+def _module_owners(model: nn.Module, plan: Plan) -> dict[str, str]:
+    """Module path -> pack, for every module whose class a pack put there."""
+    by_class = {claim.patch.replacement: claim.pack for each in plan.all_plans() for claim in each.entries}
+    owners = {}
+    for name, module in model.named_modules():
+        pack = by_class.get(type(module))
+        if pack is not None:
+            owners[name] = pack
+    return owners
+
+
+def _converter_owner(key: str, plan: Plan) -> str | None:
+    lists = [entries for each in plan.all_plans() for entries in each.conversions.lists.values()]
+    for entries in lists:
+        for entry in entries:
+            if entry.origin == BUILTIN:
+                continue
+            for pattern in (*source_patterns_of(entry.transform), *target_patterns_of(entry.transform)):
+                compiled = pattern_regex(pattern)
+                if compiled is not None and compiled.search(key):
+                    return str(entry.origin)
+    return None
+
+
+def owner_of(key: str, owners: Mapping[str, str], plan: Plan, prefix: str = "") -> str | None:
+    """The pack whose patch (a replaced ancestor module) or converter touches checkpoint key ``key``."""
+    candidates = [key, key.removeprefix(prefix + ".")] if prefix else [key]
+    for candidate in candidates:
+        parts = candidate.split(".")
+        for end in range(len(parts) - 1, -1, -1):
+            path = ".".join(parts[:end])
+            if path in owners:
+                return owners[path]
+    return _converter_owner(key, plan)
+
+
+def _past_a_container(key: str, modules: Mapping[str, nn.Module], prefix: str) -> bool:
+    """Whether ``key`` names a child a ``ModuleList`` / ``ModuleDict`` of the model does not have."""
+    for candidate in (key, key.removeprefix(prefix + ".")) if prefix else (key,):
+        parts = candidate.split(".")
+        for end in range(len(parts) - 1, 0, -1):
+            module = modules.get(".".join(parts[:end]))
+            if module is not None:
+                return end < len(parts) - 1 and isinstance(module, nn.ModuleList | nn.ModuleDict)
+    return False
+
+
+def check_loading_info(model: nn.Module, plan: Plan, info: Mapping[str, Any]) -> None:
+    """Raise ``WeightLayoutError`` for every reported key a pack is responsible for."""
+    kinds = ("missing_keys", "unexpected_keys", "mismatched_keys")
+    if not any(info.get(kind) for kind in kinds):
+        return  # the usual case: nothing to attribute, so no walk over the model
+    owners = _module_owners(model, plan)
+    prefix = getattr(model, "base_model_prefix", "") or ""
+    modules = dict(model.named_modules())
+    problems = []
+    for kind, label in (
+        ("missing_keys", "missing from the checkpoint (left randomly initialised)"),
+        ("unexpected_keys", "in the checkpoint but not used by the model"),
+        ("mismatched_keys", "of a different shape in the checkpoint"),
+    ):
+        for entry in sorted(info.get(kind) or (), key=str):
+            key = entry[0] if isinstance(entry, tuple) else str(entry)
+            if _past_a_container(key, modules, prefix):
+                continue  # e.g. layer 3 of a checkpoint loaded with num_hidden_layers=2: not a pack's doing
+            pack = owner_of(key, owners, plan, prefix)
+            if pack is not None:
+                problems.append(f"{key}: {label}; touched by pack {pack!r}")
+    if problems:
+        shown = "\n  ".join(problems[:20])
+        more = f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else ""
+        raise WeightLayoutError(
+            f"{type(model).__name__}: the patched model does not match the checkpoint ({len(problems)} keys):\n"
+            f"  {shown}{more}\nThe pack needs a converter (provide_converters) that maps these checkpoint "
+            "tensors onto its modules, or a patch that keeps the original parameter names and shapes."
+        )
+
+
+def _meta_state_dict(model: Any) -> dict[str, torch.Tensor]:
+    from transformers.modeling_utils import remove_tied_weights_from_state_dict
+
+    state = {
+        key: torch.empty(value.shape, dtype=value.dtype, device="meta") for key, value in model.state_dict().items()
+    }
+    # transformers 5.3 looks every key up as a parameter: pass the parameters only, then
+    # add the (persistent) buffers back, which are never tied
+    parameters = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+    kept = dict(remove_tied_weights_from_state_dict({k: v for k, v in state.items() if k in parameters}, model))
+    return {key: value for key, value in state.items() if key in kept or key not in parameters}
+
+
+def _original_class(model: nn.Module, plan: Plan) -> type:
+    cls = type(model)
+    for name, claim in plan.replaced.items():
+        if claim.patch.replacement is cls:
+            original = getattr(sys.modules.get(cls.__module__), name, None) or getattr(
+                sys.modules.get(cls.__mro__[1].__module__), name, None
+            )
+            if isinstance(original, type):
+                return original
+    return cls
+
+
+def vanilla_layout(model: nn.Module, plan: Plan) -> dict[str, tuple[int, ...]]:
+    """Names and shapes vanilla transformers saves for a model of this class and config (on meta tensors)."""
+    with vanilla(), torch.device("meta"):
+        original = _original_class(model, plan)(copy.deepcopy(model.config))
+    return planned_save_layout(original)
+
+
+def planned_save_layout(model: Any) -> dict[str, tuple[int, ...]]:
+    """Names and shapes ``save_pretrained`` would write, computed on meta tensors."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    reverted = revert_weight_conversion(model, _meta_state_dict(model))
+    return {key: tuple(value.shape) for key, value in reverted.items()}
+
+
+def layout_differences(
+    written: Mapping[str, tuple[int, ...]], expected: Mapping[str, tuple[int, ...]], *, quantized: bool = False
+) -> list[str]:
+    """What differs between the layout a save would write and vanilla's.  For a ``quantized``
+    model only vanilla's weights that would be missing count: a quantizer adds tensors
+    (scales, zero points) and may pack weights into other shapes."""
+    problems = []
+    for key in sorted(set(written) | set(expected)):
+        if key not in expected:
+            if not quantized:
+                problems.append(f"{key}: would be written, vanilla transformers has no such weight")
+        elif key not in written:
+            problems.append(f"{key}: vanilla transformers expects it, it would not be written")
+        elif written[key] != expected[key] and not quantized:
+            problems.append(f"{key}: would be written as {written[key]}, the original layout is {expected[key]}")
+    return problems
+
+
+_QUANTIZED_DTYPES = frozenset(
+    dtype
+    for name in ("int8", "uint8", "int4", "uint4", "float8_e4m3fn", "float8_e5m2")
+    if (dtype := getattr(torch, name, None))
+)
+
+
+def _quantized(model: nn.Module) -> bool:
+    """Whether a quantizer has been at the model (transformers' own, or one such as llm-compressor)."""
+    if getattr(model, "hf_quantizer", None) is not None:
+        return True
+    if getattr(getattr(model, "config", None), "quantization_config", None) is not None:
+        return True
+    return any(tensor.dtype in _QUANTIZED_DTYPES for tensor in model.state_dict().values())
+
+
+def verify_save_layout(model: nn.Module, plan: Plan) -> None:
+    """Raise ``WeightLayoutError`` if saving ``model`` would not write the original layout."""
+    try:
+        written = planned_save_layout(model)
+        expected = vanilla_layout(model, plan)
+    except Exception as exc:  # an operation that cannot run on meta tensors
+        warnings.warn(
+            f"hfpatch could not check the layout {type(model).__name__} will be saved in "
+            f"({type(exc).__name__}: {exc}); saving without the check.",
+            PackWarning,
+            stacklevel=3,
+        )
+        return
+    problems = layout_differences(written, expected, quantized=_quantized(model))
+    if problems:
+        owners = _module_owners(model, plan)
+        prefix = getattr(model, "base_model_prefix", "") or ""
+        described = []
+        for problem in problems[:20]:
+            pack = owner_of(problem.split(":")[0], owners, plan, prefix)
+            described.append(problem + (f" (pack {pack!r})" if pack else ""))
+        more = f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else ""
+        raise WeightLayoutError(
+            f"refusing to save {type(model).__name__}: the packs' conversions do not reverse to the original "
+            f"layout ({len(problems)} weights):\n  " + "\n  ".join(described) + more + "\nUse an exactly "
+            "reversible operation (hfpatch_core.conversion.SizedConcatenate / SizedSplit) in the pack's "
+            "converter, or save with save_original_format=False to write the patched layout."
+        )
+
+
+def _guarded_save_pretrained(self: Any, *args: Any, **kwargs: Any) -> Any:
+    plan = plan_of(self)
+    parallel = plan.context.parallel if plan is not None and plan.context is not None else ()
+    # FSDP2 alone gathers each parameter whole, and a fused one whole is the fused layout (the
+    # converter gave each rank its cut of it): the reverse conversion splits it as in one process.
+    by_share = [mode for mode in parallel if mode != "fsdp"]
+    if plan is not None and by_share and plan.touches_weights:
+        # every rank refuses alike (the plan is the same on all), before any collective of the save
+        raise WeightLayoutError(
+            f"refusing to save {type(self).__name__}: it was loaded sharded ({', '.join(parallel)}) with packs "
+            "that convert weights, whose fused tensors hold each rank's share of every part; gathered, they "
+            "are not the fused layout the reverse conversion splits. Save from a load on one process (the "
+            "same checkpoint, without tp_plan / distributed_config), or from one sharded by FSDP2 alone."
+        )
+    # with PEFT adapters loaded (add_adapter), transformers writes the adapter alone, as it is
+    peft = getattr(self, "_hf_peft_config_loaded", False)
+    if plan is not None and kwargs.get("save_original_format", True) and not peft:
+        verify_save_layout(self, plan)
+    return type(self).save_pretrained(self, *args, **kwargs)
+
+
+class SaveGuard:
+    """A patched model's ``save_pretrained``: the layout check, then the class's own save.
+
+    It behaves as a bound method (``__self__``, ``__func__``), because tools that wrap
+    ``save_pretrained`` rebind it that way (llm-compressor's ``modify_save_pretrained``
+    calls ``__func__.__get__(model)``), and it pickles with the model (``torch.save``),
+    which a bound method of a function the class does not have would not.
+    """
+
+    __slots__ = ("__self__",)
+    __func__ = staticmethod(_guarded_save_pretrained)
+
+    def __init__(self, model: nn.Module) -> None:
+        self.__self__ = model
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return _guarded_save_pretrained(self.__self__, *args, **kwargs)
+
+    def __reduce__(self) -> tuple[type, tuple[nn.Module]]:
+        return (SaveGuard, (self.__self__,))
+
+
+def guard_saving(model: nn.Module, plan: Plan) -> None:
+    """Make ``model.save_pretrained`` check the layout first (this instance only)."""
+    if not plan.touches_weights:
+        return
+    object.__setattr__(model, "save_pretrained", SaveGuard(model))
+    object.__setattr__(model, _SAVE_GUARD, True)
+
+
+def secure(model: nn.Module, plan: Plan, loading_info: Mapping[str, Any] | None) -> None:
+    """What a patched root model gets once built: every weight a pack touches checked
+    (``loading_info`` of ``from_pretrained``; ``None`` for a model built from a config,
+    which instead keeps the conversions its save must reverse), the save guard, a
+    ``load_state_dict`` that takes the original layout (also with no pack applied, where
+    the load ran transformers' own conversions), and,
+    where a replacement declares packed modules, PEFT's injection hooked (``adapters``)."""
+    if loading_info is not None and plan.touches_weights:
+        check_loading_info(model, plan, loading_info)
+    if loading_info is None and plan.conversions and getattr(model, "_weight_conversions", None) is None:
+        object.__setattr__(model, "_weight_conversions", reversible_conversions(model))
+    guard_saving(model, plan)
+    # Trainer's resume loads the original layout (hfpatch_core._runtime.state_dicts): a model a pack
+    # touched needs it, and so does one whose load ran transformers' own conversions (5.25
+    # stacks Qwen2-MoE's experts), which vanilla load_state_dict drops
+    if plan.touches_weights or getattr(model, "_weight_conversions", None):
+        guard_loading(model)
+    if declares_packed_modules([claim.patch.replacement for each in plan.all_plans() for claim in each.entries]):
+        watch_peft()  # adapters name the original projections (hfpatch_core.authoring.peft)

@@ -1,0 +1,162 @@
+"""``hfpatch demo``: load a tiny model without and with packs, and show that they agree.
+
+The packs are those ``--packs`` (or, without it, ``HF_PATCH_PACKS``) selects, as for
+every other command.  When neither is given: the ``qwen-moe`` pack when it is installed
+(``make demo`` installs it), else the example pack shipped with hfpatch-core.  The
+checkpoint is ``--model``, else a tiny random Qwen2-MoE when ``qwen-moe`` is selected,
+else a tiny llama.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, TextIO
+
+from ..errors import HfPatchError
+
+EXAMPLE_PACK = "example-counting"
+FIRST_PARTY_PACK = "qwen-moe"
+
+
+def _install_example_pack(site: Path) -> None:
+    """Install the built-in example pack as a real distribution on ``site``."""
+    from .. import __version__
+    from ..testing import install_pack
+
+    install_pack(
+        site,
+        EXAMPLE_PACK,
+        entry_point="hfpatch_core.examples.counting_mlp",
+        distribution="hfpatch-example-counting",
+        version=__version__,
+        summary="Example pack: counting Llama MLPs and norms",
+        requires=("transformers>=5.3,<6",),
+    )
+
+
+@contextlib.contextmanager
+def _quiet_transformers() -> Iterator[None]:
+    # its progress bars are the command's business (hfpatch demo turns them off)
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(verbosity)
+
+
+class DemoError(HfPatchError, ValueError):
+    """``hfpatch demo`` was given a checkpoint it cannot read."""
+
+
+def _default_pack() -> str:
+    from .._pipeline.selection import current_selection
+
+    return FIRST_PARTY_PACK if FIRST_PARTY_PACK in current_selection("all").packs else EXAMPLE_PACK
+
+
+def checkpoint_problem(model_dir: str) -> str | None:
+    """Why ``--model model_dir`` is not a local checkpoint directory (one line, with the fix); ``None`` when it is."""
+    path = Path(model_dir)
+    if not path.exists():
+        return f"--model {model_dir!r}: the path does not exist; give a local checkpoint directory"
+    if not path.is_dir():
+        return f"--model {model_dir!r}: not a directory; give a local checkpoint directory"
+    if not (path / "config.json").is_file():
+        return f"--model {model_dir!r}: no config.json in it; give a checkpoint directory saved by save_pretrained"
+    return None
+
+
+def _check_model_dir(model_dir: str) -> None:
+    problem = checkpoint_problem(model_dir)
+    if problem is not None:
+        raise DemoError(problem)
+
+
+def run_demo(model_dir: str | None = None, packs: str | None = None, *, out: TextIO | None = None) -> Any:
+    """Run the demo and print it.
+
+    Args:
+        model_dir: a local checkpoint directory; ``None`` for a tiny random one.
+        packs: the packs, in ``HF_PATCH_PACKS`` syntax; ``None`` to read the variable
+            (and, when it is unset, the default pack of this module's docstring).
+
+    Returns:
+        The ``Report`` of the comparison, or ``None`` when the choice selects no pack.
+
+    Raises:
+        SelectionError: the choice is malformed or names a pack that is not installed.
+        DemoError: ``model_dir`` is not a checkpoint directory.
+        (Both before anything is built or loaded.)
+    """
+    from transformers import monkey_patching
+
+    from .._pipeline.selection import current_selection, parse_selection
+    from ..conversion import describe_transform
+    from ..settings import PACKS_ENV, packs_from_env
+    from ..testing import check_pack_equivalence, tiny_checkpoint
+
+    stream = out or sys.stdout
+
+    def write(line: str = "") -> None:
+        stream.write(line + "\n")
+
+    choice = packs if packs is not None else packs_from_env()
+    if model_dir is not None:
+        _check_model_dir(model_dir)
+    with tempfile.TemporaryDirectory(prefix="hfpatch-demo-") as tmp, _quiet_transformers():
+        if choice is None:
+            choice = _default_pack()
+        if EXAMPLE_PACK in parse_selection(choice).named:
+            _install_example_pack(Path(tmp) / "site")
+        selection = current_selection(choice, origin=PACKS_ENV if packs is None else "hfpatch demo --packs")
+        if not selection.packs and not selection.problems:
+            write(f"No pack to demonstrate: {PACKS_ENV}={choice!r} selects none.")
+            return None
+        if model_dir is None:
+            model_type = "qwen2_moe" if FIRST_PARTY_PACK in selection.packs else "llama"
+            model_dir = str(tiny_checkpoint(model_type, Path(tmp) / f"tiny-{model_type}"))
+            write(f"Built a tiny random {model_type} checkpoint in {model_dir}")
+        registry_before = monkey_patching.get_patch_mapping()
+        write(f"Loading it without packs, then with {PACKS_ENV}={choice} ...")
+        report = check_pack_equivalence(choice, model_dir)
+        plan = report.plan
+        write("")
+        if plan is not None:
+            write(f"Plan {plan.fingerprint} (packs: {', '.join(f'{n} {v}' for n, v in plan.packs)})")
+            write("Classes replaced:")
+            for name, claim in sorted(plan.replaced.items()):
+                if name in report.replaced:
+                    write(f"  {name:<26} -> {claim.patch.replacement_name}  [{claim.pack} {claim.version}]")
+            if plan.conversions:
+                write("Converters applied:")
+                for key, entries in plan.conversions.lists.items():
+                    for entry in entries:
+                        write(f"  {key}: {describe_transform(entry.transform)}  [{entry.origin}]")
+                for removal in plan.conversions.removed:
+                    write(f"  {removal.key}: removed {describe_transform(removal.transform)}  [by {removal.pack}]")
+        write("")
+        checks = [
+            ("classes replaced", bool(report.replaced), ", ".join(sorted(report.replaced)) or "none"),
+            (
+                "logits match (fp32, atol 1e-5)",
+                report.max_abs_diff is not None and report.max_abs_diff <= 1e-5,
+                f"max abs diff {report.max_abs_diff:.2e}" if report.max_abs_diff is not None else "not measured",
+            ),
+            ("greedy generation matches", bool(report.generation_match), "20 new tokens"),
+            ("save round trip", bool(report.round_trip), "original layout written, vanilla reload matches"),
+            ("nothing left behind", monkey_patching.get_patch_mapping() == registry_before, "registries restored"),
+        ]
+        for name, ok, detail in checks:
+            write(f"{'PASS' if ok else 'FAIL'}  {name}: {detail}")
+        for failure in report.failures:
+            write(f"  - {failure}")
+        if not all(ok for _, ok, _ in checks):
+            report.failures.append("demo check failed")
+    return report

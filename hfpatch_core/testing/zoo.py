@@ -1,0 +1,150 @@
+"""A pack against every model type of the installed transformers: the measured coverage table.
+
+``zoo(pack)`` builds a tiny checkpoint of each causal-LM model type (``tiny_checkpoint``),
+plans the pack on it, and verifies it where it replaces something
+(``check_pack_equivalence``: weights, fp32 logits, greedy generation, the saved layout).
+Each model type gets one verdict:
+
+* ``exact``: the pack replaced classes and every check passed;
+* ``failed``: the pack replaced classes and a check failed (the first failure is the detail);
+* ``refused``: the pack found what it patches but refused it, with its reason (``Refusal``);
+* ``not applicable``: the pack has nothing for this model type;
+* ``no checkpoint``: no tiny checkpoint of this model type could be built or loaded.
+
+``hfpatch verify PACK --all-model-types`` prints the table for one pack; ``make zoo``
+writes ``docs/zoo.md`` for every first-party pack (``.ci/zoo.py``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tempfile
+import time
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+__all__ = ["VERDICTS", "ZooRow", "causal_lm_model_types", "coverage", "zoo"]
+
+Verdict = Literal["exact", "failed", "refused", "not applicable", "no checkpoint"]
+
+#: Every verdict, in the order a table counts them.
+VERDICTS: tuple[Verdict, ...] = ("exact", "failed", "refused", "not applicable", "no checkpoint")
+
+
+@dataclasses.dataclass(frozen=True)
+class ZooRow:
+    """One model type's verdict for one pack.
+
+    Attributes:
+        pack: the pack verified.
+        model_type: the model type.
+        verdict: one of ``VERDICTS``.
+        detail: the replaced classes (``exact``), the first failure (``failed``), the
+            reasons (``refused``), or why no checkpoint (``no checkpoint``); one line.
+        seconds: how long the model type took.
+    """
+
+    pack: str
+    model_type: str
+    verdict: Verdict
+    detail: str = ""
+    seconds: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.verdict not in VERDICTS:
+            raise ValueError(f"ZooRow.verdict must be one of {VERDICTS}, got {self.verdict!r}")
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def causal_lm_model_types() -> list[str]:
+    """Every model type of the installed transformers' causal-LM mapping, sorted."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+
+
+def _one_line(text: str, limit: int = 200) -> str:
+    line = " ".join(str(text).split())
+    return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
+def _refusals(plan: Any) -> list[str]:
+    """The reasons a plan's packs refused targets, ``target: reason`` each."""
+    if plan is None:
+        return []
+    found = []
+    for inner in plan.all_plans():
+        found += [f"{refused.target}: {refused.reason}" for refused in getattr(inner, "refusals", ())]
+    return list(dict.fromkeys(found))
+
+
+def verdict_of(pack: str, model_type: str, directory: Path, *, generate_tokens: int = 8) -> ZooRow:
+    """The verdict of ``pack`` on a tiny checkpoint of ``model_type`` built in ``directory``."""
+    from .checkpoints import tiny_checkpoint
+    from .equivalence import check_pack_equivalence
+
+    start = time.perf_counter()
+
+    def row(verdict: Verdict, detail: str = "") -> ZooRow:
+        return ZooRow(pack, model_type, verdict, _one_line(detail), round(time.perf_counter() - start, 2))
+
+    try:
+        checkpoint = tiny_checkpoint(model_type, directory / model_type)
+    except Exception as exc:  # any model type may fail to build in its own way
+        return row("no checkpoint", f"{type(exc).__name__}: {exc}")
+    try:
+        report = check_pack_equivalence(pack, checkpoint, generate_tokens=generate_tokens)
+    except Exception as exc:
+        return row("failed", f"{type(exc).__name__}: {exc}")
+    refusals = _refusals(report.plan)
+    if not report.replaced:
+        loading = [failure for failure in report.failures if failure.startswith("loading with pack")]
+        if loading:
+            return row("failed", loading[0])
+        return row("refused", "; ".join(refusals)) if refusals else row("not applicable")
+    if report.failures:
+        return row("failed", report.failures[0])
+    replaced = ", ".join(f"{original} <- {replacement}" for original, replacement in sorted(report.replaced.items()))
+    if refusals:
+        replaced += f" (refused: {'; '.join(refusals)})"
+    return row("exact", replaced)
+
+
+def zoo(
+    pack: str,
+    model_types: Iterable[str] | None = None,
+    *,
+    generate_tokens: int = 8,
+    progress: Callable[[ZooRow, int, int], None] | None = None,
+) -> list[ZooRow]:
+    """Verify ``pack`` on every causal-LM model type (or ``model_types``), one row each.
+
+    Args:
+        pack: the pack's name, installed in this environment.
+        model_types: the model types to verify (default: ``causal_lm_model_types()``).
+        generate_tokens: greedy tokens compared per model type.
+        progress: called after each model type with its row, its number and the total.
+
+    Returns:
+        One ``ZooRow`` per model type, in the order given.
+    """
+    types = list(model_types) if model_types is not None else causal_lm_model_types()
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="hfpatch-zoo-") as directory:
+        for number, model_type in enumerate(types, 1):
+            row = verdict_of(pack, model_type, Path(directory), generate_tokens=generate_tokens)
+            rows.append(row)
+            if progress is not None:
+                progress(row, number, len(types))
+    return rows
+
+
+def coverage(rows: Sequence[ZooRow]) -> dict[str, int]:
+    """How many rows have each verdict (every verdict present, 0 where none)."""
+    counts: dict[str, int] = dict.fromkeys(VERDICTS, 0)
+    for row in rows:
+        counts[row.verdict] += 1
+    return counts

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -13,6 +14,7 @@ from transformers import LlamaForCausalLM
 import hfpatch_core
 from hfpatch_core.testing import (
     EquivalenceError,
+    HeldRouting,
     TinyCheckpointError,
     assert_pack_equivalent,
     discover_from_wheel,
@@ -238,3 +240,103 @@ def test_tiny_checkpoints_without_a_directory_leave_nothing_behind(install, tmp_
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["1"]  # while it runs: one folder, however many checkpoints
     assert list(scratch.iterdir()) == []  # after it exits: nothing
+
+
+# --- HeldRouting: top-k decisions held equal on both sides --------------------------------
+
+# a router's scores: row 0's second and third expert within 1% of each other (a bf16 tie),
+# row 1 far apart
+VANILLA_LOGITS = [[2.0, 1.0, 0.99, 0.0], [2.0, 1.0, 0.0, -1.0]]
+TIED_LOGITS = [[2.0, 0.99, 1.0, 0.0], [2.0, 1.0, 0.0, -1.0]]  # row 0's tie falls the other way
+MOVED_LOGITS = [[2.0, 0.99, 1.0, 0.0], [0.0, 1.0, 2.0, -1.0]]  # and row 1 routed otherwise
+
+
+def _route(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    values, indices = torch.topk(logits.softmax(-1), 2, dim=-1)
+    return values, indices
+
+
+def _recorded(dtype: torch.dtype = torch.bfloat16) -> HeldRouting:
+    held = HeldRouting(dtype)
+    with held.record():
+        _route(torch.tensor(VANILLA_LOGITS))
+    return held
+
+
+def test_a_tie_routed_otherwise_takes_vanilla_s_route_with_its_own_scores_and_gradient() -> None:
+    held = _recorded()
+    logits = torch.tensor(TIED_LOGITS, requires_grad=True)
+    with held.force():
+        values, indices = logits.softmax(-1).topk(2, dim=-1)  # the method form is held too
+    assert indices.tolist() == [[0, 1], [0, 1]] and torch.topk(logits.softmax(-1), 2).indices[0].tolist() == [0, 2]
+    assert torch.equal(values, logits.softmax(-1).gather(-1, indices))
+    values.sum().backward()
+    expected = torch.tensor(TIED_LOGITS, requires_grad=True)
+    expected.softmax(-1).gather(-1, indices).sum().backward()
+    assert logits.grad is not None and torch.equal(logits.grad, expected.grad)
+    assert (held.forced, held.decisions) == (1, 2) and held.finish() == []
+
+
+def test_a_route_changed_beyond_a_tie_is_reported() -> None:
+    held = _recorded()
+    with held.force():
+        _route(torch.tensor(MOVED_LOGITS))
+    problems = held.finish()
+    assert held.forced == 2 and len(problems) == 2, problems
+    assert problems[0].startswith("routing: at top-k call 1, row 1, vanilla chose [0, 1] and the patched model [2, 1]")
+    assert problems[1] == (
+        "routing: 1 of 2 top-k decisions of the patched model differ from vanilla's beyond a tie (first ones "
+        "above); 2 differed in all"
+    )
+
+
+def test_in_float32_a_one_percent_difference_is_not_a_tie() -> None:
+    held = _recorded(torch.float32)
+    with held.force():
+        _route(torch.tensor(TIED_LOGITS))
+    assert held.forced == 1 and "beyond a tie in float32" in held.finish()[0]
+
+
+def test_a_different_number_of_top_k_calls_is_reported() -> None:
+    held = _recorded()
+    with held.record():
+        _route(torch.tensor(VANILLA_LOGITS))
+    with held.force():
+        _route(torch.tensor(VANILLA_LOGITS))
+    assert held.finish() == [
+        "routing: vanilla made 2 top-k calls (MoE routing decisions), the patched model 1: the pack routes "
+        "differently or computes top-k another way"
+    ]
+    more = _recorded()
+    with more.force():
+        _route(torch.tensor(VANILLA_LOGITS))
+        _route(torch.tensor(VANILLA_LOGITS))
+    assert more.finish() == [
+        "routing: the patched model makes more top-k calls than vanilla's 1 (first extra: top-k call 2); "
+        "it ran unforced"
+    ]
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_a_checkpointed_block_recomputes_with_the_routes_its_forward_took(reentrant: bool) -> None:
+    """Recomputation in backward calls top-k again: it must get the forced route, not its own."""
+    from torch.utils.checkpoint import checkpoint
+
+    def block(logits: torch.Tensor) -> torch.Tensor:
+        values, indices = _route(logits)
+        return (values * (indices + 1)).sum()  # the gradient depends on the route
+
+    def gradient(held: HeldRouting | None, checkpointed: bool) -> torch.Tensor:
+        logits = torch.tensor(TIED_LOGITS, requires_grad=True)
+        with held.force() if held is not None else contextlib.nullcontext():
+            out = checkpoint(block, logits, use_reentrant=reentrant) if checkpointed else block(logits)
+            out.backward()
+        assert logits.grad is not None
+        return logits.grad
+
+    held = _recorded()
+    forced = gradient(held.for_another_model(), checkpointed=False)
+    assert not torch.equal(forced, gradient(None, checkpointed=False))  # the tie does change the gradient
+    again = held.for_another_model()
+    assert torch.equal(gradient(again, checkpointed=True), forced)
+    assert again.finish() == [] and again.forced == 1

@@ -199,12 +199,16 @@ def test_the_training_report_is_json(install, llama_checkpoint: Path) -> None:
 # (1 + NUDGE * expert index), and scores them with the unscaled ones: with a NUDGE within a
 # bf16 tie it routes like vanilla but for near-ties; with a large one, it routes otherwise
 NUDGED_ROUTER_PACK = """
+import inspect
 import torch
 import torch.nn.functional as F
 from hfpatch_core import Patch, hookimpl
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
 
 NUDGE = {nudge}
+# the release's scores dtype: 5.3 casts them to the probabilities' float32 (it reuses the
+# name router_logits for them), later releases to the logits' dtype
+LOGITS_DTYPE = "router_probs" in inspect.getsource(Qwen3MoeTopKRouter.forward)
 
 class NudgedRouter(Qwen3MoeTopKRouter):
     def forward(self, hidden_states):
@@ -216,7 +220,7 @@ class NudgedRouter(Qwen3MoeTopKRouter):
         values = probabilities.gather(-1, indices)
         if self.norm_topk_prob:
             values = values / values.sum(dim=-1, keepdim=True)
-        return logits, values.to(logits.dtype), indices
+        return logits, values.to(logits.dtype) if LOGITS_DTYPE else values, indices
 
 @hookimpl
 def provide_patches(context):

@@ -7,7 +7,9 @@ pack and checks, reporting every failure at once, that
 
 * the expected classes were replaced, and nothing else;
 * no weight is missing or unexpected;
-* logits match (fp32 ``atol=1e-5``; bf16 ``atol=BF16_ATOL``) on a padded batch;
+* logits match (fp32 ``atol=1e-5``; bf16: ``BF16_ATOL`` or ``BF16_CALIBRATION`` times
+  vanilla's own bf16 rounding, measured in the run) on a padded batch, top-k decisions
+  (MoE routing) held equal on both sides (``HeldRouting``);
 * greedy generation of ``generate_tokens`` tokens matches;
 * ``save_pretrained`` restores the source layout, and a vanilla reload matches;
 * with ``train_steps=N``: N AdamW steps give the same losses, gradients and parameters
@@ -31,7 +33,7 @@ The helpers live in one module per job, and every name is importable from here:
 ``padded_batch``, ``logits_of``, ``safetensors_of``), ``equivalence``
 (``check_pack_equivalence``, ``assert_pack_equivalent``, ``Report``), ``training``
 (``check_training_equivalence``, ``TrainingReport``, ``TrainingTolerances``,
-``training_batches``) and ``trainer`` (``trainer_losses``, ``TrainerBatches``: short
+``training_batches``), ``routing`` (``HeldRouting``) and ``trainer`` (``trainer_losses``, ``TrainerBatches``: short
 ``transformers.Trainer`` runs for checkpoint and resume tests).
 """
 
@@ -45,9 +47,17 @@ from .checkpoints import (
     tiny_checkpoint,
     tiny_config,
 )
-from .equivalence import BF16_ATOL, EquivalenceError, Report, assert_pack_equivalent, check_pack_equivalence
+from .equivalence import (
+    BF16_ATOL,
+    BF16_CALIBRATION,
+    EquivalenceError,
+    Report,
+    assert_pack_equivalent,
+    check_pack_equivalence,
+)
 from .installs import DiscoveredWheel, discover_from_wheel, install_pack, install_wheel
 from .models import load_model, logits_of, padded_batch, safetensors_of, text_config_of, text_token_ids
+from .routing import HeldRouting
 from .trainer import TrainerBatches, trainer_losses
 from .training import (
     BF16_TOLERANCES,
@@ -60,12 +70,14 @@ from .training import (
 
 __all__ = [
     "BF16_ATOL",
+    "BF16_CALIBRATION",
     "BF16_TOLERANCES",
     "FP32_TOLERANCES",
     "SHRINK",
     "TINY_PARAMETERS",
     "DiscoveredWheel",
     "EquivalenceError",
+    "HeldRouting",
     "Report",
     "TinyCheckpointError",
     "TrainerBatches",

@@ -59,7 +59,10 @@ def test_load_state_dict_takes_the_original_layout(checkpoints: dict[str, Path])
     with pytest.raises(WeightLayoutError, match="assign=True"):
         load_model(path, PACK).load_state_dict(original, assign=True)
     patched_layout = source.state_dict()  # the patched layout still loads as it always did
-    assert load_model(path, PACK).load_state_dict(patched_layout) is not None
+    again = load_model(path, PACK)
+    result = again.load_state_dict(patched_layout)
+    assert list(result.missing_keys) == [] and list(result.unexpected_keys) == []
+    torch.testing.assert_close(logits_of(again, ids, mask), logits_of(source, ids, mask), atol=0, rtol=0)
 
 
 def test_accelerate_save_state_and_load_state_round_trip(checkpoints: dict[str, Path], tmp_path: Path) -> None:

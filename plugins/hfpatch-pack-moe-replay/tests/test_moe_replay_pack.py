@@ -47,7 +47,10 @@ PACK_DIR = Path(__file__).resolve().parents[1]
 
 
 def routers(model: nn.Module) -> list[nn.Module]:
-    return [router for _, router in routers_of(model)]
+    """Every router of ``model``: never none, so that an assertion over them all cannot pass vacuously."""
+    found = [router for _, router in routers_of(model)]
+    assert len(found) == model.config.num_hidden_layers, f"{len(found)} routers in {type(model).__name__}"
+    return found
 
 
 def record(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor, routing: Routing | None = None) -> Routing:

@@ -26,10 +26,12 @@ __version__ = "0.1.0"
 _EXPORTS = {
     # values a pack builds or a user reads
     "Patch": "patches",
+    "Refusal": "patches",
     "Converter": "conversion",
     "LoadContext": "context",
     "Claim": "plan",
     "Lost": "plan",
+    "Refused": "plan",
     "Plan": "plan",
     "plan_of": "plan",
     "hookimpl": "hookspecs",
@@ -92,8 +94,8 @@ if TYPE_CHECKING:
         WeightLayoutError,
     )
     from .hookspecs import hookimpl
-    from .patches import Patch
-    from .plan import Claim, Lost, Plan, plan_of
+    from .patches import Patch, Refusal
+    from .plan import Claim, Lost, Plan, Refused, plan_of
 
 
 def __getattr__(name: str) -> Any:

@@ -22,7 +22,7 @@ import pluggy
 if TYPE_CHECKING:
     from .context import LoadContext
     from .conversion import Converter
-    from .patches import Patch
+    from .patches import Patch, Refusal
 
 #: The pluggy project name shared by the markers and the plugin manager.
 PROJECT_NAME = "hfpatch"
@@ -35,7 +35,7 @@ hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
 
 
 @hookspec
-def provide_patches(context: LoadContext) -> Iterable[Patch]:
+def provide_patches(context: LoadContext) -> Iterable[Patch | Refusal]:
     """Return the module-class replacements this pack wants for one model load.
 
     Called once per pack for every model that loads while hfpatch is enabled
@@ -50,7 +50,10 @@ def provide_patches(context: LoadContext) -> Iterable[Patch]:
 
     Returns:
         An iterable (list, tuple, generator) of ``Patch``; an empty one when the pack
-        has nothing for this model.  ``None`` or any other type is a pack error.
+        has nothing for this model.  A pack that finds its targets by structure adds a
+        ``Refusal`` for each class it found but will not replace, with the reason
+        (``hfpatch explain`` and ``hfpatch check`` show it).  ``None`` or any other type
+        is a pack error.
     """
     raise NotImplementedError
 

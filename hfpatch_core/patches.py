@@ -1,4 +1,4 @@
-"""The value a pack returns to replace a module class."""
+"""The values a pack returns to replace a module class, or to say why it will not."""
 
 from __future__ import annotations
 
@@ -90,3 +90,34 @@ class Patch:
     def replacement_name(self) -> str:
         """``module.QualName`` of the replacement class, as shown in plans and fingerprints."""
         return f"{self.replacement.__module__}.{self.replacement.__qualname__}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Refusal:
+    """A class the pack found to patch but will not replace, and why.
+
+    A pack that finds what it patches by structure returns one from ``provide_patches``
+    beside its ``Patch`` values for each candidate it cannot make exact (the projections
+    read different inputs, a layout it cannot convert, ...).  Nothing is replaced for it;
+    the plan keeps the reason, and ``hfpatch explain``, ``hfpatch check`` and the zoo table
+    show it, so a user learns in one line why a model was left alone.
+
+    Args:
+        target: the class name the pack refused (``"GptOssExperts"``).
+        reason: why, in words a user can act on (``"biases on the transposed experts
+            cannot be split per expert"``).
+
+    Raises:
+        InvalidPatchError: ``target`` or ``reason`` is not a non-empty string.
+    """
+
+    target: str
+    reason: str
+
+    def __post_init__(self) -> None:
+        for field, value in (("target", self.target), ("reason", self.reason)):
+            if not isinstance(value, str) or not value.strip():
+                raise InvalidPatchError(
+                    f"Refusal.{field} must be a non-empty string, got {value!r}; "
+                    "e.g. Refusal('GptOssExperts', 'transposed experts with biases are not supported')."
+                )

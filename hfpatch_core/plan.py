@@ -148,6 +148,26 @@ class Lost:
 
 
 @dataclasses.dataclass(frozen=True)
+class Refused:
+    """A class a pack found to patch and refused (a ``Refusal`` it returned), for this load.
+
+    Attributes:
+        pack: the pack's name.
+        version: the pack's version.
+        target: the class name it refused.
+        reason: why, in the pack's words.
+    """
+
+    pack: str
+    version: str
+    target: str
+    reason: str
+
+    def describe(self) -> str:
+        return f"{self.target}: refused by {self.pack!r} ({self.version}): {self.reason}"
+
+
+@dataclasses.dataclass(frozen=True)
 class Plan:
     """The outcome of resolving every claim gathered for one load.
 
@@ -162,6 +182,8 @@ class Plan:
             replaces it.
         conversions: the conversion lists registered for the load.
         nested: the plans of sub-models loaded inside this load.
+        refused: the classes packs found to patch and refused, each with the reason
+            (``Refusal``); nothing is replaced for them.
     """
 
     context: LoadContext | None
@@ -171,6 +193,7 @@ class Plan:
     replaced: Mapping[str, Claim] = dataclasses.field(default_factory=dict)
     conversions: Conversions = dataclasses.field(default_factory=Conversions)
     nested: tuple[Plan, ...] = ()
+    refused: tuple[Refused, ...] = ()
 
     def all_plans(self) -> tuple[Plan, ...]:
         """This plan and the plans of the sub-models loaded inside it."""

@@ -25,8 +25,8 @@ import pluggy
 from .. import _compat, hookspecs
 from ..context import LoadContext
 from ..errors import InvalidPatchError, PackError
-from ..patches import Patch
-from ..plan import Claim, ConverterClaim
+from ..patches import Patch, Refusal
+from ..plan import Claim, ConverterClaim, Refused
 from .discovery import PackInfo
 
 #: Serialises every hfpatch-managed load, every application of the registry and every hook
@@ -162,15 +162,18 @@ class Gathered:
         converters: one per converter, in pack-name order (``index`` is the position here).
         packs: ``(name, version)`` of each pack whose hooks were called successfully.
         failures: one error per pack that failed; its claims are left out.
+        refused: the classes packs found and refused (``Refusal``), with their reasons.
     """
 
     claims: tuple[Claim, ...] = ()
     converters: tuple[ConverterClaim, ...] = ()
     packs: tuple[tuple[str, str], ...] = ()
     failures: tuple[PackError, ...] = ()
+    refused: tuple[Refused, ...] = ()
 
 
-def _check_result(pack: str, hook: str, result: object, expected: type, example: str) -> list[Any]:
+def _check_result(pack: str, hook: str, result: object, expected: type | tuple[type, ...], example: str) -> list[Any]:
+    kinds = " or ".join(kind.__name__ for kind in (expected if isinstance(expected, tuple) else (expected,)))
     if result is None:
         raise PackError(
             pack, f"pack {pack!r}: {hook}() returned None; return an empty list when it has nothing for this model."
@@ -179,7 +182,7 @@ def _check_result(pack: str, hook: str, result: object, expected: type, example:
         raise PackError(
             pack,
             f"pack {pack!r}: {hook}() returned {type(result).__name__} {result!r:.80}; "
-            f"return a list of {expected.__name__} objects, e.g. [{example}].",
+            f"return a list of {kinds} objects, e.g. [{example}].",
         )
     items = list(result)
     for item in items:
@@ -187,7 +190,7 @@ def _check_result(pack: str, hook: str, result: object, expected: type, example:
             raise PackError(
                 pack,
                 f"pack {pack!r}: {hook}() returned {type(item).__name__} {item!r:.80} among its results; "
-                f"every item must be a {expected.__name__}, e.g. {example}.",
+                f"every item must be a {kinds}, e.g. {example}.",
             )
     return items
 
@@ -280,9 +283,9 @@ class PackSet:
     def _call(self, info: PackInfo, hook: str, context: LoadContext, registries: _Registries) -> list[Any]:
         caller = getattr(self._managers[info.name].hook, hook)
         results: list[Any] = []
-        expected: type
+        expected: type | tuple[type, ...]
         if hook == "provide_patches":
-            expected, example = Patch, "Patch('LlamaMLP', MyMLP)"
+            expected, example = (Patch, Refusal), "Patch('LlamaMLP', MyMLP)"
         else:
             from ..conversion import Converter
 
@@ -317,6 +320,7 @@ class PackSet:
         converters: list[ConverterClaim] = []
         packs: list[tuple[str, str]] = []
         failures: list[PackError] = []
+        refused: list[Refused] = []
         # the lock held from each capture to its last comparison: a registry change another
         # thread makes meanwhile is not a pack's
         with LOAD_LOCK:
@@ -328,13 +332,19 @@ class PackSet:
                     continue
                 registries = _Registries.capture()
                 try:
-                    patches = self._call(info, "provide_patches", context, registries)
+                    offered = self._call(info, "provide_patches", context, registries)
+                    patches = [item for item in offered if isinstance(item, Patch)]
                     pack_converters = self._call(info, "provide_converters", context, registries)
                     _check_patch_targets(name, patches, pack_converters)
                 except PackError as exc:
                     failures.append(exc)
                     continue
                 offset = offsets.get(name, 0)
+                refused.extend(
+                    Refused(name, info.version, item.target, item.reason)
+                    for item in offered
+                    if isinstance(item, Refusal)
+                )
                 claims.extend(
                     Claim(pack=name, version=info.version, patch=patch, priority=patch.priority + offset, index=index)
                     for index, patch in enumerate(patches)
@@ -347,4 +357,4 @@ class PackSet:
                     for index, converter in enumerate(pack_converters)
                 )
                 packs.append((name, info.version))
-        return Gathered(tuple(claims), tuple(converters), tuple(packs), tuple(failures))
+        return Gathered(tuple(claims), tuple(converters), tuple(packs), tuple(failures), tuple(refused))

@@ -160,6 +160,7 @@ def _without(gathered: Gathered, failures: list[PackError]) -> Gathered:
         converters=tuple(claim for claim in gathered.converters if claim.pack not in failed),
         packs=tuple(pack for pack in gathered.packs if pack[0] not in failed),
         failures=(*gathered.failures, *failures),
+        refused=tuple(refusal for refusal in gathered.refused if refusal.pack not in failed),
     )
 
 
@@ -322,4 +323,5 @@ def plan_load(
         lost=decision.lost,
         replaced=decision.replaced,
         conversions=conversions,
+        refused=gathered.refused,
     )

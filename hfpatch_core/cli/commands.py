@@ -170,6 +170,10 @@ def cmd_explain(args: argparse.Namespace) -> int:
     for lost_claim in plan.lost:
         if lost_claim.class_name is None and not any(lost_claim.claim.describe() in text for _, text in lost):
             print(f"  {lost_claim.claim.describe()}: {lost_claim.reason}")
+    if plan.refused:
+        print("\nClasses a pack found and refused (left as they are):")
+        for refused in plan.refused:
+            print(f"  {refused.describe()}")
     if explanation.unused:
         print("\nClaims that match no class of this model:")
         for claim in explanation.unused:
@@ -242,6 +246,8 @@ def cmd_check(args: argparse.Namespace) -> int:
         print(f"{'ok   ' if ok else 'FAIL '} {name} {result.version}: targets {targets}")
         for problem in result.problems:
             print(f"      - {problem}")
+        for refused in result.refused:
+            print(f"      refused (left as it is): {refused}")
         if args.record:
             try:
                 path = write_record(result)

@@ -75,6 +75,10 @@ class Explanation:
                 for report in self.classes
             ],
             "unused": [_claim_json(claim) for claim in self.unused],
+            "refused": [
+                {"pack": refused.pack, "version": refused.version, "class": refused.target, "reason": refused.reason}
+                for refused in self.plan.refused
+            ],
             "lost": [
                 {"claim": _claim_json(lost.claim), "class": lost.class_name, "reason": lost.reason}
                 for lost in self.plan.lost
@@ -205,6 +209,8 @@ class CheckResult:
             cannot be located (the module has no file).
         recorded: whether that file exists and records a release.
         drift: what changed since the record (empty without a record).
+        refused: the classes the pack found and refused on those model types
+            (``model_type: Class: reason``); not problems, the pack says why it leaves them.
     """
 
     pack: str
@@ -215,6 +221,7 @@ class CheckResult:
     record: Path | None = None
     recorded: bool = False
     drift: tuple[Drift, ...] = ()
+    refused: tuple[str, ...] = ()
 
     @property
     def ok(self) -> bool:
@@ -386,14 +393,16 @@ def check_pack(
             )
 
     found: set[Target] = set()
+    refusals: list[str] = []
     for model_type in targeted:
         config = configs(model_type)
         context = LoadContext(model_type=model_type, model_class_name=_default_class_name(model_type), config=config)
         gathered = packs.gather(context)
         for failure in gathered.failures:
             note(str(failure))
+        refusals.extend(f"{model_type}: {refused.target}: {refused.reason}" for refused in gathered.refused)
         asked = bool(model_types) or model_type in declared
-        if asked and not (gathered.claims or gathered.converters or gathered.failures):
+        if asked and not (gathered.claims or gathered.converters or gathered.failures or gathered.refused):
             note(f"pack {name!r} returns no patch and no converter for {model_type} (asked with a config of it)")
         classes = modeling_module_classes(model_type)
         for converter in gathered.converters:
@@ -446,6 +455,7 @@ def check_pack(
         record=path,
         recorded=record is not None and bool(record.releases),
         drift=drift,
+        refused=tuple(dict.fromkeys(refusals)),
     )
 
 

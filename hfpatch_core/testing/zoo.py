@@ -77,7 +77,7 @@ def _refusals(plan: Any) -> list[str]:
         return []
     found = []
     for inner in plan.all_plans():
-        found += [f"{refused.target}: {refused.reason}" for refused in getattr(inner, "refusals", ())]
+        found += [f"{refused.target}: {refused.reason}" for refused in inner.refused]
     return list(dict.fromkeys(found))
 
 

@@ -108,6 +108,9 @@ def provide_patches(context: LoadContext) -> list[Patch]:
 @hfpatch_core.hookimpl
 def provide_model_types() -> Iterator[str]:
     """The MoE model types of the causal-LM mapping the pack replays with their default config."""
+    from transformers.models.auto.configuration_auto import model_type_to_module_name
+
     for model_type in moe_model_types():
-        if discover(model_type).replayable:
+        # a text sub-model type (llama4_text) has its parent's modeling module, where check finds no class of it
+        if model_type_to_module_name(model_type) == model_type and discover(model_type).replayable:
             yield model_type

@@ -7,9 +7,9 @@ records the selection during generation and forces it in the training forward, w
 the routing scores still come from the live router weights, so the router keeps
 training.
 
-While a model of a covered family loads, this pack replaces its ``*TopKRouter`` with a
-subclass (``ReplayableRouter``) that behaves as the
-original unless ``replay_routing`` is active. The API::
+While an MoE model loads, this pack replaces the class that selects its experts, found
+by what it computes (``discover``), with a subclass (``ReplayableRouter``) that behaves
+as the original unless ``replay_routing`` (or ``record_routing``) is active. The API::
 
     from hfpatch_pack_moe_replay import Routing, record_routing, replay_routing
 
@@ -22,71 +22,95 @@ original unless ``replay_routing`` is active. The API::
 
 The modules, each importing only those before it: ``values`` (the ``Routing`` value,
 vLLM's layout, ``RoutingError``), ``scope`` (which replay each router is under),
-``routers`` (the replayable routers), ``replay`` (``replay_routing``) and ``recording``
-(``record_routing``).
+``selection`` (the mode that answers a router's selection ``topk``), ``discovery``
+(which class routes, and what it computes), ``routers`` (the replayable routers),
+``replay`` (``replay_routing``) and ``recording`` (``record_routing``).
 """
 
 from __future__ import annotations
 
-import dataclasses
+from collections.abc import Iterator
 
 import hfpatch_core
 from hfpatch_core import LoadContext, Patch
 
+from .discovery import Discovery, RouterFamily, discover
 from .recording import RoutingRecording, record_routing
 from .replay import replay_routing
-from .routers import REPLAYABLE_ROUTERS, ReplayableRouter, routers_of
+from .routers import ReplayableRouter, discovery_of, replayable_class, routers_of
 from .values import LIVE, Routing, RoutingError
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
-    "FAMILIES",
     "LIVE",
-    "Family",
+    "Discovery",
     "ReplayableRouter",
+    "RouterFamily",
     "Routing",
     "RoutingError",
     "RoutingRecording",
     "__version__",
+    "discover",
+    "discovery_of",
+    "moe_model_types",
+    "provide_model_types",
     "provide_patches",
     "record_routing",
     "replay_routing",
+    "replayable_class",
     "routers_of",
 ]
 
 
-@dataclasses.dataclass(frozen=True)
-class Family:
-    """What the pack replaces in one model type.
+def moe_model_types() -> list[str]:
+    """The model types of the installed transformers' causal-LM mapping whose modeling module
+    has a top-k over experts: every one is replayed or refused with a reason (``discover``)."""
+    import inspect
 
-    Attributes:
-        router: the exact class name of the family's top-k router.
-        replayable: the pack's subclass of it.
-    """
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    router: str
-    replayable: type[ReplayableRouter]
+    from .discovery import modeling_module
 
-
-#: The model types this pack patches: those whose router returns
-#: ``(router_logits, router_scores, router_indices)`` from a softmax top-k over
-#: ``hidden_states.reshape(-1, hidden)`` in transformers 5.3 and 5.24.
-FAMILIES: dict[str, Family] = {
-    model_type: Family(router.original.__name__, router) for model_type, router in REPLAYABLE_ROUTERS.items()
-}
+    found = []
+    for model_type in sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES):
+        module = modeling_module(model_type)
+        if module is None:
+            continue
+        try:
+            source = inspect.getsource(module)
+        except (OSError, TypeError):
+            continue
+        if "topk" in source and "expert" in source.lower():
+            found.append(model_type)
+    return found
 
 
 @hfpatch_core.hookimpl
 def provide_patches(context: LoadContext) -> list[Patch]:
-    """The router patch for a load of a covered model type (see ``FAMILIES``), else nothing.
+    """The router patches for a load of a replayable model type, else nothing.
 
-    The replacement keeps the router's parameter (``weight``, ``(num_experts, hidden)``),
-    so checkpoints load and save unchanged: this pack has no weight-layout change and
-    implements no ``provide_converters``. It needs no config, so ``hfpatch check`` and
-    ``hfpatch explain`` see the same patch as a load.
+    Which class routes, and whether its selection can be replayed exactly, is found by
+    ``discover`` from the load's config (probed once per config). The replacement keeps
+    the router's parameters, so checkpoints load and save unchanged: this pack has no
+    weight-layout change and implements no ``provide_converters``. Without a config
+    (``hfpatch check`` asks every model type that way first) it returns nothing and
+    ``provide_model_types`` names the model types it replays.
     """
-    family = FAMILIES.get(context.model_type or "")
-    if family is None:
+    if context.model_type is None or context.config is None:
         return []
-    return [Patch(family.router, family.replayable)]
+    return [
+        Patch(family.router_class.__name__, replayable_class(family.router_class))
+        for family in discover(context.model_type, context.config).routers
+    ]
+
+
+@hfpatch_core.hookimpl
+def provide_model_types() -> Iterator[str]:
+    """The MoE model types of the causal-LM mapping the pack replays with their default config."""
+    from transformers.models.auto.configuration_auto import model_type_to_module_name
+
+    for model_type in moe_model_types():
+        # a text sub-model type (llama4_text) has its parent's modeling module, where check finds no class of it
+        if model_type_to_module_name(model_type) == model_type and discover(model_type).replayable:
+            yield model_type

@@ -1,9 +1,11 @@
 """Recording a routing: ``record_routing`` collects the experts a model's routers select.
 
-It works on any model of a covered family, loaded with the pack or not, because it only
-reads the routers' third output (``router_indices``) with forward hooks, installed for
-the block and removed when it ends; a pre-hook on each MoE block gives the
-``(batch, seq_len)`` shape that the router's flattened input has lost. Only calls from
+It works on any model of a replayable model type, loaded with the pack or not: it reads
+the indices of each router's selection ``topk`` (``SelectionMode``: entered by the pack's
+routers themselves, by forward hooks on a vanilla router), whatever the router returns
+(llama4's router returns no indices). Hooks are installed for the block and removed when
+it ends; a pre-hook on each router and its MoE block gives the ``(batch, seq_len)`` shape
+that the router's flattened input has lost. Only calls from
 the thread (and ``contextvars`` context) that opened the block are recorded, and not
 the recomputation of activation checkpointing in a backward pass, which would record a
 forward twice. ``RoutingRecording`` turns the calls into one ``Routing`` per forward
@@ -13,7 +15,6 @@ pass (``steps``) or into the whole generation (``routing``).
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import dataclasses
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -21,8 +22,9 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from .routers import routers_of
+from .routers import _SELECTIONS, ReplayableRouter, routers_of
 from .scope import _in_backward
+from .selection import _RECORDINGS, SelectionMode
 from .values import Routing, RoutingError, _join_per_sequence
 
 __all__ = ["RoutingRecording", "record_routing"]
@@ -35,9 +37,7 @@ class _Call:
     indices: torch.Tensor
 
 
-_RECORDING: contextvars.ContextVar[tuple[RoutingRecording, ...]] = contextvars.ContextVar(
-    "hfpatch_moe_recording", default=()
-)
+_RECORDING = _RECORDINGS
 
 
 class RoutingRecording:
@@ -47,8 +47,10 @@ class RoutingRecording:
         layer_names: the routers' module names, one per layer of the routing.
     """
 
-    def __init__(self, layer_names: Sequence[str]) -> None:
+    def __init__(self, layer_names: Sequence[str], routers: Sequence[nn.Module] = ()) -> None:
         self.layer_names = tuple(layer_names)
+        self._layers: dict[nn.Module, int] = {router: layer for layer, router in enumerate(routers)}
+        self._modes: dict[nn.Module, list[SelectionMode | None]] = {}
         self._calls: list[list[_Call]] = [[] for _ in self.layer_names]
         self._pending: dict[int, tuple[int, int]] = {}
 
@@ -59,11 +61,26 @@ class RoutingRecording:
         if isinstance(hidden, torch.Tensor) and hidden.dim() == 3:
             self._pending[layer] = (int(hidden.shape[0]), int(hidden.shape[1]))
 
-    def _after_router(self, layer: int, output: Any) -> None:
+    def _enter(self, router: nn.Module) -> None:
+        """Before a vanilla router's forward: watch its selection, unless another recording does."""
+        listeners = [recording for recording in _RECORDINGS.get() if router in recording._layers]
+        mode = None
+        if listeners and listeners[0] is self:
+            mode = SelectionMode(router, _SELECTIONS[router], None)
+            mode.__enter__()
+        self._modes.setdefault(router, []).append(mode)
+
+    def _exit(self, router: nn.Module) -> None:
+        modes = self._modes.get(router)
+        mode = modes.pop() if modes else None
+        if mode is not None:
+            mode.__exit__(None, None, None)
+
+    def _selected(self, router: nn.Module, indices: torch.Tensor) -> None:
         # the recomputation of gradient checkpointing repeats a forward already recorded
-        if self not in _RECORDING.get() or _in_backward():
+        layer = self._layers.get(router)
+        if layer is None or self not in _RECORDING.get() or _in_backward():
             return
-        indices = output[2]
         rows = int(indices.shape[0])
         batch_size, seq_len = self._pending.pop(layer, (1, rows))
         if batch_size * seq_len != rows:  # the block was called on a flattened batch
@@ -154,7 +171,7 @@ def record_routing(model: nn.Module) -> Iterator[RoutingRecording]:
         RoutingError: ``model`` has no router of a covered family.
     """
     routers = routers_of(model)
-    recording = RoutingRecording([name for name, _ in routers])
+    recording = RoutingRecording([name for name, _ in routers], [router for _, router in routers])
     handles = []
     try:
         for layer, (name, router) in enumerate(routers):
@@ -163,11 +180,20 @@ def record_routing(model: nn.Module) -> Iterator[RoutingRecording]:
             def before(_module: nn.Module, args: Any, kwargs: Any, layer: int = layer) -> None:
                 recording._before_block(layer, args, kwargs)
 
-            def after(_module: nn.Module, _args: Any, output: Any, layer: int = layer) -> None:
-                recording._after_router(layer, output)
-
             handles.append(block.register_forward_pre_hook(before, with_kwargs=True))
-            handles.append(router.register_forward_hook(after))
+            handles.append(router.register_forward_pre_hook(before, with_kwargs=True))
+            if not isinstance(router, ReplayableRouter):
+
+                def enter(module: nn.Module, _args: Any) -> None:
+                    if recording in _RECORDING.get():
+                        recording._enter(module)
+
+                def leave(module: nn.Module, _args: Any, _output: Any) -> None:
+                    if recording in _RECORDING.get():
+                        recording._exit(module)
+
+                handles.append(router.register_forward_pre_hook(enter))
+                handles.append(router.register_forward_hook(leave, always_call=True))
         token = _RECORDING.set((*_RECORDING.get(), recording))
         try:
             yield recording

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 
 import torch.nn as nn
 
-from .routers import ReplayableRouter, routers_of
+from .routers import _SELECTIONS, ReplayableRouter, routers_of
 from .scope import _OPEN, _OPEN_LOCK, _REPLAY, _LayerReplay
 from .values import LIVE, Routing, RoutingError, _shape
 
@@ -68,7 +68,8 @@ def replay_routing(model: nn.Module, routing: Routing) -> Iterator[None]:
         )
     plan: dict[nn.Module, _LayerReplay] = {}
     for layer, ((name, router), indices) in enumerate(zip(routers, routing.layers, strict=True)):
-        top_k, experts = int(getattr(router, "top_k", 0)), int(getattr(router, "num_experts", 0))
+        selection = _SELECTIONS[router]
+        top_k, experts = selection.top_k, selection.width
         if routing.top_k != top_k:
             raise RoutingError(
                 f"replay_routing: layer {layer} ({name}) selects top_k={top_k} experts per token, so it expected "

@@ -22,17 +22,18 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+import transformers
 from hfpatch_pack_moe_replay import (
-    FAMILIES,
     LIVE,
     ReplayableRouter,
     Routing,
     RoutingError,
+    discover,
     record_routing,
     replay_routing,
+    replayable_class,
     routers_of,
 )
-from hfpatch_pack_moe_replay.routers import router_returns_probabilities
 from transformers import AutoModelForCausalLM, Qwen2MoeConfig
 
 import hfpatch_core
@@ -44,6 +45,12 @@ PACK_DIR = Path(__file__).resolve().parents[1]
 
 
 # --- helpers ----------------------------------------------------------------------------
+
+
+def router_class(family: str) -> type[nn.Module]:
+    """The router class the pack discovers for ``family`` (each test family has one)."""
+    (found,) = discover(family, CASES[family].config).routers
+    return found.router_class
 
 
 def routers(model: nn.Module) -> list[nn.Module]:
@@ -103,18 +110,21 @@ def capture(model: nn.Module) -> tuple[RouterCalls, list[Any]]:
 
 
 def test_the_hook_patches_exactly_the_router_of_each_covered_family() -> None:
-    assert sorted(FAMILIES) == sorted(CASES)
-    for model_type, family in FAMILIES.items():
-        (patch,) = hfpatch_pack_moe_replay.provide_patches(LoadContext(model_type, "AnyForCausalLM"))
-        assert patch == Patch(family.router, family.replayable)
+    for model_type, case in CASES.items():
+        original = router_class(model_type)
+        replayable = replayable_class(original)
+        context = LoadContext(model_type, "AnyForCausalLM", config=case.config)
+        (patch,) = hfpatch_pack_moe_replay.provide_patches(context)
+        assert patch == Patch(original.__name__, replayable)
         assert not patch.is_pattern
-        module = sys.modules[family.replayable.original.__module__]
-        assert getattr(module, family.router) is family.replayable.original, "the target is the installed router class"
-        assert issubclass(family.replayable, family.replayable.original)
-        assert issubclass(family.replayable, ReplayableRouter)
-        assert family.replayable.__init__ is family.replayable.original.__init__, "the parent's constructor is kept"
-    for model_type in ("llama", "qwen3_vl_moe", "gpt_oss", None):
-        assert hfpatch_pack_moe_replay.provide_patches(LoadContext(model_type, "AnyModel")) == []
+        module = sys.modules[original.__module__]
+        assert getattr(module, original.__name__) is original, "the target is the installed router class"
+        assert issubclass(replayable, original) and replayable.original is original
+        assert issubclass(replayable, ReplayableRouter)
+        assert replayable.__init__ is original.__init__, "the parent's constructor is kept"
+    llama = LoadContext("llama", "LlamaForCausalLM", config=transformers.LlamaConfig())
+    for context in (llama, LoadContext("qwen2_moe", "AnyModel"), LoadContext(None, "AnyModel")):
+        assert hfpatch_pack_moe_replay.provide_patches(context) == []
     assert not hasattr(hfpatch_pack_moe_replay, "provide_converters"), "no weight-layout change, no converters"
 
 
@@ -122,7 +132,7 @@ def test_the_hook_patches_exactly_the_router_of_each_covered_family() -> None:
 
 
 def test_without_replay_the_patched_model_is_vanilla_bit_for_bit(checkpoints: dict[str, Path], family: str) -> None:
-    router = FAMILIES[family].router
+    router = router_class(family).__name__
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", PackWarning)
         report = assert_pack_equivalent(
@@ -137,8 +147,8 @@ def test_without_replay_the_patched_model_is_vanilla_bit_for_bit(checkpoints: di
     assert not [str(warning.message) for warning in caught if issubclass(warning.category, PackWarning)]
 
     vanilla, patched = load_model(checkpoints[family]), load_model(checkpoints[family], PACK)
-    assert {type(router) for router in routers(patched)} == {FAMILIES[family].replayable}
-    assert type(routers(vanilla)[0]) is FAMILIES[family].replayable.original
+    assert {type(router) for router in routers(patched)} == {replayable_class(router_class(family))}
+    assert type(routers(vanilla)[0]) is router_class(family)
     ids, mask = padded_batch(VOCAB, pad_token_id=PAD)
     with torch.no_grad():
         expected = vanilla(input_ids=ids, attention_mask=mask, output_router_logits=True)
@@ -427,7 +437,7 @@ def test_a_routing_that_does_not_fit_the_model_is_rejected_before_or_at_the_forw
     too_high = Routing(tuple(torch.tensor([[0, 4]] * 36) for _ in range(2)), batch_size=3)
     assert "has 4 experts (ids 0..3), the routing names expert 4" in rejected(model, too_high)
     assert "routing must be a Routing, got Tensor" in rejected(model, routing.to_vllm())
-    assert re.search(r"has no MoE router of a family .*mixtral", rejected(nn.Linear(2, 2), routing))
+    assert "holds no transformers config" in rejected(nn.Linear(2, 2), routing)
     vanilla = load_model(checkpoints["qwen3_moe"])
     assert "loaded without the moe-replay pack" in rejected(vanilla, routing)
     assert "hfpatch_core.enable('moe-replay')" in rejected(vanilla, routing)
@@ -543,32 +553,11 @@ def test_gradient_checkpointing_recomputes_with_the_replayed_routing(
 
 
 def test_a_patched_load_leaves_transformers_unpatched(checkpoints: dict[str, Path], family: str) -> None:
-    original = FAMILIES[family].replayable.original
+    original = router_class(family)
     module = sys.modules[original.__module__]
     load_model(checkpoints[family], PACK)
     assert getattr(module, original.__name__) is original
     assert type(routers(load_model(checkpoints[family]))[0]) is original
-
-
-def test_the_replay_reads_the_routers_first_output_as_the_installed_transformers_returns_it(
-    family: str,
-) -> None:
-    """transformers 5.3 returns the softmax as ``router_logits``; later releases the logits."""
-    import transformers
-
-    original = FAMILIES[family].replayable.original
-    torch.manual_seed(0)
-    router: Any = original(CASES[family].config)
-    nn.init.normal_(router.weight)
-    hidden = torch.randn(5, 32)
-    with torch.no_grad():
-        first = router(hidden)[0]
-        probabilities = F.softmax(F.linear(hidden, router.weight), dim=-1)
-    returns_probabilities = bool(torch.allclose(first, probabilities))
-    assert returns_probabilities or torch.allclose(first, F.linear(hidden, router.weight))
-    assert router_returns_probabilities(original) is returns_probabilities
-    known = {"5.3.0": True, "5.24.0": False}
-    assert known.get(transformers.__version__, returns_probabilities) is returns_probabilities
 
 
 # --- discovery from a real wheel --------------------------------------------------------
@@ -605,9 +594,9 @@ _PROBE = textwrap.dedent(
 def test_the_pack_is_discovered_from_an_installed_wheel(checkpoints: dict[str, Path], tmp_path: Path) -> None:
     # The wheel's copy is alone on the path, ahead of any other install of the pack.
     installed = discover_from_wheel(PACK_DIR, PACK, tmp_path)
-    assert installed.wheel.name.startswith("hfpatch_pack_moe_replay-0.1.0-"), installed.wheel
+    assert installed.wheel.name.startswith("hfpatch_pack_moe_replay-0.2.0-"), installed.wheel
     row = installed.row
-    assert (row["distribution"], row["version"], row["enabled"]) == ("hfpatch-pack-moe-replay", "0.1.0", True)
+    assert (row["distribution"], row["version"], row["enabled"]) == ("hfpatch-pack-moe-replay", "0.2.0", True)
     assert row["transformers"] == "<6,>=5.3" and row["description"]
 
     probe = installed.run_python("-c", _PROBE, checkpoints["qwen3_moe"])

@@ -1,0 +1,498 @@
+"""Which module of a model type routes, and whether its selection can be replayed exactly.
+
+No table of class names: for a model type, the candidates are the ``nn.Module`` classes of
+its modeling module whose forward (or a method it calls on ``self``) computes a ``topk``.
+Each is built on the CPU from a copy of the config with the hidden size shrunk (the expert
+count, top-k and group settings kept), given random weights and run on a probe input
+while ``SelectionMode``-like probes watch its ``topk`` calls. A candidate is a router whose
+selection can be replayed when:
+
+* exactly one ``topk`` call picks the largest ``k`` along the last dimension of a
+  ``(tokens, experts)`` tensor as wide as the linear map of the hidden states it scores
+  (group-limited routers first pick groups with narrower calls);
+* replaying its own selection gives its outputs bit for bit, and forcing another
+  selection changes them, with gradients reaching the router's weights;
+* the routing weights it returns for a forced selection are what one of the known rules
+  computes for those experts from its logits: a softmax (renormalised or not), a sigmoid
+  (renormalised or not; a correction bias used only to select, group limits), either
+  scaled by a constant; a softmax over the selected logits (gpt-oss); the sigmoid of the
+  selected logits scattered over the experts (llama4);
+* its forward is deterministic in training mode (no jitter).
+
+A module that contains an accepted router is not one itself. A model type is refused, with
+the reason, when no class is an accepted router, or when a class named like a router
+(``...Router``, ``...MoEGate``, ``...Gating``) is not one (hash routing, a sparse mixer): replaying some of
+its MoE layers only would not give the rollout's routing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import importlib
+import inspect
+import re
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+from .scope import _LayerReplay
+from .selection import _TOPK, Selection, SelectionMode, _topk_arguments
+
+__all__ = ["Discovery", "RouterFamily", "discover"]
+
+_PROBE_TOKENS = 6
+_PROBE_HIDDEN = 16
+# what MoE routers are called (not a residual or forget gate): ...Router, ...MoEGate, ...Gating
+_ROUTER_NAME = re.compile(r"(Router|Mo[Ee]\w*Gate|Gating)$")
+
+
+@dataclasses.dataclass(frozen=True)
+class RouterFamily:
+    """One router class of a model type, and what it computes.
+
+    Attributes:
+        router_class: the transformers class that selects the experts.
+        selection: its selection ``topk`` (experts, top-k) for the config it was probed with.
+        rule: what it computes, in words (``"softmax top-k, renormalised"``).
+    """
+
+    router_class: type[nn.Module]
+    selection: Selection
+    rule: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Discovery:
+    """What ``discover`` found for one model type.
+
+    Attributes:
+        model_type: the model type.
+        routers: the router classes the pack replays (empty when refused).
+        refused: why the model type cannot be replayed exactly, or ``None``.
+    """
+
+    model_type: str
+    routers: tuple[RouterFamily, ...]
+    refused: str | None = None
+
+    @property
+    def replayable(self) -> bool:
+        """Whether the pack replays this model type."""
+        return bool(self.routers) and self.refused is None
+
+
+class _Refused(Exception):
+    """A candidate is not a replayable router; the message says why."""
+
+
+_lock = threading.RLock()
+_cache: dict[tuple[str, str], Discovery] = {}
+
+
+def modeling_module(model_type: str) -> Any:
+    """The installed transformers' modeling module of ``model_type`` (``None`` when there is none)."""
+    from transformers.models.auto.configuration_auto import model_type_to_module_name
+
+    name = model_type_to_module_name(model_type)
+    try:
+        return importlib.import_module(f"transformers.models.{name}.modeling_{name}")
+    except ImportError:
+        return None
+
+
+def _config_key(config: Any) -> str:
+    try:
+        return str(config.to_json_string(use_diff=False))
+    except Exception:  # a config that does not serialise: probe it every time
+        return repr(id(config))
+
+
+def discover(model_type: str, config: Any = None) -> Discovery:
+    """Find and probe ``model_type``'s routers (cached per config).
+
+    Args:
+        model_type: a model type of the installed transformers.
+        config: the config the model is built with (default: the model type's default
+            config); its expert count, top-k and routing flags are kept for the probe.
+    """
+    if config is None:
+        from transformers import AutoConfig
+
+        try:
+            config = AutoConfig.for_model(model_type)
+        except Exception as exc:
+            return Discovery(model_type, (), f"its default config cannot be built ({type(exc).__name__}: {exc})")
+    key = (model_type, _config_key(config))
+    with _lock:
+        found = _cache.get(key)
+        if found is None:
+            found = _cache[key] = _discover(model_type, config)
+        return found
+
+
+def _discover(model_type: str, config: Any) -> Discovery:
+    module = modeling_module(model_type)
+    if module is None:
+        return Discovery(model_type, (), "transformers has no modeling module for it")
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    accepted: list[tuple[RouterFamily, nn.Module]] = []
+    rejected: list[tuple[str, str]] = []
+    candidates = list(_candidates(module))
+    # the innermost first: a module holding an accepted router (its MoE block) is not probed
+    deferred = []
+    for cls in candidates:
+        try:
+            instance = _instantiate(cls, _shrunk(text))
+        except _Refused as exc:
+            rejected.append((cls.__name__, str(exc)))
+            continue
+        inner = any(isinstance(sub, other) for other in candidates if other is not cls for sub in instance.modules())
+        deferred.append((inner, cls))
+    for inner in (False, True):
+        for is_inner, cls in deferred:
+            if is_inner != inner:
+                continue
+            modules = list(_instantiate(cls, _shrunk(text)).modules()) if inner else []
+            if any(isinstance(sub, family.router_class) for family, _ in accepted for sub in modules):
+                continue
+            try:
+                accepted.append(_probe(cls, text))
+            except _Refused as exc:
+                rejected.append((cls.__name__, str(exc)))
+    for name, value in vars(module).items():
+        if (
+            isinstance(value, type)
+            and issubclass(value, nn.Module)
+            and value.__module__ == module.__name__
+            and _ROUTER_NAME.search(name)
+            and value not in candidates
+            and not any(name == rejected_name for rejected_name, _ in rejected)
+        ):
+            rejected.append((name, _NO_TOPK))
+    # a module holding an accepted router (the MoE block around it) is not a router itself
+    routers = [
+        family
+        for family, instance in accepted
+        if not any(
+            isinstance(sub, other.router_class)
+            for other, _ in accepted
+            if other is not family
+            for sub in instance.modules()
+        )
+    ]
+    router_like = [(name, reason) for name, reason in rejected if _ROUTER_NAME.search(name)]
+    if routers and router_like:
+        name, reason = router_like[0]
+        return Discovery(
+            model_type,
+            (),
+            f"{name} routes some MoE layers without a replayable top-k ({reason}), so replaying only the other "
+            f"layers' routers ({', '.join(family.router_class.__name__ for family in routers)}) would not give the "
+            "rollout's routing",
+        )
+    if routers:
+        return Discovery(model_type, tuple(routers))
+    if rejected:
+        detail = "; ".join(f"{name}: {reason}" for name, reason in (router_like or rejected)[:3])
+        return Discovery(model_type, (), f"no class of it selects experts with a replayable top-k ({detail})")
+    return Discovery(model_type, (), "no class of it computes a top-k (not a top-k MoE model)")
+
+
+def _candidates(module: Any) -> Iterator[type[nn.Module]]:
+    from transformers import PreTrainedModel
+
+    for value in vars(module).values():
+        if (
+            isinstance(value, type)
+            and issubclass(value, nn.Module)
+            and not issubclass(value, PreTrainedModel)
+            and value.__module__ == module.__name__
+            and "topk" in _forward_source(value)
+        ):
+            yield value
+
+
+def _forward_source(cls: type) -> str:
+    """The source of ``cls.forward`` and of the methods it calls on ``self``."""
+    seen: set[str] = set()
+    parts: list[str] = []
+    pending = ["forward"]
+    while pending:
+        name = pending.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        function = getattr(cls, name, None)
+        if not callable(function):
+            continue
+        try:
+            source = inspect.getsource(function)
+        except (OSError, TypeError):
+            continue
+        parts.append(source)
+        pending.extend(re.findall(r"self\.(\w+)\(", source))
+    return "\n".join(parts)
+
+
+def _shrunk(config: Any) -> Any:
+    """A copy of ``config`` with the sizes that only make the probe slow made small."""
+    shrunk = copy.deepcopy(config)
+    for name, value in list(vars(shrunk).items()):
+        if isinstance(value, bool) or not isinstance(value, int):
+            continue
+        if name == "hidden_size" or name.endswith("intermediate_size") or name in ("d_model", "n_embd"):
+            setattr(shrunk, name, min(value, _PROBE_HIDDEN))
+    return shrunk
+
+
+def _instantiate(cls: type[nn.Module], config: Any) -> nn.Module:
+    errors = []
+    for args, kwargs in (((config,), {}), ((config, 0), {}), ((config,), {"layer_idx": 0})):
+        try:
+            with torch.device("cpu"):
+                return cls(*args, **kwargs)
+        except Exception as exc:
+            errors.append(f"{type(exc).__name__}: {exc}")
+    raise _Refused(f"it cannot be built from the config alone ({errors[0]})")
+
+
+@dataclasses.dataclass
+class _Call:
+    shape: tuple[int, ...]
+    k: Any
+    dim: Any
+    largest: Any
+
+
+class _Watch(TorchFunctionMode):
+    """Notes every ``topk`` call and every linear map's output in a forward pass."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.topk: list[_Call] = []
+        self.linear: list[torch.Tensor] = []
+
+    def __torch_function__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        result = func(*args, **kwargs)
+        if func in _TOPK:
+            source, k, dim, largest = _topk_arguments(args, kwargs)
+            self.topk.append(_Call(tuple(source.shape), k, dim, largest))
+        elif func in (F.linear, torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__) and isinstance(
+            result, torch.Tensor
+        ):
+            self.linear.append(result.detach())
+        return result
+
+
+def _tensors(output: Any) -> list[torch.Tensor]:
+    if isinstance(output, torch.Tensor):
+        return [output]
+    if isinstance(output, (tuple, list)):
+        return [item for item in output if isinstance(item, torch.Tensor)]
+    return []
+
+
+def _run(
+    instance: nn.Module,
+    hidden: torch.Tensor,
+    mode: TorchFunctionMode | None = None,
+    extra: dict[str, Any] | None = None,
+) -> list[torch.Tensor]:
+    with mode if mode is not None else contextlib.nullcontext():
+        return _tensors(instance(hidden, **(extra or {})))
+
+
+_NO_TOPK = "it selects experts without a top-k over their scores (hash routing, a sparse mixer, ...)"
+_EXPERT_COUNTS = ("n_routed_experts", "num_experts", "num_local_experts", "moe_num_experts")
+
+
+def _extra_arguments(instance: nn.Module, config: Any, generator: torch.Generator) -> dict[str, Any]:
+    """The forward arguments besides the hidden states that a router takes from its MoE block: a
+    per-expert bias (the correction bias some blocks own and pass in)."""
+    parameters = list(inspect.signature(instance.forward).parameters.values())[1:]
+    counts = [getattr(config, name, None) for name in _EXPERT_COUNTS]
+    experts = next((count for count in counts if isinstance(count, int)), 0)
+    extra: dict[str, Any] = {}
+    for parameter in parameters:
+        if parameter.kind in (parameter.VAR_POSITIONAL, parameter.VAR_KEYWORD):
+            continue
+        needed = parameter.default is inspect.Parameter.empty or parameter.default is None
+        if needed and "bias" in parameter.name and experts:
+            extra[parameter.name] = torch.rand(experts, generator=generator) * 0.5
+    return extra
+
+
+def _probe(cls: type[nn.Module], config: Any) -> tuple[RouterFamily, nn.Module]:
+    shrunk = _shrunk(config)
+    instance = _instantiate(cls, shrunk)
+    hidden_size = getattr(shrunk, "hidden_size", None)
+    if not isinstance(hidden_size, int):
+        raise _Refused("its config has no hidden_size")
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for parameter in instance.parameters():
+            parameter.copy_(torch.randn(parameter.shape, generator=generator).to(parameter.dtype))
+        for name, buffer in instance.named_buffers():
+            if buffer.is_floating_point() and "bias" in name:
+                buffer.copy_(torch.rand(buffer.shape, generator=generator).to(buffer.dtype) * 0.5)
+    instance.eval()
+    hidden: torch.Tensor | None = None
+    watch = _Watch()
+    errors = []
+    extra = _extra_arguments(instance, shrunk, generator)
+    for shape in ((_PROBE_TOKENS, hidden_size), (1, _PROBE_TOKENS, hidden_size)):
+        candidate = torch.randn(shape, generator=generator)
+        watch = _Watch()
+        try:
+            with torch.no_grad():
+                _run(instance, candidate, watch, extra)
+        except Exception as exc:
+            errors.append(f"{type(exc).__name__}: {exc}")
+            continue
+        hidden = candidate
+        break
+    if hidden is None:
+        raise _Refused(f"its forward does not run on hidden states alone ({errors[0]})")
+    selection = _selection_of(watch)
+    logits = [out for out in watch.linear if out.shape[-1] == selection.width]
+    if not logits:
+        raise _Refused(
+            f"its top-{selection.top_k} over {selection.width} experts scores no linear map of the hidden states"
+        )
+    logits_value = logits[0].reshape(-1, selection.width)
+
+    with torch.no_grad():
+        captured: list[torch.Tensor] = []
+        live = _run(instance, hidden, _Capture(selection, captured), extra)
+        (own,) = captured
+        replayed = _run(instance, hidden, SelectionMode(instance, selection, _replay(own), record=False), extra)
+        if len(live) != len(replayed) or not all(torch.equal(a, b) for a, b in zip(live, replayed, strict=True)):
+            raise _Refused("replaying its own selection does not give its outputs bit for bit")
+        forced_indices = (own + 1) % selection.width
+        forcing = SelectionMode(instance, selection, _replay(forced_indices), record=False)
+        forced = _run(instance, hidden, forcing, extra)
+        if all(torch.equal(a, b) for a, b in zip(live, forced, strict=True)):
+            raise _Refused("its outputs do not depend on the selected experts")
+        instance.train()
+        torch.manual_seed(1)
+        first = _run(instance, hidden, None, extra)
+        torch.manual_seed(2)
+        second = _run(instance, hidden, None, extra)
+        instance.eval()
+        if not all(torch.equal(a, b) for a, b in zip(first, second, strict=True)):
+            raise _Refused("its forward is random in training mode (jitter or sampling), so no selection is replayable")
+    rule = _rule(forced, logits_value, forced_indices, instance, selection)
+    if any(call.shape[0] == _PROBE_TOKENS and call.shape[-1] < selection.width for call in watch.topk):
+        rule += "; group-limited"
+    weights = [p for p in instance.parameters() if p.dim() == 2 and p.shape[0] == selection.width]
+    instance.zero_grad(set_to_none=True)
+    outputs = _run(instance, hidden, SelectionMode(instance, selection, _replay(forced_indices), record=False), extra)
+    total = sum((out.float().sum() for out in outputs if out.requires_grad), torch.zeros(()))
+    if total.requires_grad:
+        total.backward()
+    if not weights or not any(p.grad is not None and bool(p.grad.abs().sum() > 0) for p in weights):
+        raise _Refused("no gradient reaches its router weights through a replayed selection")
+    return RouterFamily(cls, selection, rule), instance
+
+
+class _Capture(TorchFunctionMode):
+    """Keeps the indices of a live forward's selection."""
+
+    def __init__(self, selection: Selection, captured: list[torch.Tensor]) -> None:
+        super().__init__()
+        self.selection, self.captured = selection, captured
+
+    def __torch_function__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        result = func(*args, **kwargs)
+        if func in _TOPK and self.selection.matches(args, kwargs):
+            self.captured.append(result[1].clone())
+        return result
+
+
+def _replay(indices: torch.Tensor) -> _LayerReplay:
+    return _LayerReplay(0, "probe", indices, None)
+
+
+def _selection_of(watch: _Watch) -> Selection:
+    rows = [
+        call
+        for call in watch.topk
+        if len(call.shape) == 2
+        and call.shape[0] == _PROBE_TOKENS
+        and call.dim in (-1, 1)
+        and bool(call.largest)
+        and isinstance(call.k, int)
+    ]
+    if not rows:
+        raise _Refused("no top-k over a (tokens, experts) tensor in its forward (hash routing, a sparse mixer, ...)")
+    width = max(call.shape[1] for call in rows)
+    widest = [call for call in rows if call.shape[1] == width]
+    if len({call.k for call in widest}) > 1 or len(widest) > 1:
+        raise _Refused(f"it computes {len(widest)} top-k over its {width} experts, so the selection is ambiguous")
+    return Selection(width, int(widest[0].k))
+
+
+def _rule(
+    outputs: list[torch.Tensor],
+    logits: torch.Tensor,
+    indices: torch.Tensor,
+    instance: nn.Module,
+    selection: Selection,
+) -> str:
+    """What the router computes for the forced ``indices``, matched against the known rules."""
+    scores = logits.float()
+    rules: dict[str, Callable[[], torch.Tensor]] = {
+        "softmax top-k": lambda: F.softmax(scores, dim=-1).gather(1, indices),
+        "sigmoid top-k": lambda: torch.sigmoid(scores).gather(1, indices),
+        "softmax over the selected logits (gpt-oss)": lambda: F.softmax(logits.gather(1, indices).float(), dim=-1),
+    }
+    notes = []
+    if any(
+        "bias" in name and buffer.shape == (selection.width,) and bool(buffer.abs().sum() > 0)
+        for name, buffer in [*instance.named_buffers(), *instance.named_parameters()]
+        if name.rpartition(".")[2] != "bias"
+    ):
+        notes.append("a correction bias used only to select")
+    for output in outputs:
+        flat = output.detach().float().reshape(-1, output.shape[-1])
+        # a router that returns bf16 weights rounds them: compare at that precision
+        rtol, atol = (1e-4, 1e-6) if output.dtype in (torch.float32, torch.float64) else (1e-2, 1e-3)
+        if flat.shape == (indices.shape[0], selection.width):
+            dense = torch.full_like(scores, float("-inf")).scatter(1, indices, logits.gather(1, indices).float())
+            if torch.allclose(flat, torch.sigmoid(dense), rtol=rtol, atol=atol):
+                return _label("sigmoid of the selected logits, scattered over the experts (llama4)", notes)
+            continue
+        if flat.shape != indices.shape:
+            continue
+        for name, rule in rules.items():
+            base = rule()
+            for renormalised in (False, True):
+                candidate = base / (base.sum(dim=-1, keepdim=True) + (1e-20 if "sigmoid" in name else 0.0))
+                candidate = candidate if renormalised else base
+                scale = float(flat.sum() / candidate.sum())
+                if torch.allclose(flat, candidate * scale, rtol=rtol, atol=atol):
+                    words = [name + (", renormalised" if renormalised and "selected" not in name else "")]
+                    if abs(scale - 1.0) > 1e-6:
+                        words.append(f"scaled by {scale:g}")
+                    return _label(", ".join(words), notes)
+    raise _Refused(
+        "the routing weights it returns for a forced selection match none of the rules the pack knows (softmax or "
+        "sigmoid top-k, renormalised or not, scaled; gpt-oss; llama4)"
+    )
+
+
+def _label(rule: str, notes: list[str]) -> str:
+    return rule + "".join(f"; {note}" for note in notes)

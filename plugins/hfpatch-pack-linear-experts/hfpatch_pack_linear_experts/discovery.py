@@ -104,8 +104,8 @@ _lock = threading.Lock()
 def discover(config: Any, model_type: str, class_name: str | None = None) -> Discovery:
     """What the pack does to a model of ``config`` (cached by model class and config content).
 
-    Raises nothing for a model that cannot be built on the meta device: it has no
-    experts the pack could find (``Discovery()``).
+    A model that cannot be built on the meta device is refused as a whole (keyed by its
+    class name, with the error), never skipped in silence.
     """
     model_class = _model_class(config, class_name)
     if model_class is None:
@@ -130,8 +130,13 @@ def _discover(config: Any, model_type: str, model_class: type[nn.Module]) -> Dis
         with torch.device("meta"), warnings.catch_warnings():
             warnings.simplefilter("ignore")
             model = model_class(config)
-    except Exception:  # a config that does not build has no experts to find
-        return Discovery()
+    except Exception as exc:  # the experts cannot be found: said, not skipped in silence
+        return Discovery(
+            refused={
+                model_class.__name__: f"{model_class.__name__}({type(config).__name__}) does not build on the meta "
+                f"device, so its experts cannot be found ({type(exc).__name__}: {exc})"
+            }
+        )
     instances: dict[type, list[tuple[str, nn.Module]]] = {}
     for path, module in model.named_modules():
         if is_declared_experts(type(module)):

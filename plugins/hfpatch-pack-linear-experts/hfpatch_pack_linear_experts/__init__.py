@@ -1,0 +1,99 @@
+"""hfpatch pack ``linear-experts``: every MoE experts module as one ``nn.Linear`` per expert and projection.
+
+transformers 5 stores routed experts as 3-D parameters behind ``use_experts_implementation``;
+quantizers, PEFT and calibration hooks that work on ``nn.Linear`` never see them.  For any
+model, this pack finds the experts classes structurally (``discovery``: the classes whose
+forward is the decorator's, read through the decorator's metadata and the parameters'
+shapes, never a table of class names) and replaces each with a drop-in holding
+``experts.<e>.<gate>/<up>/<down>`` ``nn.Linear`` modules, named as transformers' own
+conversion mapping names the per-expert checkpoint tensors (``gate_proj``, mixtral's
+``w1``/``w3``/``w2``).
+
+Converters: per-expert checkpoints load unchanged into the per-expert modules (the
+converter ``replaces`` transformers' stacking ``MergeModulelist`` converters, so no stacked
+copy is made), and save unchanged: what vanilla transformers writes.  Families whose
+checkpoints store the experts 3-D (no stacking converter) are refused for now: transformers'
+loader cannot split one checkpoint tensor into per-expert targets (a ``*`` target).
+
+A class whose eager forward is not the per-expert loop, or whose layout the pack cannot
+convert exactly, is refused: no patch, and a ``PackWarning`` with the reason.
+
+Priority: ``PRIORITY`` (-1), below ``qwen-moe`` (0): with both installed, qwen-moe keeps
+qwen2_moe / qwen3_moe's experts and this pack the other families.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import hfpatch_core
+from hfpatch_core import Converter, LoadContext, PackWarning, Patch
+
+from .discovery import Candidate, Discovery, discover, per_expert_names
+from .experts import DEFAULT_NAMES, ExpertLinears, Layout, LinearExperts, linear_experts_class
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "DEFAULT_NAMES",
+    "PACK",
+    "PRIORITY",
+    "Candidate",
+    "Discovery",
+    "ExpertLinears",
+    "Layout",
+    "LinearExperts",
+    "__version__",
+    "discover",
+    "discovery_for",
+    "linear_experts_class",
+    "per_expert_names",
+    "provide_converters",
+    "provide_patches",
+]
+
+PACK = "linear-experts"
+
+#: The priority of every patch and converter: below the default 0, so that a pack made
+#: for one family (qwen-moe for qwen2_moe / qwen3_moe) wins the classes both claim.
+PRIORITY = -1
+
+
+def discovery_for(context: LoadContext) -> Discovery:
+    """What the pack replaces and refuses in the model of ``context`` (nothing without a config)."""
+    if context.config is None or context.model_type is None:
+        return Discovery()
+    return discover(context.config, context.model_type, context.model_class_name)
+
+
+@hfpatch_core.hookimpl
+def provide_patches(context: LoadContext) -> list[Patch]:
+    """One exact-name patch per experts class found, at ``PRIORITY``; a ``PackWarning`` per refused class.
+
+    Without a config the experts cannot be built, so nothing is returned (``hfpatch
+    check`` then asks with a config of each model type).
+    """
+    found = discovery_for(context)
+    for name, reason in found.refused.items():
+        warnings.warn(
+            f"pack {PACK!r}: {name} ({context.model_type}) is left as transformers builds it: {reason}",
+            PackWarning,
+            stacklevel=2,
+        )
+    return [Patch(c.original.__name__, c.replacement, priority=PRIORITY) for c in found.candidates]
+
+
+@hfpatch_core.hookimpl
+def provide_converters(context: LoadContext) -> list[Converter]:
+    """Per experts class: remove transformers' stacking of the per-expert tensors, which then load
+    unchanged into the per-expert modules (no stacked copy is made), and save unchanged; tied to the
+    classes' patches, so that a class another pack wins keeps transformers' stacking."""
+    model_type = context.model_type or ""
+    converters: list[Converter] = []
+    removals: dict[tuple[str, ...], list[str]] = {}
+    for candidate in discovery_for(context).candidates:
+        target = candidate.original.__name__
+        removals.setdefault(candidate.stacking, []).append(target)
+    for patterns, targets in removals.items():
+        converters.append(Converter(model_type, (), replaces=patterns, priority=PRIORITY, patch_targets=tuple(targets)))
+    return converters

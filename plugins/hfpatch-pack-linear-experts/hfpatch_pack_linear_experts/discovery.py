@@ -1,0 +1,377 @@
+"""Finding the experts classes of a model, structurally, and deciding for each: replaced or refused.
+
+For a load's config the model class is built on the meta device (no memory), and every
+module whose class declares itself through ``use_experts_implementation`` (its forward is
+the decorator's) is an experts module.  For each such class:
+
+1. the decorator's metadata (``has_gate``, ``has_bias``, ``is_transposed``,
+   ``is_concatenated``, ``has_post_expert_norm``) says which 3-D parameters it holds, and
+   the module must hold exactly those (anything else would be lost);
+2. the per-expert names come from transformers' own conversion mapping for the model type:
+   the ``WeightConverter`` that stacks per-expert checkpoint tensors into the class's 3-D
+   parameter (``MergeModulelist``) names them in its source patterns
+   (``mlp.experts.*.gate_proj.weight``, ``.experts.*.w1.weight``); where there is none, the
+   checkpoint stores the experts 3-D and the class is refused (transformers' loader cannot
+   split one tensor into per-expert targets);
+3. a probe runs the class's own eager forward and the per-expert forward on the same
+   random experts (the model's sizes, 3 experts) and routing, in float32 and bfloat16: the
+   per-expert forward must give the eager result (float32 within 1e-5 relative), summing in
+   the dtype that gives bfloat16's result closest; otherwise the class is refused.
+
+A refused class is left to transformers, with the reason (``Discovery.refused``), which
+the pack's hooks report as a ``PackWarning`` and ``hfpatch explain`` / ``check`` show.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import re
+import threading
+from typing import Any
+
+import torch
+import torch.nn as nn
+import transformers
+
+from .experts import (
+    DEFAULT_NAMES,
+    Layout,
+    LinearExperts,
+    decorator_metadata,
+    eager_forward,
+    is_declared_experts,
+    linear_experts_class,
+)
+
+__all__ = ["Candidate", "Discovery", "discover", "per_expert_names"]
+
+#: Relative float32 tolerance of the probe (|eager - per-expert| / max |eager|).
+PROBE_RTOL = 1e-5
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """One experts class the pack replaces in a load.
+
+    Attributes:
+        original: the transformers class.
+        replacement: its per-expert drop-in.
+        paths: the attribute path of its modules in the experts' parent (``"mlp.experts"``),
+            what the converters' patterns start with.
+        stacking: the source patterns, as written, of transformers' converters that stack
+            this class's per-expert checkpoint tensors (removed for the load: the tensors
+            load unchanged); empty when the checkpoint stores the experts 3-D.
+    """
+
+    original: type[nn.Module]
+    replacement: type[LinearExperts]
+    paths: tuple[str, ...]
+    stacking: tuple[str, ...]
+
+    @property
+    def layout(self) -> Layout:
+        return self.replacement.layout
+
+
+@dataclasses.dataclass(frozen=True)
+class Discovery:
+    """The experts classes of one model: those replaced, and those refused with why."""
+
+    candidates: tuple[Candidate, ...] = ()
+    refused: dict[str, str] = dataclasses.field(default_factory=dict)
+
+
+def _model_class(config: Any, class_name: str | None) -> type[nn.Module] | None:
+    model_class = getattr(transformers, class_name, None) if class_name else None
+    if isinstance(model_class, type) and issubclass(model_class, nn.Module):
+        return model_class
+    from transformers import AutoModelForCausalLM
+
+    mapping: Any = AutoModelForCausalLM._model_mapping
+    try:
+        found: type[nn.Module] = mapping[type(config)]
+        return found
+    except KeyError:
+        return None
+
+
+_cache: dict[tuple[str, str, str], Discovery] = {}
+_lock = threading.Lock()
+
+
+def discover(config: Any, model_type: str, class_name: str | None = None) -> Discovery:
+    """What the pack does to a model of ``config`` (cached by model class and config content).
+
+    A model that cannot be built on the meta device is refused as a whole (keyed by its
+    class name, with the error), never skipped in silence.
+    """
+    model_class = _model_class(config, class_name)
+    if model_class is None:
+        return Discovery()
+    try:
+        key = (model_class.__qualname__, model_type, config.to_json_string(use_diff=False))
+    except (TypeError, ValueError):
+        key = (model_class.__qualname__, model_type, json.dumps(repr(config)))
+    with _lock:
+        if key in _cache:
+            return _cache[key]
+    found = _discover(config, model_type, model_class)
+    with _lock:
+        _cache[key] = found
+    return found
+
+
+def _discover(config: Any, model_type: str, model_class: type[nn.Module]) -> Discovery:
+    import warnings
+
+    try:
+        with torch.device("meta"), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model = model_class(config)
+    except Exception as exc:  # the experts cannot be found: said, not skipped in silence
+        return Discovery(
+            refused={
+                model_class.__name__: f"{model_class.__name__}({type(config).__name__}) does not build on the meta "
+                f"device, so its experts cannot be found ({type(exc).__name__}: {exc})"
+            }
+        )
+    instances: dict[type, list[tuple[str, nn.Module]]] = {}
+    for path, module in model.named_modules():
+        if is_declared_experts(type(module)):
+            instances.setdefault(type(module), []).append((path, module))
+    candidates = []
+    refused: dict[str, str] = {}
+    for cls, found in instances.items():
+        result = _decide(cls, found, model_type)
+        if isinstance(result, str):
+            refused[cls.__name__] = result
+        else:
+            candidates.append(result)
+    return Discovery(tuple(sorted(candidates, key=lambda c: c.original.__name__)), refused)
+
+
+def _attribute_path(path: str) -> str:
+    """The experts' path under their decoder layer, as checkpoint patterns name it (``mlp.experts``)."""
+    parts = path.split(".")
+    return ".".join(parts[-2:]) if len(parts) >= 2 else path
+
+
+def _decide(cls: type[nn.Module], found: list[tuple[str, nn.Module]], model_type: str) -> Candidate | str:
+    meta = decorator_metadata(cls)
+    if not meta["has_gate"] and getattr(cls, "_apply_gate", moe_default_gate()) is not moe_default_gate():
+        return "it defines its own _apply_gate without a gate, which the eager loop does not call"
+    base = Layout(
+        has_gate=meta["has_gate"],
+        has_bias=meta["has_bias"],
+        is_transposed=meta["is_transposed"],
+        is_concatenated=meta["is_concatenated"],
+        has_post_expert_norm=meta["has_post_expert_norm"],
+        custom_gate=cls._apply_gate is not moe_default_gate(),  # type: ignore[attr-defined]
+        accumulate_fp32=False,
+        names=DEFAULT_NAMES,
+    )
+    for path, module in found:
+        problem = _parameter_problem(module, base)
+        if problem is not None:
+            return f"{path}: {problem}"
+    paths = tuple(dict.fromkeys(_attribute_path(path) for path, _ in found))
+    names = per_expert_names(model_type, base)
+    if isinstance(names, str):
+        return names
+    stacking, chosen = names
+    layout = dataclasses.replace(base, names=chosen if base.has_gate else (None, chosen[1], chosen[2]))
+    probe = _probe(cls, found[0][1], layout)
+    if isinstance(probe, str):
+        return probe
+    return Candidate(cls, linear_experts_class(cls, probe), paths, stacking)
+
+
+def moe_default_gate() -> Any:
+    from transformers.integrations import moe
+
+    return moe._default_apply_gate
+
+
+def _parameter_problem(module: nn.Module, layout: Layout) -> str | None:
+    own = {name for name, _ in module.named_parameters(recurse=False)}
+    expected = set(layout.parameters)
+    if own != expected:
+        missing, extra = sorted(expected - own), sorted(own - expected)
+        return (
+            f"the decorator's metadata (has_gate={layout.has_gate}, has_bias={layout.has_bias}) says its experts "
+            f"are {sorted(expected)}, but it holds {sorted(own)} (missing {missing}, unknown {extra}); a per-expert "
+            "layout would lose or invent weights"
+        )
+    shapes = {name: tuple(getattr(module, name).shape) for name in expected}
+    first = shapes[layout.parameters[0]]
+    down = shapes["down_proj"]
+    if len(first) != 3 or len(down) != 3 or first[0] != down[0]:
+        return f"its expert parameters are not [experts, rows, columns] tensors of one expert count: {shapes}"
+    hidden, rows = (first[1], first[2]) if layout.is_transposed else (first[2], first[1])
+    down_out, down_in = (down[2], down[1]) if layout.is_transposed else (down[1], down[2])
+    intermediate = rows // 2 if layout.has_gate else rows
+    if (layout.has_gate and rows % 2) or down_out != hidden or down_in != intermediate:
+        return f"its expert shapes do not chain (up {first}, down {down}, transposed={layout.is_transposed})"
+    return None
+
+
+_STACKED = re.compile(r"experts\.\*\.(?P<name>\w+)\.weight$")
+
+
+def _unescape(pattern: str) -> str:
+    return pattern.replace("\\", "")
+
+
+def per_expert_names(model_type: str, layout: Layout) -> tuple[tuple[str, ...], tuple[str, str, str]] | str:
+    """``(stacking source patterns, (gate, up, down) names)`` for ``model_type``'s experts, from transformers'
+    conversion mapping: the first source pattern of each stacking converter (what ``replaces`` names), and
+    the per-expert names its source patterns give (``DEFAULT_NAMES[0]`` for the gate of an ungated class).
+
+    Returns a reason (a string) when the mapping stacks nothing (3-D checkpoints), or stacks the
+    experts in a way a per-expert layout cannot load unchanged (another operation than stacking
+    and concatenating).
+    """
+    from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+    from transformers.core_model_loading import Concatenate, MergeModulelist, WeightConverter
+
+    try:
+        transforms = get_checkpoint_conversion_mapping(model_type) or []
+    except Exception:
+        transforms = []
+    first = "gate_up_proj" if layout.has_gate else "up_proj"
+    found: dict[str, tuple[str, ...]] = {}
+    written: list[str] = []
+    for transform in transforms:
+        if not isinstance(transform, WeightConverter):
+            continue
+        if not any(isinstance(op, MergeModulelist) for op in transform.operations):
+            continue
+        from hfpatch_core.authoring import source_patterns_of, target_patterns_of
+
+        targets = [_unescape(t) for t in target_patterns_of(transform)]
+        sources = source_patterns_of(transform)
+        for parameter in (first, "down_proj"):
+            if len(targets) == 1 and targets[0].endswith(f"experts.{parameter}") and parameter not in found:
+                extra = [op for op in transform.operations if not isinstance(op, MergeModulelist | Concatenate)]
+                if extra:
+                    return (
+                        f"transformers' conversion for {model_type} builds {parameter} with "
+                        f"{[type(op).__name__ for op in extra]} besides stacking; the per-expert checkpoint "
+                        "tensors cannot load unchanged"
+                    )
+                names = []
+                for source in sources:
+                    match = _STACKED.search(_unescape(source))
+                    if match is None:
+                        return f"transformers' conversion for {model_type} stacks {source!r}, not one expert's weight"
+                    names.append(match["name"])
+                found[parameter] = tuple(names)
+                written.append(sources[0])  # one pattern names the whole built-in converter
+    if not found:
+        return (
+            f"transformers' conversion mapping for {model_type} stacks no per-expert tensors into {first}: its "
+            "checkpoints store the experts 3-D, and transformers' loader cannot split one checkpoint tensor into "
+            "per-expert modules (a '*' target), so they would load as missing weights"
+        )
+    if set(found) != {first, "down_proj"}:
+        return f"transformers' conversion for {model_type} stacks {sorted(found)} but not both {first} and down_proj"
+    ups, downs = found[first], found["down_proj"]
+    if len(ups) != (2 if layout.has_gate else 1) or len(downs) != 1:
+        return f"transformers' conversion for {model_type} stacks {list(ups)} into {first}: not one tensor per part"
+    gate, up = (ups[0], ups[1]) if layout.has_gate else (DEFAULT_NAMES[0], ups[0])
+    return tuple(written), (gate, up, downs[0])
+
+
+# --- the probe ----------------------------------------------------------------------------
+
+
+def _probe(cls: type[nn.Module], template: nn.Module, layout: Layout) -> Layout | str:
+    """``layout`` with the summing dtype that reproduces ``cls``'s eager forward, or why none does."""
+    try:
+        original, values = _probe_original(template, layout)
+    except Exception as exc:  # a module the probe cannot materialise is not known to be exact
+        return f"its eager forward could not be probed ({type(exc).__name__}: {exc})"
+    forward = eager_forward(cls)
+    generator = torch.Generator().manual_seed(0)
+    tokens, held = 7, values[layout.parameters[0]].shape[0]
+    hidden = original_hidden(values, layout)
+    states = torch.randn(tokens, hidden, generator=generator)
+    index = torch.stack([torch.randperm(held, generator=generator)[:2] for _ in range(tokens)])
+    weights = torch.rand(tokens, 2, generator=generator)
+    results: dict[bool, tuple[float, float]] = {}
+    reference: dict[torch.dtype, torch.Tensor] = {}
+    for accumulate in (False, True):
+        candidate = dataclasses.replace(layout, accumulate_fp32=accumulate)
+        ours = _probe_replacement(cls, original, values, candidate)
+        differences = []
+        for dtype in (torch.float32, torch.bfloat16):
+            original.to(dtype)
+            ours.to(dtype)
+            with torch.no_grad():
+                if dtype not in reference:
+                    reference[dtype] = forward(original, states.to(dtype), index, weights.to(dtype))
+                got = ours(states.to(dtype), index, weights.to(dtype))
+            expected = reference[dtype]
+            if got.shape != expected.shape or got.dtype != expected.dtype:
+                return f"its eager forward returns {tuple(expected.shape)} {expected.dtype}, not per-token outputs"
+            scale = float(expected.float().abs().max()) or 1.0
+            differences.append(float((got.float() - expected.float()).abs().max()) / scale)
+        results[accumulate] = (differences[0], differences[1])
+    accumulate = min(results, key=lambda key: (results[key][0] > PROBE_RTOL, results[key][1]))
+    fp32 = results[accumulate][0]
+    if fp32 > PROBE_RTOL:
+        return (
+            f"its eager forward is not the per-expert loop: on a probe it differs from it by {fp32:.2e} "
+            f"(relative, float32); only classes whose eager forward is use_experts_implementation's reference "
+            "loop (gate/up, gating, down, optional post-expert norm, times the routing weight) are replaced"
+        )
+    return dataclasses.replace(layout, accumulate_fp32=accumulate)
+
+
+def original_hidden(values: dict[str, torch.Tensor], layout: Layout) -> int:
+    first = values[layout.parameters[0]]
+    return int(first.shape[1] if layout.is_transposed else first.shape[2])
+
+
+def _probe_original(template: nn.Module, layout: Layout) -> tuple[nn.Module, dict[str, torch.Tensor]]:
+    """A copy of the meta ``template`` on the CPU with 3 random experts (its sizes otherwise)."""
+    generator = torch.Generator().manual_seed(1)
+    original = copy.copy(template)
+    original._parameters = dict(template._parameters)
+    original._buffers = dict(template._buffers)
+    original._modules = {name: copy.deepcopy(child) for name, child in template._modules.items()}
+    for name, buffer in original._buffers.items():
+        if buffer is not None and buffer.is_meta:
+            raise ValueError(f"buffer {name!r} has no value on the meta device")
+    for child in original._modules.values():
+        if child is not None:
+            child.to_empty(device="cpu")
+            with torch.no_grad():
+                for parameter in child.parameters():
+                    parameter.copy_(1 + 0.2 * torch.randn(parameter.shape, generator=generator))
+    values = {}
+    for name in layout.parameters:
+        shape = (min(3, template.get_parameter(name).shape[0]), *template.get_parameter(name).shape[1:])
+        fan_in = shape[-2] if layout.is_transposed else shape[-1]
+        scale = 1.0 / fan_in**0.5 if not name.endswith("_bias") else 0.1
+        values[name] = torch.randn(shape, generator=generator) * scale
+        original._parameters[name] = nn.Parameter(values[name].clone(), requires_grad=False)
+    return original, values
+
+
+def _probe_replacement(
+    cls: type[nn.Module], original: nn.Module, values: dict[str, torch.Tensor], layout: Layout
+) -> nn.Module:
+    replacement = linear_experts_class(cls, layout)
+    ours: Any = copy.copy(original)
+    ours._parameters = dict(original._parameters)
+    ours._buffers = dict(original._buffers)
+    ours._modules = {name: copy.deepcopy(child) for name, child in original._modules.items()}
+    ours.__class__ = replacement
+    num_experts = original.num_experts
+    ours._linearize(torch.device("cpu"), values)
+    ours.num_experts = num_experts  # the routing's expert count (the probe holds 3 of them)
+    result: nn.Module = ours
+    return result

@@ -1,0 +1,320 @@
+"""Experts as one ``nn.Linear`` per expert and projection, built from any experts class that
+declares itself through transformers' ``use_experts_implementation``.
+
+transformers 5 stores routed experts as 3-D parameters (``gate_up_proj`` / ``up_proj`` and
+``down_proj``, optionally transposed, interleaved and with biases) and dispatches their
+forward through ``use_experts_implementation``.  ``linear_experts_class(original, layout)``
+derives, from such a class, a drop-in whose experts are ``nn.Linear`` children named as the
+per-expert checkpoints name them (``experts.<e>.gate_proj`` or mixtral's ``experts.<e>.w1``),
+and whose forward is the decorator's eager loop over those modules.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections.abc import Iterator
+from typing import Any, ClassVar
+
+import torch
+import torch.nn as nn
+from transformers.integrations import moe
+
+__all__ = [
+    "DEFAULT_NAMES",
+    "ExpertLinears",
+    "Layout",
+    "LinearExperts",
+    "linear_experts_class",
+]
+
+#: The per-expert names used when transformers' conversion mapping for the model type has
+#: no converter stacking per-expert tensors into this class's 3-D parameters (its
+#: checkpoints store the experts 3-D): the names of transformers' own gated MLPs, and of
+#: most per-expert MoE checkpoints.
+DEFAULT_NAMES: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """How one experts class stores its experts, and what its per-expert modules are called.
+
+    Attributes:
+        has_gate: a gated expert (``gate_up_proj``), else ``act(up(x))`` (``up_proj``).
+        has_bias: the projections have biases (``<name>_bias`` parameters).
+        is_transposed: the 3-D parameters are ``[E, in, out]`` rather than ``[E, out, in]``.
+        is_concatenated: gate and up rows are ``[gate; up]`` rather than interleaved.
+        has_post_expert_norm: a ``post_expert_norm`` module runs on each expert's output.
+        custom_gate: the class defines its own ``_apply_gate`` (run on the gate/up output
+            reassembled in the class's own row order).
+        accumulate_fp32: the eager loop sums the experts' outputs in float32.
+        names: the per-expert module names of gate (``None`` without a gate), up and down.
+    """
+
+    has_gate: bool
+    has_bias: bool
+    is_transposed: bool
+    is_concatenated: bool
+    has_post_expert_norm: bool
+    custom_gate: bool
+    accumulate_fp32: bool
+    names: tuple[str | None, str, str]
+
+    @property
+    def parameters(self) -> tuple[str, ...]:
+        """The 3-D parameters of the original class that the per-expert modules hold instead."""
+        first = "gate_up_proj" if self.has_gate else "up_proj"
+        names = (first, "down_proj")
+        return names + tuple(f"{name}_bias" for name in names) if self.has_bias else names
+
+
+class ExpertLinears(nn.Module):
+    """One expert: ``nn.Linear`` children under the checkpoint's names (``gate_proj``, ``w1``, ...).
+
+    Its forward is not used by ``LinearExperts`` (which needs the gate and up outputs
+    apart, for the family's gating); it runs the expert alone, for tools that call it.
+    """
+
+    def __init__(self, names: tuple[str | None, str, str], hidden: int, intermediate: int, bias: bool) -> None:
+        super().__init__()
+        gate, up, down = names
+        self.names = names
+        if gate is not None:
+            self.add_module(gate, nn.Linear(hidden, intermediate, bias=bias))
+        self.add_module(up, nn.Linear(hidden, intermediate, bias=bias))
+        self.add_module(down, nn.Linear(intermediate, hidden, bias=bias))
+
+    def projections(self) -> tuple[nn.Module | None, nn.Module, nn.Module]:
+        """The gate (``None`` without a gate), up and down modules, whatever a tool replaced them with."""
+        gate, up, down = self.names
+        return (getattr(self, gate) if gate is not None else None, getattr(self, up), getattr(self, down))
+
+
+class LinearExperts(nn.Module):
+    """Base of the classes ``linear_experts_class`` derives; see the module docstring.
+
+    A derived class subclasses the original experts class too (its ``_apply_gate``, its
+    attributes such as ``alpha`` / ``limit`` and its ``post_expert_norm`` are kept), with
+    this class first in the method order: ``__init__`` runs the original constructor on
+    the meta device (its 3-D parameters cost nothing), drops the 3-D parameters and adds
+    one ``ExpertLinears`` child per expert, named ``0 .. E-1`` as in the checkpoint.
+    """
+
+    #: set on each derived class
+    layout: ClassVar[Layout]
+    original: ClassVar[type[nn.Module]]
+
+    hfpatch_hidden_from_adapters = False
+    # transformers' hub kernels replace the forward of classes they know by name; this
+    # forward must run, whatever kernel the original class's layer name maps to
+    kernel_condition = staticmethod(lambda module: False)
+
+    def __init__(self, config: Any, *args: Any, **kwargs: Any) -> None:
+        device = torch.empty(0).device  # the device the model is being built on (meta while loading)
+        with torch.device("meta"):
+            self.original.__init__(self, config, *args, **kwargs)
+        self._linearize(device)
+
+    def _linearize(self, device: torch.device, values: dict[str, torch.Tensor] | None = None) -> None:
+        """Replace the 3-D parameters by per-expert modules on ``device`` (filled from ``values`` if given)."""
+        layout = self.layout
+        shapes = {name: tuple(getattr(self, name).shape) for name in layout.parameters}
+        dtype = getattr(self, layout.parameters[0]).dtype
+        for name in layout.parameters:
+            delattr(self, name)
+        if device.type != "meta":
+            for child in self.children():  # post_expert_norm and the like, built on meta above
+                if any(tensor.is_meta for tensor in (*child.parameters(), *child.buffers())):
+                    child.to_empty(device=device)
+        first = shapes[layout.parameters[0]]
+        experts = first[0]
+        hidden = first[1] if layout.is_transposed else first[2]
+        intermediate = shapes["down_proj"][1] if layout.is_transposed else shapes["down_proj"][2]
+        self.num_experts = experts
+        for index in range(experts):
+            with torch.device(device):
+                expert = ExpertLinears(layout.names, hidden, intermediate, layout.has_bias).to(dtype)
+            if values is not None:
+                _fill(expert, layout, values, index)
+            self.add_module(str(index), expert)
+        # transformers' _init_weights has a branch for the original class (an isinstance
+        # check, which the patched name makes true here) that initialises the 3-D
+        # parameters; this container has none: its nn.Linear children are initialised
+        # like every other Linear.
+        self._is_hf_initialized = True
+
+    # --- a sequence of experts, as nn.ModuleList ----------------------------------------
+
+    def experts(self) -> list[ExpertLinears]:
+        """The experts this module holds, in order (``self[e]`` is the one named ``e``)."""
+        return [module for module in self._modules.values() if isinstance(module, ExpertLinears)]
+
+    def __getitem__(self, index: int) -> ExpertLinears:
+        module = self._modules[str(index)]
+        assert isinstance(module, ExpertLinears)
+        return module
+
+    def __len__(self) -> int:
+        return len(self.experts())
+
+    def __iter__(self) -> Iterator[ExpertLinears]:
+        return iter(self.experts())
+
+    # --- the forward ----------------------------------------------------------------------
+
+    def _gate(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        layout = self.layout
+        if not layout.custom_gate:
+            return self.act_fn(gate) * up  # type: ignore[operator]
+        if layout.is_concatenated:
+            gate_up = torch.cat([gate, up], dim=-1)
+        else:
+            gate_up = torch.stack([gate, up], dim=-1).flatten(-2)
+        return self._apply_gate(gate_up)  # type: ignore[operator]
+
+    def _expert(self, expert: ExpertLinears, states: torch.Tensor) -> torch.Tensor:
+        gate, up, down = expert.projections()
+        hidden = self.act_fn(up(states)) if gate is None else self._gate(gate(states), up(states))  # type: ignore[operator]
+        output: torch.Tensor = down(hidden)
+        if self.layout.has_post_expert_norm:
+            output = self.post_expert_norm(output)  # type: ignore[operator]
+        return output
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        top_k_index: torch.Tensor | None = None,
+        top_k_weights: torch.Tensor | None = None,
+        **kwargs: Any,
+    ) -> torch.Tensor:
+        """The decorator's eager loop (``use_experts_implementation``'s reference), over ``nn.Linear`` experts.
+
+        Every expert that has tokens runs once, in ascending order, on the rows
+        ``torch.where`` lists (position-major), and its output times the routing weight is
+        added to each token's sum in the same order and dtype (float32 where the family
+        sums in float32).  An expert id equal to ``num_experts`` (transformers'
+        expert-parallel sentinel) is skipped.  gpt_oss-style callers pass
+        ``router_indices`` / ``routing_weights``, by position or by name.
+        """
+        index = top_k_index if top_k_index is not None else kwargs.get("router_indices")
+        weights = top_k_weights if top_k_weights is not None else kwargs.get("routing_weights")
+        if index is None or weights is None:
+            raise TypeError(
+                f"{type(self).__name__}.forward needs the routing: (hidden_states, top_k_index, top_k_weights)"
+            )
+        dtype = torch.float32 if self.layout.accumulate_fp32 else hidden_states.dtype
+        final = torch.zeros_like(hidden_states, dtype=dtype)
+        with torch.no_grad():
+            mask = torch.nn.functional.one_hot(index, num_classes=self.num_experts + 1).permute(2, 1, 0)
+            hit = torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero()
+        experts = self._modules
+        for row in hit:
+            expert_index = int(row[0])
+            if expert_index == self.num_experts:
+                continue
+            position, token = torch.where(mask[expert_index])
+            expert = experts[str(expert_index)]
+            assert isinstance(expert, ExpertLinears)
+            output = self._expert(expert, hidden_states[token]) * weights[token, position, None]
+            final.index_add_(0, token, output.to(final.dtype))
+        return final.to(hidden_states.dtype)
+
+
+def _fill(expert: ExpertLinears, layout: Layout, values: dict[str, torch.Tensor], index: int) -> None:
+    """Copy expert ``index``'s rows of the original 3-D ``values`` into ``expert``'s linears."""
+    gate: Any
+    up: Any
+    down: Any
+    gate, up, down = expert.projections()
+
+    def weight(name: str) -> torch.Tensor:
+        tensor = values[name][index]
+        return tensor.t() if layout.is_transposed else tensor  # [out, in]
+
+    def halves(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if layout.is_concatenated:
+            first, second = tensor.chunk(2, dim=0)
+            return first, second
+        return tensor[0::2], tensor[1::2]
+
+    with torch.no_grad():
+        if layout.has_gate:
+            gate_weight, up_weight = halves(weight("gate_up_proj"))
+            assert gate is not None
+            gate.weight.copy_(gate_weight)
+            up.weight.copy_(up_weight)
+            if layout.has_bias:
+                gate_bias, up_bias = halves(values["gate_up_proj_bias"][index])
+                gate.bias.copy_(gate_bias)
+                up.bias.copy_(up_bias)
+        else:
+            up.weight.copy_(weight("up_proj"))
+            if layout.has_bias:
+                up.bias.copy_(values["up_proj_bias"][index])
+        down.weight.copy_(weight("down_proj"))
+        if layout.has_bias:
+            down.bias.copy_(values["down_proj_bias"][index])
+
+
+_classes: dict[tuple[type, Layout], type[LinearExperts]] = {}
+_classes_lock = threading.Lock()
+
+
+def linear_experts_class(original: type[nn.Module], layout: Layout) -> type[LinearExperts]:
+    """The per-expert drop-in for ``original`` with ``layout`` (one class per pair, cached).
+
+    Named ``Linear<Original>`` and defined in this module, so that the plan and
+    ``hfpatch explain`` say which class it stands for.
+    """
+    with _classes_lock:
+        known = _classes.get((original, layout))
+        if known is None:
+            namespace = {"layout": layout, "original": original, "__module__": __name__}
+            known = type(f"Linear{original.__name__}", (LinearExperts, original), namespace)
+            _classes[(original, layout)] = known
+        return known
+
+
+def is_declared_experts(cls: type) -> bool:
+    """Whether ``cls`` declares itself through ``use_experts_implementation`` (its forward is the decorator's)."""
+    forward = getattr(cls, "forward", None)
+    return getattr(forward, "__code__", None) is _DECORATED_FORWARD
+
+
+def decorator_metadata(cls: type) -> dict[str, Any]:
+    """The keyword arguments ``use_experts_implementation`` was given for ``cls`` (read from its wrapper's
+    closure), with the decorator's defaults for those the installed release does not have."""
+    import inspect
+
+    found = inspect.getclosurevars(vars(cls)["__init__"]).nonlocals
+    defaults = {
+        "has_gate": True,
+        "has_bias": False,
+        "is_transposed": False,
+        "is_concatenated": True,
+        "has_post_expert_norm": False,
+    }
+    return {name: bool(found.get(name, default)) for name, default in defaults.items()}
+
+
+def eager_forward(cls: type) -> Any:
+    """The class's own forward, which the decorator wraps: transformers' eager experts loop for it."""
+    import inspect
+
+    return inspect.getclosurevars(vars(cls)["forward"]).nonlocals["original_forward"]
+
+
+def _decorated_forward_code() -> Any:
+    class _Probe(nn.Module):
+        def __init__(self, config: Any) -> None:
+            super().__init__()
+
+        def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+            return hidden_states
+
+    decorated = moe.use_experts_implementation(_Probe)
+    return decorated.forward.__code__
+
+
+#: the code object of the forward ``use_experts_implementation`` installs (shared by every class it decorates)
+_DECORATED_FORWARD = _decorated_forward_code()

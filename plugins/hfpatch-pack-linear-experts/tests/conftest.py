@@ -1,0 +1,136 @@
+"""Tiny random MoE checkpoints of several families, built from explicit configs, and isolation."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import transformers
+from transformers import (
+    AutoModelForCausalLM,
+    DeepseekV3Config,
+    MixtralConfig,
+    NemotronHConfig,
+    OlmoeConfig,
+    PretrainedConfig,
+    Qwen2MoeConfig,
+)
+from transformers.models.deepseek_v3 import modeling_deepseek_v3  # noqa: F401  (recorders captured at start)
+from transformers.models.mixtral import modeling_mixtral  # noqa: F401
+from transformers.models.nemotron_h import modeling_nemotron_h  # noqa: F401
+from transformers.models.olmoe import modeling_olmoe  # noqa: F401
+from transformers.models.qwen2_moe import modeling_qwen2_moe  # noqa: F401
+
+import hfpatch_core
+from hfpatch_core.pytest_plugin import HfPatchIsolation
+
+transformers.utils.logging.disable_progress_bar()
+transformers.utils.logging.set_verbosity_error()
+
+PACK = "linear-experts"
+VOCAB = 160
+PAD = 0
+
+_COMMON: dict[str, Any] = dict(
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    num_experts_per_tok=2,
+    vocab_size=VOCAB,
+    max_position_embeddings=128,
+    # far from uniform routing: a permuted expert or a misplaced routing weight moves logits by much more than 1e-5
+    initializer_range=0.2,
+    pad_token_id=PAD,
+    bos_token_id=1,
+    eos_token_id=2,
+    tie_word_embeddings=False,
+)
+
+
+def mixtral() -> PretrainedConfig:
+    # per-expert checkpoint names w1 / w3 / w2 under block_sparse_moe (renamed to mlp at load)
+    return MixtralConfig(**_COMMON, num_local_experts=4)
+
+
+def qwen2_moe() -> PretrainedConfig:
+    # a shared expert beside the routed ones (qwen-moe's family: composition)
+    return Qwen2MoeConfig(**_COMMON, num_experts=4, moe_intermediate_size=16, shared_expert_intermediate_size=32)
+
+
+def olmoe() -> PretrainedConfig:
+    return OlmoeConfig(**_COMMON, num_experts=4)
+
+
+def deepseek_v3() -> PretrainedConfig:
+    # sigmoid routing with groups and a correction bias, shared experts, one dense layer first, MLA
+    return DeepseekV3Config(
+        **{**_COMMON, "num_hidden_layers": 3, "num_key_value_heads": 4},  # MLA: one kv head per head
+        moe_intermediate_size=16,
+        n_routed_experts=4,
+        n_shared_experts=1,
+        n_group=2,
+        topk_group=1,
+        first_k_dense_replace=1,
+        kv_lora_rank=16,
+        q_lora_rank=24,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=8,
+        v_head_dim=8,
+        head_dim=8,
+    )
+
+
+def nemotron_h() -> PretrainedConfig:
+    # experts without a gate (act(up(x))), in a hybrid stack: attention, then MoE
+    return NemotronHConfig(
+        hidden_size=32,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        layers_block_type=["attention", "moe"],
+        n_routed_experts=4,
+        n_shared_experts=1,
+        num_experts_per_tok=2,
+        moe_intermediate_size=16,
+        moe_shared_expert_intermediate_size=16,
+        n_group=1,
+        topk_group=1,
+        vocab_size=VOCAB,
+        initializer_range=0.2,
+        pad_token_id=PAD,
+        bos_token_id=1,
+        eos_token_id=2,
+        tie_word_embeddings=False,
+    )
+
+
+CASES: dict[str, Callable[[], PretrainedConfig]] = {
+    "mixtral": mixtral,
+    "qwen2_moe": qwen2_moe,
+    "olmoe": olmoe,
+    "deepseek_v3": deepseek_v3,
+    "nemotron_h": nemotron_h,
+}
+
+
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Every case saved by vanilla transformers (which writes the per-expert layout)."""
+    hfpatch_core.disable()
+    paths = {}
+    for seed, (name, build) in enumerate(CASES.items()):
+        torch.manual_seed(seed)
+        path = tmp_path_factory.mktemp(name)
+        AutoModelForCausalLM.from_config(build()).save_pretrained(path)
+        paths[name] = path
+    return paths
+
+
+@pytest.fixture(autouse=True)
+def _isolation(hfpatch_isolation: HfPatchIsolation) -> None:
+    """Every test starts with hfpatch off and must leave transformers' registries as it found them."""

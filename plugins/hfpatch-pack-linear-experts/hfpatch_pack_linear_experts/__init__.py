@@ -16,7 +16,7 @@ checkpoints store the experts 3-D (no stacking converter) are refused for now: t
 loader cannot split one checkpoint tensor into per-expert targets (a ``*`` target).
 
 A class whose eager forward is not the per-expert loop, or whose layout the pack cannot
-convert exactly, is refused: no patch, and a ``PackWarning`` with the reason.
+convert exactly, is refused: no patch, and a ``Refusal`` with the reason (``hfpatch explain`` / ``check``).
 
 Priority: ``PRIORITY`` (-1), below ``qwen-moe`` (0): with both installed, qwen-moe keeps
 qwen2_moe / qwen3_moe's experts and this pack the other families.
@@ -24,10 +24,8 @@ qwen2_moe / qwen3_moe's experts and this pack the other families.
 
 from __future__ import annotations
 
-import warnings
-
 import hfpatch_core
-from hfpatch_core import Converter, LoadContext, PackWarning, Patch
+from hfpatch_core import Converter, LoadContext, Patch, Refusal
 
 from .discovery import Candidate, Discovery, discover, per_expert_names
 from .experts import DEFAULT_NAMES, ExpertLinears, Layout, LinearExperts, linear_experts_class
@@ -67,20 +65,16 @@ def discovery_for(context: LoadContext) -> Discovery:
 
 
 @hfpatch_core.hookimpl
-def provide_patches(context: LoadContext) -> list[Patch]:
-    """One exact-name patch per experts class found, at ``PRIORITY``; a ``PackWarning`` per refused class.
+def provide_patches(context: LoadContext) -> list[Patch | Refusal]:
+    """One exact-name patch per experts class found, at ``PRIORITY``; a ``Refusal`` with the reason per
+    experts class it cannot convert exactly (``hfpatch explain`` and ``check`` show it).
 
     Without a config the experts cannot be built, so nothing is returned (``hfpatch
     check`` then asks with a config of each model type).
     """
     found = discovery_for(context)
-    for name, reason in found.refused.items():
-        warnings.warn(
-            f"pack {PACK!r}: {name} ({context.model_type}) is left as transformers builds it: {reason}",
-            PackWarning,
-            stacklevel=2,
-        )
-    return [Patch(c.original.__name__, c.replacement, priority=PRIORITY) for c in found.candidates]
+    refusals = [Refusal(name, reason) for name, reason in found.refused.items()]
+    return [*(Patch(c.original.__name__, c.replacement, priority=PRIORITY) for c in found.candidates), *refusals]
 
 
 @hfpatch_core.hookimpl

@@ -19,7 +19,7 @@ the decorator's) is an experts module.  For each such class:
    the dtype that gives bfloat16's result closest; otherwise the class is refused.
 
 A refused class is left to transformers, with the reason (``Discovery.refused``), which
-the pack's hooks report as a ``PackWarning`` and ``hfpatch explain`` / ``check`` show.
+the pack's hooks return as a ``Refusal`` and ``hfpatch explain`` / ``check`` show.
 """
 
 from __future__ import annotations

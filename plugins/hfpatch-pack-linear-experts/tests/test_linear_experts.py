@@ -17,7 +17,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 
 import hfpatch_core
 from conftest import CASES, PACK, PAD, VOCAB
-from hfpatch_core import LoadContext, PackWarning
+from hfpatch_core import LoadContext, Refusal
 from hfpatch_core.testing import (
     FP32_TOLERANCES,
     assert_pack_equivalent,
@@ -147,8 +147,9 @@ def test_a_family_with_3d_checkpoints_is_refused_with_the_reason() -> None:
     """gpt_oss stores its (transposed, interleaved, biased) experts 3-D: refused, visibly."""
     config = gpt_oss_config()
     context = LoadContext("gpt_oss", "GptOssForCausalLM", config=config)
-    with pytest.warns(PackWarning, match=r"GptOssExperts \(gpt_oss\) is left as transformers builds it: .*3-D"):
-        assert provide_patches(context) == []
+    [refusal] = provide_patches(context)
+    assert isinstance(refusal, Refusal) and refusal.target == "GptOssExperts"
+    assert "stacks no per-expert tensors" in refusal.reason
     found = discover(config, "gpt_oss", "GptOssForCausalLM")
     assert found.candidates == () and "stacks no per-expert tensors" in found.refused["GptOssExperts"]
 

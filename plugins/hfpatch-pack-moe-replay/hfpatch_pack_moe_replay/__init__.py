@@ -32,7 +32,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import hfpatch_core
-from hfpatch_core import LoadContext, Patch
+from hfpatch_core import LoadContext, Patch, Refusal
 
 from .discovery import Discovery, RouterFamily, discover
 from .recording import RoutingRecording, record_routing
@@ -87,7 +87,7 @@ def moe_model_types() -> list[str]:
 
 
 @hfpatch_core.hookimpl
-def provide_patches(context: LoadContext) -> list[Patch]:
+def provide_patches(context: LoadContext) -> list[Patch | Refusal]:
     """The router patches for a load of a replayable model type, else nothing.
 
     Which class routes, and whether its selection can be replayed exactly, is found by
@@ -99,10 +99,11 @@ def provide_patches(context: LoadContext) -> list[Patch]:
     """
     if context.model_type is None or context.config is None:
         return []
-    return [
-        Patch(family.router_class.__name__, replayable_class(family.router_class))
-        for family in discover(context.model_type, context.config).routers
-    ]
+    found = discover(context.model_type, context.config)
+    if found.refused is not None and found.candidate is not None:
+        # a router the pack found and cannot replay exactly: said in explain and check, not silently skipped
+        return [Refusal(found.candidate, found.refused)]
+    return [Patch(family.router_class.__name__, replayable_class(family.router_class)) for family in found.routers]
 
 
 @hfpatch_core.hookimpl

@@ -76,11 +76,15 @@ class Discovery:
         model_type: the model type.
         routers: the router classes the pack replays (empty when refused).
         refused: why the model type cannot be replayed exactly, or ``None``.
+        candidate: the class the refusal is about (a router-like class that failed the
+            probes), ``None`` when the model type has no such class (not a top-k MoE model,
+            or its classes could not be built).
     """
 
     model_type: str
     routers: tuple[RouterFamily, ...]
     refused: str | None = None
+    candidate: str | None = None
 
     @property
     def replayable(self) -> bool:
@@ -196,12 +200,16 @@ def _discover(model_type: str, config: Any) -> Discovery:
             f"{name} routes some MoE layers without a replayable top-k ({reason}), so replaying only the other "
             f"layers' routers ({', '.join(family.router_class.__name__ for family in routers)}) would not give the "
             "rollout's routing",
+            candidate=name,
         )
     if routers:
         return Discovery(model_type, tuple(routers))
     if rejected:
         detail = "; ".join(f"{name}: {reason}" for name, reason in (router_like or rejected)[:3])
-        return Discovery(model_type, (), f"no class of it selects experts with a replayable top-k ({detail})")
+        candidate = (router_like or rejected)[0][0]
+        return Discovery(
+            model_type, (), f"no class of it selects experts with a replayable top-k ({detail})", candidate=candidate
+        )
     return Discovery(model_type, (), "no class of it computes a top-k (not a top-k MoE model)")
 
 

@@ -31,7 +31,7 @@ from transformers import AutoModelForCausalLM, DeepseekV3Config, GptOssConfig, L
 
 import hfpatch_core
 from conftest import COMMON, PACK, PAD, VOCAB
-from hfpatch_core import LoadContext
+from hfpatch_core import LoadContext, Refusal
 from hfpatch_core.testing import load_model, padded_batch
 
 FAMILIES: dict[str, tuple[Callable[[], Any], str]] = {
@@ -192,9 +192,12 @@ def test_a_sparse_mixer_is_refused_with_its_reason(tmp_path: Path) -> None:
     config = PhimoeConfig(**COMMON, num_local_experts=4)
     found = discover("phimoe", config)
     assert not found.replayable and found.refused and "without a top-k" in found.refused
-    assert provide_patches(LoadContext("phimoe", "PhimoeForCausalLM", config=config)) == []
+    [refusal] = provide_patches(LoadContext("phimoe", "PhimoeForCausalLM", config=config))
+    assert isinstance(refusal, Refusal) and refusal.target == found.candidate and refusal.reason == found.refused
     AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
     model = load_model(tmp_path, PACK)
+    plan = hfpatch_core.plan_of(model)
+    assert plan is not None and [(r.pack, r.target) for r in plan.refused] == [(PACK, found.candidate)]
     with pytest.raises(RoutingError, match=r"cannot replay the routing of phimoe models: .*without a top-k"):
         routers_of(model)
 

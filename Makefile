@@ -106,6 +106,12 @@ unit-oldest: venv-oldest
 
 test: lint typecheck docs unit unit-oldest
 
+# The zoo table: every first-party pack against every causal-LM model type of the newest
+# supported transformers (hfpatch verify PACK --all-model-types, one process per pack), written
+# to docs/zoo.md. Not part of `make test` (tens of minutes); each pack's suite verifies a sample.
+zoo: venv
+	PYTHONPATH=$(PACKS_SITE) $(BIN)/python .ci/zoo.py --write docs/zoo.md
+
 # Every release in range, newest first, in one reused venv: hfpatch verify of the
 # first-party packs and a core smoke run per release, as a table (docs/compatibility.md);
 # then verify and the demo on Python 3.10 and 3.13 (.ci/compat.py says how).

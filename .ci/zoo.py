@@ -41,8 +41,8 @@ def first_party_packs() -> list[str]:
 
 def run_pack(pack: str, model_types: list[str] | None) -> list[dict[str, object]]:
     command = [sys.executable, "-m", "hfpatch_core", "verify", pack, "--all-model-types", "--json"]
-    if model_types:
-        command += ["--model-types", ",".join(model_types)]
+    for model_type in model_types or ():
+        command += ["--model-type", model_type]
     env = {**os.environ, "USE_HUB_KERNELS": "0", "HF_PATCH_PACKS": pack}
     result = subprocess.run(command, capture_output=True, text=True, env=env, check=False)
     if result.returncode not in (0, 1):

@@ -114,3 +114,22 @@ def test_the_zoo_verdict_is_refused_with_the_reason_and_exact_where_a_class_was_
         "not applicable": 1,
         "no checkpoint": 0,
     }
+
+
+def test_verify_all_model_types_gives_one_verdict_per_model_type(install) -> None:
+    site = install(PackSpec("careful", CAREFUL_PACK), PackSpec("refusing", REFUSING_PACK))
+    args = ["--all-model-types", "--model-type", "llama", "--model-type", "gpt2", "--json"]
+    result = run(HFPATCH, "verify", "careful", "refusing", *args, site=site, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    data = json.loads(result.stdout)
+    verdicts = {(row["pack"], row["model_type"]): row["verdict"] for row in data["rows"]}
+    assert verdicts == {
+        ("careful", "llama"): "exact",
+        ("careful", "gpt2"): "not applicable",
+        ("refusing", "llama"): "refused",
+        ("refusing", "gpt2"): "not applicable",
+    }
+    assert data["coverage"]["refusing"]["refused"] == 1
+    assert "[4/2]" not in result.stderr and "[2/2] refusing on gpt2: not applicable" in result.stderr
+    usage = run(HFPATCH, "verify", "careful", "--all-model-types", "--model", "x", site=site)
+    assert usage.returncode == 2 and "--all-model-types takes no --model" in usage.stderr

@@ -296,6 +296,12 @@ def cmd_verify(args: argparse.Namespace) -> int:
     from .inspection import check_pack
 
     _check_model_types(args.model_type)
+    if args.all_model_types:
+        if args.model is not None or args.distributed or args.train_steps:
+            raise _UsageError(
+                "--all-model-types takes no --model, --distributed or --train: it verifies tiny checkpoints"
+            )
+        return _verify_every_model_type(args)
     distributed = _distributed_modes(args.distributed)
     if args.model is not None:
         problem = checkpoint_problem(args.model)
@@ -366,6 +372,43 @@ def cmd_verify(args: argparse.Namespace) -> int:
         if not reports and not unverified:
             print("No pack to verify.")
     return EXIT_OK if all(report.ok for report in reports) and not unverified else EXIT_PROBLEMS
+
+
+def _verify_every_model_type(args: argparse.Namespace) -> int:
+    """``verify --all-model-types``: each selected pack on every model type, one verdict each."""
+    from .._pipeline.selection import current_selection
+    from ..testing.zoo import VERDICTS, ZooRow, coverage, zoo
+
+    selection = current_selection(args.packs or None, origin="hfpatch verify")
+    if selection.problems:
+        for error in selection.problems:
+            print(f"hfpatch: error: {error}", file=sys.stderr)
+        return EXIT_PROBLEMS
+
+    def progress(row: ZooRow, number: int, total: int) -> None:
+        print(f"[{number}/{total}] {row.pack} on {row.model_type}: {row.verdict}", file=sys.stderr, flush=True)
+
+    rows = [row for name in sorted(selection.packs) for row in zoo(name, args.model_type, progress=progress)]
+    if args.json:
+        _print_json(
+            {
+                "rows": [row.to_json() for row in rows],
+                "coverage": {name: coverage([r for r in rows if r.pack == name]) for name in sorted(selection.packs)},
+            }
+        )
+    else:
+        print(
+            _table(
+                [[r.pack, r.model_type, r.verdict, r.detail] for r in rows], ["pack", "model type", "verdict", "detail"]
+            )
+        )
+        for name in sorted(selection.packs):
+            counts = coverage([r for r in rows if r.pack == name])
+            candidates = counts["exact"] + counts["failed"] + counts["refused"]
+            summary = ", ".join(f"{counts[verdict]} {verdict}" for verdict in VERDICTS)
+            share = f"; exact on {counts['exact']} of {candidates} candidates" if candidates else ""
+            print(f"\n{name}: {summary}{share}")
+    return EXIT_PROBLEMS if any(row.verdict == "failed" for row in rows) else EXIT_OK
 
 
 def _distributed_modes(value: str | None) -> list[str]:
@@ -526,6 +569,12 @@ def build_parser() -> argparse.ArgumentParser:
     verifying.add_argument("packs", nargs="*", metavar="PACK", help="packs to verify (default: all installed)")
     verifying.add_argument("--model-type", action="append", help="model types to verify on (repeatable)")
     verifying.add_argument("--model", help="a local checkpoint directory to verify on")
+    verifying.add_argument(
+        "--all-model-types",
+        action="store_true",
+        help="verify on a tiny checkpoint of every causal-LM model type (or of each --model-type): one verdict each "
+        "(exact, failed, refused, not applicable, no checkpoint), the coverage table of docs/zoo.md",
+    )
     verifying.add_argument("--json", action="store_true", help="machine-readable output")
     verifying.add_argument(
         "--distributed",

@@ -81,6 +81,33 @@ def _refusals(plan: Any) -> list[str]:
     return list(dict.fromkeys(found))
 
 
+def _offers_anything(pack: str, checkpoint: Path) -> bool:
+    """Whether ``pack``'s hooks return anything for the model of ``checkpoint`` or its text model.
+
+    Asked without loading a weight, so that a model type the pack has nothing for costs
+    milliseconds, not two loads and a generation.
+    """
+    from transformers import AutoConfig
+
+    from .._pipeline.gathering import PackSet
+    from .._pipeline.model_types import model_class_for
+    from .._pipeline.selection import current_selection
+    from ..context import LoadContext
+
+    config = AutoConfig.from_pretrained(checkpoint)
+    packs = PackSet(current_selection(pack, origin="the zoo").packs)
+    root = LoadContext.for_model(model_class_for(config), config)
+    contexts = [root]
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if text is not config and getattr(text, "model_type", None):
+        contexts.append(LoadContext(text.model_type, root.model_class_name, config=text, parent=root))
+    for context in contexts:
+        gathered = packs.gather(context)
+        if gathered.claims or gathered.converters or gathered.refused or gathered.failures:
+            return True
+    return False
+
+
 def verdict_of(pack: str, model_type: str, directory: Path, *, generate_tokens: int = 8) -> ZooRow:
     """The verdict of ``pack`` on a tiny checkpoint of ``model_type`` built in ``directory``."""
     from .checkpoints import tiny_checkpoint
@@ -96,6 +123,8 @@ def verdict_of(pack: str, model_type: str, directory: Path, *, generate_tokens: 
     except Exception as exc:  # any model type may fail to build in its own way
         return row("no checkpoint", f"{type(exc).__name__}: {exc}")
     try:
+        if not _offers_anything(pack, checkpoint):
+            return row("not applicable")
         report = check_pack_equivalence(pack, checkpoint, generate_tokens=generate_tokens)
     except Exception as exc:
         return row("failed", f"{type(exc).__name__}: {exc}")

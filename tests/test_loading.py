@@ -144,7 +144,9 @@ def test_a_tie_raises_before_anything_is_registered(install, llama_checkpoint, s
     assert mlp_class(AutoModelForCausalLM.from_pretrained(llama_checkpoint)) == "BetaMLP"
 
 
-def test_direct_registration_stays_unless_a_claim_overwrites(install, llama_checkpoint) -> None:
+def test_direct_registration_stays_unless_a_claim_overwrites(install, llama_checkpoint, hfpatch_isolation) -> None:
+    hfpatch_isolation.allow_changes()  # the user's registration stays after the test's loads, as it should
+
     class UserMLP(modeling_llama.LlamaMLP):
         pass
 

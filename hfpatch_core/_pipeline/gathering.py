@@ -5,152 +5,56 @@ hook changes transformers' registries itself) becomes a ``PackError``; the calle
 whether that is a warning (the pack is skipped, the others still apply) or, in strict
 mode, an error.
 
-Hooks are called holding ``LOAD_LOCK`` (created here, the lowest layer that takes it;
-``scope.LOAD_LOCK`` is the same lock), so that what transformers' registries hold
-around a hook call changes only by what the hook itself did: that is undone and
-reported, never left in force for every later load.
+Hooks are called under the ``HookGuard`` the caller gives the ``PackSet`` (the runtime's
+``snapshot.HOOK_GUARD``: the load lock held, the registries captured before and compared
+after each hook), so that what transformers' registries hold around a hook call changes
+only by what the hook itself did: that is undone and reported, never left in force for
+every later load.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
-import operator
 import threading
 from collections.abc import Iterable, Mapping
-from typing import Any
+from contextlib import AbstractContextManager
+from typing import Any, Protocol
 
 import pluggy
 
-from .. import _compat, hookspecs
+from .. import hookspecs
 from ..context import LoadContext
 from ..errors import InvalidPatchError, PackError
 from ..patches import Patch, Refusal
 from ..plan import Claim, ConverterClaim, Refused
 from .discovery import PackInfo
 
-#: Serialises every hfpatch-managed load, every application of the registry and every hook
-#: call (``scope.LOAD_LOCK``).  Re-entrant, so that a sub-model built inside a load (a
-#: composite model's text model) can load on the same thread.
-LOAD_LOCK = threading.RLock()
 
-_MISSING: Any = object()
-
-
-def _name(value: object) -> str:
-    return f"{value.__module__}.{value.__qualname__}" if isinstance(value, type) else type(value).__name__
-
-
-def _same_items(saved: list[Any], now: list[Any]) -> bool:
-    return len(saved) == len(now) and all(a is b for a, b in zip(saved, now, strict=True))
-
-
-_last_capture: _Registries | None = None
-
-
-@dataclasses.dataclass
-class _Registries:
-    """transformers' patch and conversion registries as they were before the packs' hooks ran.
-
-    Captured before each pack's hooks and compared after each hook call (``unchanged``:
-    the registry's keys, its list objects and their items), so that a pack writing the
-    registries itself is caught, named and undone.  The conversion registry holds
-    hundreds of lists and this runs on every load: every loop runs in C (``map``, list
-    comparison, which tries identity before ``==``), and a capture still equal to the
-    registries is reused rather than copied again (``capture``).
-    """
-
-    patches: dict[str, Any]
-    cache: dict[str, Any]
-    keys: list[str]
-    values: list[Any]
-    #: each list of ``values`` copied (anything else as it is), as captured
-    contents: list[Any]
-    user_keys: set[str] | None
-
-    def unchanged(self) -> bool:
-        """Whether both registries still hold what was captured (cheap; see the class docstring)."""
-        conversion_mapping, monkey_patching = _compat.module("conversion_mapping"), _compat.module("monkey_patching")
-        cache = self.cache
-        if conversion_mapping._checkpoint_conversion_mapping_cache is not cache or len(cache) != len(self.values):
-            return False
-        values = list(cache.values())
-        if not all(map(operator.is_, values, self.values)) or self.contents != values or list(cache) != self.keys:
-            return False
-        user_keys = _compat.user_registered_conversions()
-        if user_keys is not None and self.user_keys is not None and user_keys != self.user_keys:
-            return False
-        return monkey_patching.get_patch_mapping() == self.patches
-
-    @classmethod
-    def capture(cls) -> _Registries:
-        """The registries now: the previous capture where they still hold what it holds (``LOAD_LOCK`` held)."""
-        global _last_capture
-        if _last_capture is not None and _last_capture.unchanged():
-            return _last_capture
-        cache = _compat.conversion_cache()
-        user_keys = _compat.user_registered_conversions()
-        values = list(cache.values())
-        if all(map(list.__instancecheck__, values)):  # transformers' registry holds nothing else
-            contents = list(map(list, values))
-        else:
-            contents = [list(value) if isinstance(value, list) else value for value in values]
-        _last_capture = cls(
-            patches=_compat.module("monkey_patching").get_patch_mapping(),
-            cache=cache,
-            keys=list(cache),
-            values=values,
-            contents=contents,
-            user_keys=set(user_keys) if user_keys is not None else None,
-        )
-        return _last_capture
+class Captured(Protocol):
+    """The registries as a guard captured them before a hook ran."""
 
     def restore(self) -> list[str]:
-        """Put both registries back as captured; what had changed, one phrase each."""
-        if self.unchanged():
-            return []
-        conversion_mapping, monkey_patching = _compat.module("conversion_mapping"), _compat.module("monkey_patching")
-        now = monkey_patching.get_patch_mapping()
-        changes = [
-            f"register_patch_mapping({{{key!r}: {_name(value)}}})"
-            for key, value in now.items()
-            if self.patches.get(key, _MISSING) is not value
-        ]
-        changes += [f"unregister_patch_mapping([{key!r}])" for key in self.patches if key not in now]
-        if changes or list(now) != list(self.patches):
-            changes = changes or ["reordered the patch registry"]
-            monkey_patching.clear_patch_mapping()
-            if self.patches:
-                monkey_patching.register_patch_mapping(self.patches)
-        cache = self.cache
-        conversions = dict(zip(self.keys, self.values, strict=True))
-        lists = {
-            key: items
-            for key, value, items in zip(self.keys, self.values, self.contents, strict=True)
-            if isinstance(value, list)
-        }
-        if conversion_mapping._checkpoint_conversion_mapping_cache is not cache:
-            changes.append("replaced the conversion registry")
-            conversion_mapping._checkpoint_conversion_mapping_cache = cache  # type: ignore[attr-defined]
-        edited = [
-            key
-            for key in dict.fromkeys([*conversions, *cache])
-            if cache.get(key, _MISSING) is not conversions.get(key, _MISSING)
-            or (key in lists and not _same_items(lists[key], cache[key]))
-        ]
-        if edited:
-            changes += [f"register_checkpoint_conversion_mapping({key!r}, ...)" for key in edited]
-            for key, items in lists.items():
-                conversions[key][:] = items
-            cache.clear()
-            cache.update(conversions)
-        user_keys = _compat.user_registered_conversions()
-        if user_keys is not None and self.user_keys is not None and user_keys != self.user_keys:
-            if not edited:
-                changes.append("edited the record of user-registered conversions")
-            user_keys.clear()
-            user_keys.update(self.user_keys)
-        return changes
+        """Put them back as captured; what the hook had changed, one phrase each (empty: nothing)."""
+        ...
+
+
+class HookGuard(Protocol):
+    """What gathering calls the packs' hooks under (``hfpatch_core._runtime.snapshot.HOOK_GUARD``).
+
+    Gathering is a pure step: it neither locks nor touches transformers' registries itself.
+    The guard it is given holds the load lock for a whole gather (``hold``) and captures the
+    registries before each pack's hooks (``capture``), so that a hook that writes them is
+    caught, named and undone, never left in force for every later load.
+    """
+
+    def hold(self) -> AbstractContextManager[Any]:
+        """The lock held from the first capture to the last comparison."""
+        ...
+
+    def capture(self) -> Captured:
+        """The registries now."""
+        ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -253,8 +157,9 @@ def _unknown_hooks(info: PackInfo, manager: pluggy.PluginManager) -> PackError |
 class PackSet:
     """The selected packs of one session: imported on first use, once each."""
 
-    def __init__(self, packs: Mapping[str, PackInfo]) -> None:
+    def __init__(self, packs: Mapping[str, PackInfo], *, guard: HookGuard) -> None:
         self.infos = dict(packs)
+        self.guard = guard
         self._managers: dict[str, pluggy.PluginManager] = {}
         self._loaded: dict[str, PackError | None] = {}
         self._lock = threading.Lock()
@@ -280,7 +185,7 @@ class PackSet:
             self._loaded[info.name] = error
             return error
 
-    def _call(self, info: PackInfo, hook: str, context: LoadContext, registries: _Registries) -> list[Any]:
+    def _call(self, info: PackInfo, hook: str, context: LoadContext, registries: Captured) -> list[Any]:
         caller = getattr(self._managers[info.name].hook, hook)
         results: list[Any] = []
         expected: type | tuple[type, ...]
@@ -323,14 +228,14 @@ class PackSet:
         refused: list[Refused] = []
         # the lock held from each capture to its last comparison: a registry change another
         # thread makes meanwhile is not a pack's
-        with LOAD_LOCK:
+        with self.guard.hold():
             for name in sorted(self.infos):
                 info = self.infos[name]
                 error = self._load(info)
                 if error is not None:
                     failures.append(error)
                     continue
-                registries = _Registries.capture()
+                registries = self.guard.capture()
                 try:
                     offered = self._call(info, "provide_patches", context, registries)
                     patches = [item for item in offered if isinstance(item, Patch)]

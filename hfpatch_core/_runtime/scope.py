@@ -11,16 +11,15 @@ too, so that they never see another thread's replacements.
 from __future__ import annotations
 
 import contextvars
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from .._pipeline import gathering
-
 #: Serialises every hfpatch-managed load, every application of the registry and every
-#: call of a pack's hook.  Re-entrant, so that a sub-model built inside a load (a
-#: composite model's text model) can load on the same thread.  Made in ``gathering``,
-#: the lowest layer that takes it.
-LOAD_LOCK = gathering.LOAD_LOCK
+#: call of a pack's hook (``snapshot.HOOK_GUARD`` holds it for gathering).  Re-entrant, so
+#: that a sub-model built inside a load (a composite model's text model) can load on the
+#: same thread.
+LOAD_LOCK = threading.RLock()
 
 #: Inside ``vanilla()`` on this thread or asyncio task.
 _vanilla: contextvars.ContextVar[bool] = contextvars.ContextVar("hfpatch_vanilla", default=False)

@@ -1,4 +1,4 @@
-"""Recording the global state a patched load changes, and putting it back.
+"""Recording the global state a patched load changes, and putting it back: its one owner.
 
 A patched load changes process-wide state of transformers and must leave it as it was:
 ``GlobalState.capture()`` records that state; later, ``changes()`` lists what differs
@@ -14,7 +14,11 @@ readable line per change; empty where nothing changed).  What is recorded:
   imported after ``capture()`` cannot be restored, but one that points at a class
   defined outside transformers is reported.
 
-The ``hfpatch_isolation`` fixture (``hfpatch_core.pytest_plugin``) is built on it.  The
+Two views of the same state live here.  ``GlobalState`` records all of it and names every
+change in a readable line: the ``hfpatch_isolation`` fixture (``hfpatch_core.pytest_plugin``)
+and the core suite are built on it.  ``Registries`` records the two registries only, before
+each pack's hooks on every load (``HOOK_GUARD``, which gathering is given), so it compares
+and copies in C and is reused while unchanged.  The
 module imports neither torch nor transformers until ``capture()`` is called; it does
 not touch hfpatch's own session (enabling or disabling hfpatch is the caller's part).
 """
@@ -22,10 +26,14 @@ not touch hfpatch's own session (enabling or disabling hfpatch is the caller's p
 from __future__ import annotations
 
 import dataclasses
+import operator
 import sys
 import types
 from collections.abc import Iterable, Mapping
+from contextlib import AbstractContextManager
 from typing import Any
+
+from .. import _compat
 
 _MISSING: Any = object()
 
@@ -319,3 +327,131 @@ class GlobalState:
         new = _recorder_tables(cls for _, cls in loaded_classes().values() if cls not in known)
         changes += [change for owner, table in new.items() for change in _foreign_recorders(owner, table)]
         return changes
+
+
+# --- the registries around one hook call ---------------------------------------------------
+# The same state as GlobalState's registry and conversion parts, captured far more often (before
+# every pack's hooks, on every load), so compared and copied in C and reused while unchanged.
+
+_last_capture: Registries | None = None
+
+
+@dataclasses.dataclass
+class Registries:
+    """transformers' patch and conversion registries as they were before the packs' hooks ran.
+
+    Captured before each pack's hooks and compared after each hook call (``unchanged``:
+    the registry's keys, its list objects and their items), so that a pack writing the
+    registries itself is caught, named and undone.  The conversion registry holds
+    hundreds of lists and this runs on every load: every loop runs in C (``map``, list
+    comparison, which tries identity before ``==``), and a capture still equal to the
+    registries is reused rather than copied again (``capture``).
+    """
+
+    patches: dict[str, Any]
+    cache: dict[str, Any]
+    keys: list[str]
+    values: list[Any]
+    #: each list of ``values`` copied (anything else as it is), as captured
+    contents: list[Any]
+    user_keys: set[str] | None
+
+    def unchanged(self) -> bool:
+        """Whether both registries still hold what was captured (cheap; see the class docstring)."""
+        conversion_mapping, monkey_patching = _compat.module("conversion_mapping"), _compat.module("monkey_patching")
+        cache = self.cache
+        if conversion_mapping._checkpoint_conversion_mapping_cache is not cache or len(cache) != len(self.values):
+            return False
+        values = list(cache.values())
+        if not all(map(operator.is_, values, self.values)) or self.contents != values or list(cache) != self.keys:
+            return False
+        user_keys = _compat.user_registered_conversions()
+        if user_keys is not None and self.user_keys is not None and user_keys != self.user_keys:
+            return False
+        return monkey_patching.get_patch_mapping() == self.patches
+
+    @classmethod
+    def capture(cls) -> Registries:
+        """The registries now: the previous capture where they still hold what it holds (the load lock held)."""
+        global _last_capture
+        if _last_capture is not None and _last_capture.unchanged():
+            return _last_capture
+        cache = _compat.conversion_cache()
+        user_keys = _compat.user_registered_conversions()
+        values = list(cache.values())
+        if all(map(list.__instancecheck__, values)):  # transformers' registry holds nothing else
+            contents = list(map(list, values))
+        else:
+            contents = [list(value) if isinstance(value, list) else value for value in values]
+        _last_capture = cls(
+            patches=_compat.module("monkey_patching").get_patch_mapping(),
+            cache=cache,
+            keys=list(cache),
+            values=values,
+            contents=contents,
+            user_keys=set(user_keys) if user_keys is not None else None,
+        )
+        return _last_capture
+
+    def restore(self) -> list[str]:
+        """Put both registries back as captured; what had changed, one phrase each."""
+        if self.unchanged():
+            return []
+        conversion_mapping, monkey_patching = _compat.module("conversion_mapping"), _compat.module("monkey_patching")
+        now = monkey_patching.get_patch_mapping()
+        changes = [
+            f"register_patch_mapping({{{key!r}: {_name(value)}}})"
+            for key, value in now.items()
+            if self.patches.get(key, _MISSING) is not value
+        ]
+        changes += [f"unregister_patch_mapping([{key!r}])" for key in self.patches if key not in now]
+        if changes or list(now) != list(self.patches):
+            changes = changes or ["reordered the patch registry"]
+            monkey_patching.clear_patch_mapping()
+            if self.patches:
+                monkey_patching.register_patch_mapping(self.patches)
+        cache = self.cache
+        conversions = dict(zip(self.keys, self.values, strict=True))
+        lists = {
+            key: items
+            for key, value, items in zip(self.keys, self.values, self.contents, strict=True)
+            if isinstance(value, list)
+        }
+        if conversion_mapping._checkpoint_conversion_mapping_cache is not cache:
+            changes.append("replaced the conversion registry")
+            conversion_mapping._checkpoint_conversion_mapping_cache = cache  # type: ignore[attr-defined]
+        edited = [
+            key
+            for key in dict.fromkeys([*conversions, *cache])
+            if cache.get(key, _MISSING) is not conversions.get(key, _MISSING)
+            or (key in lists and not _same_items(lists[key], cache[key]))
+        ]
+        if edited:
+            changes += [f"register_checkpoint_conversion_mapping({key!r}, ...)" for key in edited]
+            for key, items in lists.items():
+                conversions[key][:] = items
+            cache.clear()
+            cache.update(conversions)
+        user_keys = _compat.user_registered_conversions()
+        if user_keys is not None and self.user_keys is not None and user_keys != self.user_keys:
+            if not edited:
+                changes.append("edited the record of user-registered conversions")
+            user_keys.clear()
+            user_keys.update(self.user_keys)
+        return changes
+
+
+class _HookGuard:
+    """The ``HookGuard`` gathering calls packs' hooks under: the load lock, and ``Registries``."""
+
+    def hold(self) -> AbstractContextManager[Any]:
+        from .scope import LOAD_LOCK
+
+        return LOAD_LOCK
+
+    def capture(self) -> Registries:
+        return Registries.capture()
+
+
+#: What every ``PackSet`` calls hooks under (``gathering.HookGuard``).
+HOOK_GUARD = _HookGuard()

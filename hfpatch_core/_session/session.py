@@ -30,6 +30,7 @@ from .._pipeline.selection import Selection, current_selection
 from .._runtime.application import registered, registered_conversions
 from .._runtime.frames import Loader, caller_stacklevel
 from .._runtime.scope import LOAD_LOCK, in_vanilla_block
+from .._runtime.snapshot import HOOK_GUARD
 from ..context import LoadContext
 from ..errors import HfPatchError, PackWarning
 from ..plan import Plan
@@ -42,7 +43,7 @@ class Session:
     def __init__(self, selection: Selection, *, strict: bool) -> None:
         self.selection = selection
         self.strict = strict
-        self.packs = PackSet(selection.packs)
+        self.packs = PackSet(selection.packs, guard=HOOK_GUARD)
         self._warned: set[str] = set()
         self._local = threading.local()
 

@@ -30,6 +30,7 @@ from .._pipeline.planning import decider, default_class_names, gather_for, plan_
 from .._pipeline.resolution import find_replacement, matches, patch_conflicts
 from .._pipeline.selection import Selection
 from .._pipeline.settling import Problem, selection_text, settle
+from .._runtime.snapshot import HOOK_GUARD
 from .._session.session import Session
 from ..context import LoadContext
 from ..conversion import describe_transform
@@ -349,7 +350,7 @@ def check_pack(
     """
     configs = config_for or default_config
     info = session.selection.packs[name]
-    packs = PackSet({name: info})
+    packs = PackSet({name: info}, guard=HOOK_GUARD)
     problems: list[str] = []
     targeted: list[str] = []
 
@@ -555,7 +556,7 @@ def check_combination(
     for model_type, names in by_type.items():
         if len(names) < 2:
             continue
-        packs = PackSet({name: session.selection.packs[name] for name in names})
+        packs = PackSet({name: session.selection.packs[name] for name in names}, guard=HOOK_GUARD)
         config = configs(model_type)
         context = LoadContext(model_type=model_type, model_class_name=_default_class_name(model_type), config=config)
         classes = modeling_module_classes(model_type)
@@ -649,7 +650,7 @@ def find_conflicts(selection: Selection, *, config_for: ConfigFor | None = None)
     that settling one model type's conflicts makes none on another)."""
     configs = config_for or default_config
     offsets = selection.spec.priority_offsets
-    packs = PackSet(selection.packs)
+    packs = PackSet(selection.packs, guard=HOOK_GUARD)
     problems: list[Problem] = []
     conflicts: list[PackConflict] = []
     for model_type, names in sorted(targeted_model_types(packs, offsets).items()):

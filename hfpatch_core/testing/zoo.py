@@ -92,10 +92,11 @@ def _offers_anything(pack: str, checkpoint: Path) -> bool:
     from .._pipeline.gathering import PackSet
     from .._pipeline.model_types import model_class_for
     from .._pipeline.selection import current_selection
+    from .._runtime.snapshot import HOOK_GUARD
     from ..context import LoadContext
 
     config = AutoConfig.from_pretrained(checkpoint)
-    packs = PackSet(current_selection(pack, origin="the zoo").packs)
+    packs = PackSet(current_selection(pack, origin="the zoo").packs, guard=HOOK_GUARD)
     root = LoadContext.for_model(model_class_for(config), config)
     contexts = [root]
     text = config.get_text_config() if hasattr(config, "get_text_config") else config

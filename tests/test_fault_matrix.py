@@ -118,13 +118,13 @@ FAULTS: dict[str, Fault] = {
     ),
     "hook returns a dict": Fault(
         bad(hook("return {'LlamaMLP': nn.Identity}")),
-        r"pack 'bad': provide_patches\(\) returned dict .*; return a list of Patch objects",
+        r"pack 'bad': provide_patches\(\) returned dict .*; return a list of Patch or Refusal objects",
         **PACK_FAILURE,
         check=r"provide_patches\(\) returned dict",
     ),
     "hook returns a string": Fault(
         bad(hook("return 'LlamaMLP'")),
-        r"pack 'bad': provide_patches\(\) returned str 'LlamaMLP'; return a list of Patch objects",
+        r"pack 'bad': provide_patches\(\) returned str 'LlamaMLP'; return a list of Patch or Refusal objects",
         **PACK_FAILURE,
         check=r"provide_patches\(\) returned str",
     ),

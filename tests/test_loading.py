@@ -195,7 +195,7 @@ BAD_PACKS = {
     "returns a dict": (
         "from hfpatch_core import hookimpl\nimport torch\n@hookimpl\ndef provide_patches(context):\n"
         "    return {'LlamaMLP': torch.nn.Identity}\n",
-        r"returned dict .* return a list of Patch objects",
+        r"returned dict .* return a list of Patch or Refusal objects",
     ),
     "returns a class": (
         "from hfpatch_core import hookimpl\nimport torch\n@hookimpl\ndef provide_patches(context):\n"

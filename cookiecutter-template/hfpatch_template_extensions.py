@@ -38,7 +38,7 @@ def drift_record(pack_name, model_type, target_class):
         import transformers
 
         from hfpatch_core.cli.drift import DriftRecord
-        from hfpatch_core.cli.inspection import targets_of
+        from hfpatch_core.cli.check import targets_of
     except ImportError:
         return json.dumps({"format": 1, "pack": pack_name, "releases": {}}, indent=2) + "\n"
     targets = targets_of(str(model_type), [str(target_class)])

@@ -184,7 +184,7 @@ def provide_model_types():
 
 
 def test_check_finds_what_a_pack_that_needs_a_config_targets(install, capsys) -> None:
-    from hfpatch_core.cli.commands import main  # in-process: the probe's tiny configs are built once
+    from hfpatch_core.cli import main  # in-process: the probe's tiny configs are built once
 
     install(PackSpec("sized", CONFIG_ONLY_PACK), PackSpec("nothing", NOTHING_PACK))
     assert main(["check", "sized"]) == 0  # asked with a tiny config of every model type
@@ -202,7 +202,7 @@ def test_check_finds_what_a_pack_that_needs_a_config_targets(install, capsys) ->
 
 
 def test_a_pack_can_declare_its_model_types(install, capsys) -> None:
-    from hfpatch_core.cli.commands import main
+    from hfpatch_core.cli import main
 
     install(PackSpec("declaring", DECLARING_PACK))
     assert main(["check", "declaring"]) == 1
@@ -212,7 +212,7 @@ def test_a_pack_can_declare_its_model_types(install, capsys) -> None:
 
 
 def test_an_unknown_model_type_is_bad_input_said_once(install, capsys) -> None:
-    from hfpatch_core.cli.commands import main
+    from hfpatch_core.cli import main
 
     install(PackSpec("mlp", MLP_PACK), PackSpec("sized", CONFIG_ONLY_PACK))
     for command in ("check", "verify"):
@@ -226,7 +226,7 @@ def test_an_unknown_model_type_is_bad_input_said_once(install, capsys) -> None:
 
 
 def test_check_several_packs_checks_them_together(install, capsys) -> None:
-    from hfpatch_core.cli.commands import main
+    from hfpatch_core.cli import main
 
     install(PackSpec("mlp", MLP_PACK), PackSpec("other", mlp_pack("OtherMLP")), PackSpec("norm", NORM_PATTERN_PACK))
     assert main(["check", "mlp", "norm"]) == 0
@@ -254,7 +254,7 @@ def provide_patches(context):
 
 
 def test_check_flags_a_pattern_that_replaces_a_model_class_or_a_container(install, capsys) -> None:
-    from hfpatch_core.cli.commands import main
+    from hfpatch_core.cli import main
 
     install(PackSpec("broad", BROAD_PACK), PackSpec("attn", NESTING_PACK))
     assert main(["check", "broad"]) == 1
@@ -278,7 +278,7 @@ def test_cli_warnings_are_one_line_each(install) -> None:
     ]
     # the format is the command's: importing the library (or the CLI module) leaves Python's in place
     code = (
-        "import warnings; import hfpatch_core, hfpatch_core.cli.commands; from hfpatch_core.cli.commands import main; "
+        "import warnings; import hfpatch_core, hfpatch_core.cli.parser; from hfpatch_core.cli import main; "
         "before = warnings.showwarning; main(['list']); assert warnings.showwarning is before; "
         "print(before.__module__)"
     )
@@ -287,7 +287,7 @@ def test_cli_warnings_are_one_line_each(install) -> None:
 
 
 def test_check_together_reports_only_what_the_packs_do_together(install, capsys) -> None:
-    from hfpatch_core.cli.commands import main
+    from hfpatch_core.cli import main
 
     install(PackSpec("broad", BROAD_PACK), PackSpec("mlp", MLP_PACK))
     assert main(["check", "broad", "mlp"]) == 1
@@ -310,7 +310,7 @@ def test_explain_prints_a_patterns_nesting_warning_once(install) -> None:
 
 
 def test_verify_fails_a_selected_pack_it_cannot_verify(install, capsys) -> None:
-    from hfpatch_core.cli.commands import main
+    from hfpatch_core.cli import main
 
     install(PackSpec("nothing", NOTHING_PACK))
     assert main(["verify", "nothing"]) == 1
@@ -319,7 +319,7 @@ def test_verify_fails_a_selected_pack_it_cannot_verify(install, capsys) -> None:
 
 
 def test_verify_bad_input_is_one_line_and_exit_2_before_any_work(install, capsys, monkeypatch, tmp_path) -> None:
-    from hfpatch_core.cli.commands import main
+    from hfpatch_core.cli import main
 
     install(PackSpec("mlp", MLP_PACK))
     monkeypatch.delenv("HF_PATCH_PACKS", raising=False)
@@ -445,7 +445,7 @@ def test_list_does_not_import_torch(install, two: bool) -> None:
     # one pack cannot conflict with another; with two, --no-conflicts reads metadata only
     site = install(PackSpec("mlp", MLP_PACK), *([PackSpec("other", mlp_pack("OtherMLP"))] if two else []))
     arguments = "['list', '--no-conflicts']" if two else "['list']"
-    code = f"import sys; from hfpatch_core.cli.commands import main; main({arguments}); print('torch' in sys.modules)"
+    code = f"import sys; from hfpatch_core.cli import main; main({arguments}); print('torch' in sys.modules)"
     result = run(sys.executable, "-c", code, site=site)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip().splitlines()[-1] == "False"
@@ -455,7 +455,7 @@ def test_list_does_not_import_torch(install, two: bool) -> None:
 def test_list_marks_packs_that_conflict_and_a_selection_checked_on_every_model_type(
     install, capsys, monkeypatch
 ) -> None:
-    from hfpatch_core.cli.commands import main
+    from hfpatch_core.cli import main
 
     install(PackSpec("mlp", MLP_PACK), PackSpec("other", mlp_pack("OtherMLP")), PackSpec("norm", NORM_PATTERN_PACK))
     assert main(["list"]) == 0

@@ -243,7 +243,7 @@ def test_a_pack_that_loses_one_of_two_classes_converts_for_the_winning_one_only(
     model.save_pretrained(tmp_path / "saved")
     assert set(tensors(tmp_path / "saved")) == set(tensors(llama_checkpoint))
 
-    from hfpatch_core.cli.commands import main
+    from hfpatch_core.cli import main
 
     monkeypatch.setenv("HF_PATCH_PACKS", "all,mlp@+1")
     assert main(["explain", str(llama_checkpoint)]) == 0
@@ -402,7 +402,7 @@ def test_nested_patched_blocks_and_loads_inside_one_save_the_original_layout(
 
 def test_explain_shows_composed_lists_with_their_origins(install) -> None:
     from hfpatch_core._session.session import new_session
-    from hfpatch_core.cli.inspection import explain
+    from hfpatch_core.cli.explain import explain
 
     source = """
 from hfpatch_core import Converter, hookimpl

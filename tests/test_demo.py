@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import io
 
-from hfpatch_core.cli.commands import main
+from hfpatch_core.cli import main
 from hfpatch_core.cli.demo import EXAMPLE_PACK, run_demo
 from packs import MLP_PACK, PackSpec
 

@@ -619,7 +619,7 @@ def test_verify_distributed_reports_each_parallelism_from_one_torchrun() -> None
 
 
 def test_verify_distributed_takes_known_parallelisms_only(capsys) -> None:
-    from hfpatch_core.cli.commands import main
+    from hfpatch_core.cli import main
 
     assert main(["verify", "--distributed", "tp,dp"]) == 2
     assert "--distributed takes parallelisms among tp,fsdp,ep, got 'tp,dp'" in capsys.readouterr().err

@@ -104,7 +104,7 @@ def _record_of(site: Path) -> Path:
 
 
 def test_check_states_a_missing_record_and_records_one_that_keeps_it_clean(install, capsys) -> None:
-    from hfpatch_core.cli.commands import main
+    from hfpatch_core.cli import main
 
     site = install(PackSpec("mlp", MLP_PACK))
     assert main(["check", "mlp"]) == 0  # no record is said, not a failure
@@ -131,7 +131,7 @@ def test_check_states_a_missing_record_and_records_one_that_keeps_it_clean(insta
 
 
 def test_check_fails_a_pack_whose_target_changed_since_its_record(install, capsys) -> None:
-    from hfpatch_core.cli.commands import main
+    from hfpatch_core.cli import main
 
     site = install(PackSpec("mlp", MLP_PACK))
     recorded = Target("llama", "LlamaMLP", "(self, hidden_states)", "(self, config)")
@@ -150,7 +150,7 @@ def test_check_fails_a_pack_whose_target_changed_since_its_record(install, capsy
 
 
 def test_a_broken_record_is_a_problem_of_the_pack(install, capsys) -> None:
-    from hfpatch_core.cli.commands import main
+    from hfpatch_core.cli import main
 
     site = install(PackSpec("mlp", MLP_PACK))
     _record_of(site).write_text("[]")
@@ -176,7 +176,7 @@ TWO_TYPES_PACK = """
 
 
 def test_recording_some_model_types_keeps_the_others_of_that_release(install, capsys) -> None:
-    from hfpatch_core.cli.commands import main
+    from hfpatch_core.cli import main
 
     site = install(PackSpec("two", TWO_TYPES_PACK))
     record = site / "hfpatch_test_pack_two.hfpatch-record.json"

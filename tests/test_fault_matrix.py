@@ -33,9 +33,9 @@ import pytest
 from transformers import AutoModelForCausalLM, conversion_mapping, monkey_patching
 
 import hfpatch_core
+import hfpatch_core.cli as cli
 from conftest import Snapshot
 from hfpatch_core import DuplicatePackError, PackError, PackWarning, SelectionError, plan_of
-from hfpatch_core.cli import commands as cli
 from packs import MLP_PACK, PackSpec
 
 Outcome = Literal["raise@enable", "raise@load", "warn@enable", "warn@load", "quiet"]

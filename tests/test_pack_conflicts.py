@@ -23,8 +23,9 @@ import hfpatch_core
 from hfpatch_core import PatchConflictError, plan_of
 from hfpatch_core._pipeline.selection import current_selection
 from hfpatch_core._session.session import new_session
-from hfpatch_core.cli.commands import main
-from hfpatch_core.cli.inspection import explain, find_conflicts
+from hfpatch_core.cli import main
+from hfpatch_core.cli.check import find_conflicts
+from hfpatch_core.cli.explain import explain
 from hfpatch_core.conversion import describe_transform
 from hfpatch_core.testing import install_pack, load_model, safetensors_of, tiny_checkpoint
 

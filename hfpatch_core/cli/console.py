@@ -2,19 +2,18 @@
 
 ``hfpatch run`` goes straight to ``hfpatch_core.cli.launch``, which imports almost nothing
 (it is on the start-up path of every job); every other command goes to
-``hfpatch_core.cli.commands``.
+``hfpatch_core.cli.parser``.
 """
 
 from __future__ import annotations
 
 import sys
 
+from . import EXIT_USAGE
+
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from collections.abc import Sequence
-
-#: Exit status of a usage error (the same as ``hfpatch_core.cli.EXIT_USAGE``).
-EXIT_USAGE = 2
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -28,7 +27,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         except LaunchError as exc:
             print(f"hfpatch: error: {exc}", file=sys.stderr)
             return EXIT_USAGE
-    from .commands import main as cli_main
+    from .parser import main as cli_main
 
     return cli_main(args)
 

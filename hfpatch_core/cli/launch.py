@@ -4,7 +4,7 @@
 nothing beyond what Python has already loaded at start: it checks what can be checked
 cheaply, sets ``HFPATCH_AUTORUN`` and replaces itself with ``CMD`` (the start-up hook
 then enables hfpatch in ``CMD`` and every process it starts).  The console script
-(``hfpatch_core.cli.console``) comes here for ``run`` without importing ``hfpatch_core.cli.commands``.
+(``hfpatch_core.cli.console``) comes here for ``run`` without importing ``hfpatch_core.cli.parser``.
 """
 
 from __future__ import annotations

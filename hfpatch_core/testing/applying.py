@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from .comparison import Comparison
 from .models import load_model, logits_of, safetensors_of, tensor_differences
 
 
@@ -32,10 +33,10 @@ def _weights_differ(expected: dict[str, torch.Tensor], found: dict[str, torch.Te
     ]
 
 
-def check_apply_path(comparison: Any) -> None:
+def check_apply_path(comparison: Comparison) -> None:
     """``apply`` on a vanilla model gives the loaded patched model, and ``revert`` gives the vanilla one back.
 
-    ``comparison``: the ``equivalence._Comparison`` of the run (not imported here: it imports this module).
+    ``comparison``: the run's models, source and settings.
     """
     from .._session.inplace import applied_to, apply, revert
 

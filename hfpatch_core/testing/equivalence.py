@@ -24,7 +24,6 @@ without the pack and runs each check in turn, collecting every failure in a ``Re
 
 from __future__ import annotations
 
-import dataclasses
 import tempfile
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -34,9 +33,10 @@ import torch
 import torch.nn as nn
 
 from .checkpoints import source_checkpoint as _source_checkpoint
+from .comparison import Comparison, Report
 from .models import _enabled, logits_of, safetensors_of, tensor_differences
 from .routing import HeldRouting
-from .training import TrainingReport, TrainingTolerances
+from .training import TrainingTolerances
 
 #: The least logits tolerance of bfloat16 comparisons (max abs difference): one unit in the
 #: last place of a bf16 logit in [4, 8) is 3.1e-2, so two models whose logits round apart
@@ -56,60 +56,6 @@ class EquivalenceError(AssertionError):
     def __init__(self, failures: Sequence[str]) -> None:
         self.failures = list(failures)
         super().__init__("pack is not equivalent:\n- " + "\n- ".join(self.failures))
-
-
-@dataclasses.dataclass
-class Report:
-    """What ``check_pack_equivalence`` measured, and every failure it found."""
-
-    pack: str
-    model_type: str
-    replaced: dict[str, str] = dataclasses.field(default_factory=dict)
-    max_abs_diff: float | None = None
-    generation_match: bool | None = None
-    round_trip: bool | None = None
-    apply_path: bool | None = None
-    #: the logits tolerance applied (in bf16 by default the calibrated one, see ``BF16_ATOL``)
-    atol: float | None = None
-    #: how many top-k decisions (MoE routes) of the patched model differed from vanilla's by a
-    #: tie and were held to vanilla's in the logits comparison
-    forced_routes: int | None = None
-    #: one report per gradient checkpointing setting, with ``train_steps``
-    training: list[TrainingReport] = dataclasses.field(default_factory=list)
-    failures: list[str] = dataclasses.field(default_factory=list)
-    plan: Any = dataclasses.field(default=None, repr=False)
-
-    @property
-    def ok(self) -> bool:
-        return not self.failures
-
-    def to_json(self) -> dict[str, Any]:
-        fields = {field.name: getattr(self, field.name) for field in dataclasses.fields(self) if field.name != "plan"}
-        fields["training"] = [training.to_json() for training in self.training]
-        fingerprint = self.plan.fingerprint if self.plan is not None else None
-        return {**fields, "fingerprint": fingerprint, "ok": self.ok}
-
-
-@dataclasses.dataclass
-class _Comparison:
-    """What the checks of one ``check_pack_equivalence`` run share: both models, the batch, the settings."""
-
-    report: Report
-    source: Path
-    dtype: torch.dtype
-    tolerance: float
-    expect: Literal["same", "different"]
-    vanilla: Any
-    patched: Any
-    ids: torch.Tensor
-    mask: torch.Tensor
-    #: the vanilla model's logits on ``ids`` and ``mask``
-    reference: torch.Tensor
-    #: raise ``tolerance`` to ``BF16_CALIBRATION`` times bf16's own difference (no ``atol`` given)
-    calibrate: bool = False
-
-    def fail(self, message: str) -> None:
-        self.report.failures.append(message)
 
 
 def _inputs(config: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -212,7 +158,7 @@ def _load_with_pack(pack: str, source: Path, dtype: torch.dtype) -> tuple[Any, d
     return loaded[0], loaded[1]
 
 
-def _check_weights(comparison: _Comparison, info: dict[str, Any]) -> None:
+def _check_weights(comparison: Comparison, info: dict[str, Any]) -> None:
     """No weight is missing, unexpected or mismatched in the load with the pack."""
     for kind in ("missing_keys", "unexpected_keys", "mismatched_keys"):
         keys = sorted(str(key) for key in info.get(kind) or ())
@@ -234,7 +180,7 @@ def _replaced_modules(vanilla: nn.Module, patched: nn.Module) -> Iterator[tuple[
         yield name, original, module
 
 
-def _check_replacements(comparison: _Comparison, expected_replacements: Sequence[str] | None) -> None:
+def _check_replacements(comparison: Comparison, expected_replacements: Sequence[str] | None) -> None:
     """Every replaced class is one the plan claims; the replaced classes are the expected ones; there is one."""
     from ..plan import plan_of
 
@@ -255,7 +201,7 @@ def _check_replacements(comparison: _Comparison, expected_replacements: Sequence
         comparison.fail(f"pack {report.pack!r} replaced no class of this {report.model_type} model")
 
 
-def _check_logits(comparison: _Comparison) -> None:
+def _check_logits(comparison: Comparison) -> None:
     """The logits of both models agree within the tolerance (measured whatever ``expect`` says),
     the patched model's top-k decisions held to vanilla's (ties only: ``routing.HeldRouting``)."""
     c = comparison
@@ -279,7 +225,7 @@ def _check_logits(comparison: _Comparison) -> None:
         c.fail(f"logits differ: max abs diff {difference:.3g} > atol {c.tolerance:g}; first divergence: {where}")
 
 
-def _own_rounding(comparison: _Comparison, routing: HeldRouting) -> float:
+def _own_rounding(comparison: Comparison, routing: HeldRouting) -> float:
     """The largest difference of vanilla's logits in ``comparison.dtype`` from vanilla's in float32
     (routing held to the first's): what the dtype's rounding does on this CPU."""
     c = comparison
@@ -288,7 +234,7 @@ def _own_rounding(comparison: _Comparison, routing: HeldRouting) -> float:
         return float((logits_of(exact, c.ids, c.mask) - c.reference.float()).abs().max().item())
 
 
-def _check_generation(comparison: _Comparison, tokens: int) -> None:
+def _check_generation(comparison: Comparison, tokens: int) -> None:
     """Greedy generation of ``tokens`` tokens from the first prompt gives the same tokens."""
     c = comparison
     settings = {"max_new_tokens": tokens, "do_sample": False, "pad_token_id": 0}
@@ -300,7 +246,7 @@ def _check_generation(comparison: _Comparison, tokens: int) -> None:
         c.fail(f"greedy generation of {tokens} tokens differs: {a.tolist()} vs {b.tolist()}")
 
 
-def _check_saved_layout(comparison: _Comparison, saved: str) -> None:
+def _check_saved_layout(comparison: Comparison, saved: str) -> None:
     """The patched model's ``save_pretrained`` output holds the source checkpoint's tensors, as they were."""
     c = comparison
     written = safetensors_of(saved)
@@ -317,7 +263,7 @@ def _check_saved_layout(comparison: _Comparison, saved: str) -> None:
             c.fail(f"save_pretrained does not restore the source layout: {', '.join(layout[:10])}")
 
 
-def _check_reload(comparison: _Comparison, saved: str) -> None:
+def _check_reload(comparison: Comparison, saved: str) -> None:
     """A vanilla load of the saved checkpoint gives the vanilla model's logits."""
     c = comparison
     again = logits_of(_load_vanilla(saved, c.dtype), c.ids, c.mask)
@@ -326,7 +272,7 @@ def _check_reload(comparison: _Comparison, saved: str) -> None:
         c.fail("a vanilla reload of the saved checkpoint gives different logits")
 
 
-def _check_round_trip(comparison: _Comparison) -> None:
+def _check_round_trip(comparison: Comparison) -> None:
     """The patched model saves (``_check_saved_layout``), and what it saved reloads (``_check_reload``)."""
     with tempfile.TemporaryDirectory(prefix="hfpatch-roundtrip-") as saved:
         try:
@@ -395,7 +341,7 @@ def _check_equivalence(
         report.failures.append(f"loading with pack {pack!r} failed: {type(exc).__name__}: {exc}")
         return report
     ids, mask = _inputs(vanilla.config)
-    comparison = _Comparison(
+    comparison = Comparison(
         report=report,
         source=source,
         dtype=dtype,

@@ -330,12 +330,25 @@ def _model_gradient_difference(
     return relative, worst
 
 
+@dataclasses.dataclass(frozen=True)
+class _Measured:
+    """What ``_compare`` measured over the steps: the largest differences, and the failures."""
+
+    failures: tuple[str, ...]
+    loss: float
+    gradient: float
+    model_gradient: float
+    parameter: float
+    first_step: int | None
+    first_parameter: str | None
+
+
 def _compare(
     vanilla: list[_Step],
     patched: list[_Step],
     tolerances: TrainingTolerances,
     setting: str,
-) -> tuple[list[str], float, float, float, float, int | None, str | None]:
+) -> _Measured:
     loss = _Divergence("loss")
     gradients = _Divergence("gradients")
     model = _Divergence("the model's gradients")
@@ -373,14 +386,14 @@ def _compare(
     firsts = [d for d in (gradients, model, parameters, loss) if d.step is not None]
     first = min(firsts, key=lambda d: (d.step, d is loss)) if firsts else None
     first_parameter = next((d.name for d in (gradients, model, parameters) if first and d.step == first.step), None)
-    return (
-        failures,
-        loss.largest,
-        gradients.largest,
-        model.largest,
-        parameters.largest,
-        first.step if first else None,
-        first_parameter,
+    return _Measured(
+        failures=tuple(failures),
+        loss=loss.largest,
+        gradient=gradients.largest,
+        model_gradient=model.largest,
+        parameter=parameters.largest,
+        first_step=first.step if first else None,
+        first_parameter=first_parameter,
     )
 
 
@@ -489,20 +502,19 @@ def _training_report(
             failure = f"{setting}: vanilla transformers in float32 (calibrating) failed: {type(exc).__name__}: {exc}"
             return dataclasses.replace(failed, failures=(failure,))
         tolerances = _calibrated(tolerances, a, reference)
-    failures, loss, gradient, model_gradient, parameter, first_step, first_parameter = _compare(
-        a, b, tolerances, setting
-    )
+    compared = _compare(a, b, tolerances, setting)
+    failures = list(compared.failures)
     if routing is not None:
         failures.extend(f"{setting}: {problem}" for problem in routing.finish())
     return dataclasses.replace(
         failed,
         losses=tuple((x.loss, y.loss) for x, y in zip(a, b, strict=True)),
-        max_loss_diff=loss,
-        max_gradient_diff=gradient,
-        max_model_gradient_diff=model_gradient,
-        max_parameter_diff=parameter,
-        first_step=first_step,
-        first_parameter=first_parameter,
+        max_loss_diff=compared.loss,
+        max_gradient_diff=compared.gradient,
+        max_model_gradient_diff=compared.model_gradient,
+        max_parameter_diff=compared.parameter,
+        first_step=compared.first_step,
+        first_parameter=compared.first_parameter,
         failures=tuple(failures),
         forced_routes=None if routing is None else routing.forced,
         tolerances=tolerances,
@@ -518,14 +530,14 @@ def _calibrated(tolerances: TrainingTolerances, low: list[_Step], exact: list[_S
     below float32) from ``exact`` (vanilla in float32)."""
     factor = tolerances.calibration or 1.0
     zero = TrainingTolerances(loss=0, gradients=0, parameters=0)
-    _, loss, gradients, model_gradients, parameters, _, _ = _compare(low, exact, zero, "")
+    noise = _compare(low, exact, zero, "")
     model = tolerances.gradients if tolerances.model_gradients is None else tolerances.model_gradients
     return dataclasses.replace(
         tolerances,
-        loss=max(tolerances.loss, factor * loss),
-        gradients=max(tolerances.gradients, factor * gradients),
-        parameters=max(tolerances.parameters, factor * parameters),
-        model_gradients=max(model, factor * model_gradients),
+        loss=max(tolerances.loss, factor * noise.loss),
+        gradients=max(tolerances.gradients, factor * noise.gradient),
+        parameters=max(tolerances.parameters, factor * noise.parameter),
+        model_gradients=max(model, factor * noise.model_gradient),
     )
 
 

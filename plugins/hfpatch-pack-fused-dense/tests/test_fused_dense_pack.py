@@ -516,7 +516,7 @@ def test_the_pack_is_discovered_from_an_installed_wheel(checkpoints: dict[str, P
 
 def test_hfpatch_check_covers_every_family(capsys: pytest.CaptureFixture[str]) -> None:
     """The pack decides from the config; ``provide_model_types`` tells ``check`` and ``verify`` where to look."""
-    from hfpatch_core.cli.commands import main
+    from hfpatch_core.cli import main
 
     assert hfpatch_pack_fused_dense.provide_model_types() == list(FAMILIES)
     assert main(["check", PACK]) == 0

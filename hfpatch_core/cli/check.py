@@ -1,8 +1,10 @@
-"""What ``hfpatch explain`` and ``hfpatch check`` compute, as plain data."""
+"""``hfpatch check``: each pack's targets, problems and drift, alone and together, computed then shown."""
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import functools
 import importlib.util
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -13,7 +15,6 @@ import pluggy
 import torch
 import torch.nn as nn
 import transformers
-from transformers import monkey_patching
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 
 from .. import hookspecs
@@ -21,178 +22,23 @@ from .._pipeline.discovery import PackInfo
 from .._pipeline.gathering import PackSet
 from .._pipeline.model_types import (
     default_config,
-    load_config,
     model_class_for,
     modeling_module_classes,
     unknown_model_type,
 )
 from .._pipeline.planning import decider, default_class_names, gather_for, plan_load
-from .._pipeline.resolution import find_replacement, matches, patch_conflicts
+from .._pipeline.resolution import matches, patch_conflicts
 from .._pipeline.selection import Selection
 from .._pipeline.settling import Problem, selection_text, settle
 from .._runtime.snapshot import HOOK_GUARD
 from .._session.session import Session
 from ..context import LoadContext
-from ..conversion import describe_transform
 from ..errors import ConverterConflictError, HfPatchError, PatchConflictError
-from ..plan import Claim, Plan
+from ..plan import Plan
+from . import EXIT_OK, EXIT_PROBLEMS
 from .drift import Drift, DriftRecord, RecordError, Target, compare, read_record, record_path
-
-
-@dataclasses.dataclass(frozen=True)
-class ClassReport:
-    """One module class present in the model."""
-
-    name: str
-    count: int
-    replaced_by: Claim | None
-    lost: tuple[str, ...] = ()
-
-
-@dataclasses.dataclass(frozen=True)
-class Explanation:
-    """What the enabled packs would do to one model."""
-
-    model_class: str
-    model_type: str | None
-    plan: Plan
-    classes: tuple[ClassReport, ...]
-    unused: tuple[Claim, ...]
-    warnings: tuple[str, ...]
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "model_class": self.model_class,
-            "model_type": self.model_type,
-            "fingerprint": self.plan.fingerprint,
-            "packs": [{"name": name, "version": version} for name, version in self.plan.packs],
-            "classes": [
-                {
-                    "class": report.name,
-                    "count": report.count,
-                    "replaced_by": _claim_json(report.replaced_by) if report.replaced_by else None,
-                    "lost": list(report.lost),
-                }
-                for report in self.classes
-            ],
-            "unused": [_claim_json(claim) for claim in self.unused],
-            "refused": [
-                {"pack": refused.pack, "version": refused.version, "class": refused.target, "reason": refused.reason}
-                for refused in self.plan.refused
-            ],
-            "lost": [
-                {"claim": _claim_json(lost.claim), "class": lost.class_name, "reason": lost.reason}
-                for lost in self.plan.lost
-            ],
-            "conversions": {
-                key: [{"transform": describe_transform(entry.transform), "from": entry.origin} for entry in entries]
-                for key, entries in self.plan.conversions.lists.items()
-            },
-            "conversions_removed": [
-                {"key": removal.key, "transform": describe_transform(removal.transform), "by": removal.pack}
-                for removal in self.plan.conversions.removed
-            ],
-            "conversions_lost": [
-                {
-                    "pack": claim.pack,
-                    "key": claim.key,
-                    "transforms": [describe_transform(transform) for transform in claim.converter.transforms],
-                    "reason": reason,
-                }
-                for claim, reason in self.plan.conversions.lost
-            ],
-            "warnings": list(self.warnings),
-        }
-
-
-def _claim_json(claim: Claim) -> dict[str, Any]:
-    return {
-        "pack": claim.pack,
-        "version": claim.version,
-        "target": claim.target,
-        "replacement": claim.patch.replacement_name,
-        "priority": claim.priority,
-        "overwrite": claim.patch.overwrite,
-    }
-
-
-def _nesting_warnings(model: nn.Module, plan: Plan) -> list[str]:
-    """One message per pattern claim of ``plan`` that replaces a class containing other replaced classes."""
-    nested: dict[int, tuple[Claim, dict[str, list[str]]]] = {}
-    for module in model.modules():
-        outer = type(module).__name__
-        claim = plan.replaced.get(outer)
-        if claim is None or not claim.patch.is_pattern:
-            continue
-        inners = nested.setdefault(id(claim), (claim, {}))[1].setdefault(outer, [])
-        for inner_module in module.modules():
-            inner = type(inner_module).__name__
-            if inner_module is not module and inner in plan.replaced and inner not in inners:
-                inners.append(inner)
-    found: list[str] = []
-    for claim, containers in nested.values():
-        containers = {outer: inners for outer, inners in containers.items() if inners}
-        if not containers:
-            continue
-        inner_names = list(dict.fromkeys(inner for inners in containers.values() for inner in inners))
-        replacers = dict.fromkeys(
-            f"{plan.replaced[inner].pack!r}'s {plan.replaced[inner].patch.replacement.__qualname__}"
-            for inner in inner_names
-        )
-        found.append(
-            f"pattern {claim.target!r} of pack {claim.pack!r} replaces "
-            + "; ".join(f"{outer}, which contains {', '.join(inners)}" for outer, inners in containers.items())
-            + f", also replaced (by {', '.join(replacers)}); the outer replacement decides whether the classes "
-            f"it contains are built at all. Anchor the pattern (e.g. '^{inner_names[0]}$') if it was meant for "
-            "one class."
-        )
-    return found
-
-
-def explain(model: str, session: Session, *, registered: Mapping[str, type] | None = None) -> Explanation:
-    """Build ``model`` (a checkpoint directory or a model type) on the meta device and
-    report, for every module class in it, what the session's packs would do."""
-
-    config = load_config(model)
-    model_class = model_class_for(config)
-    with torch.device("meta"):
-        instance = model_class(config)
-    counts: dict[str, int] = {}
-    for module in instance.modules():
-        counts[type(module).__name__] = counts.get(type(module).__name__, 0) + 1
-    context = LoadContext.for_model(model_class, config)
-    session.report(session.selection.problems)
-    plan = plan_load(
-        context,
-        session.packs,
-        priority_offsets=session.selection.spec.priority_offsets,
-        class_names=counts,
-        registered=monkey_patching.get_patch_mapping() if registered is None else registered,
-        report=session.report,
-        selection=session.selection.spec,
-    )
-    lost_by_class: dict[str, list[str]] = {}
-    for lost in plan.lost:
-        for name in [lost.class_name] if lost.class_name else _matching(lost.claim, counts):
-            lost_by_class.setdefault(name, []).append(f"{lost.claim.describe()}: {lost.reason}")
-    classes = tuple(
-        ClassReport(name, count, plan.replaced.get(name), tuple(lost_by_class.get(name, ())))
-        for name, count in counts.items()
-    )
-    used = {id(claim) for claim in plan.replaced.values()}
-    unused = tuple(claim for claim in plan.entries if id(claim) not in used)
-    return Explanation(
-        model_class=model_class.__name__,
-        model_type=context.model_type,
-        plan=plan,
-        classes=classes,
-        unused=unused,
-        warnings=tuple(_nesting_warnings(instance, plan)),
-    )
-
-
-def _matching(claim: Claim, names: Iterable[str]) -> list[str]:
-    return [name for name in names if find_replacement(name, {claim.target: claim}) is claim]
+from .explain import nesting_warnings
+from .output import UsageError, transformers_version
 
 
 @dataclasses.dataclass(frozen=True)
@@ -304,7 +150,7 @@ def pattern_problems(plan: Plan, classes: Mapping[str, type], model: nn.Module |
                 "(e.g. '^...MLP$'), or name them exactly."
             )
     if model is not None:
-        problems.extend(_nesting_warnings(model, plan))
+        problems.extend(nesting_warnings(model, plan))
     return problems
 
 
@@ -420,7 +266,7 @@ def check_pack(
                     "the checkpoint would be converted for modules that were not replaced."
                 )
         try:
-            plan = plan_load(context, packs, class_names=classes, registered={}, report=_ignore)
+            plan = plan_load(context, packs, class_names=classes, registered={}, report=ignore)
         except (PatchConflictError, ConverterConflictError) as exc:
             note(str(exc))
         else:
@@ -568,7 +414,7 @@ def check_combination(
                 priority_offsets=session.selection.spec.priority_offsets,
                 class_names=classes,
                 registered={},
-                report=_ignore,
+                report=ignore,
                 selection=session.selection.spec,
             )
         except (PatchConflictError, ConverterConflictError) as exc:
@@ -584,7 +430,7 @@ def check_combination(
     return problems
 
 
-def _ignore(errors: Iterable[HfPatchError]) -> None:
+def ignore(errors: Iterable[HfPatchError]) -> None:
     """check_pack notes failures from its own gathering; planning for a conflict need not report them."""
 
 
@@ -675,3 +521,90 @@ def find_conflicts(selection: Selection, *, config_for: ConfigFor | None = None)
     change, checked = settle(problems)
     text = None if change is None else selection_text(change, spec=selection.spec, enabled=selection.packs)
     return Conflicts(tuple(problem.model_type or "" for problem in problems), tuple(conflicts), text, checked)
+
+
+@functools.cache
+def probe_config(model_type: str) -> Any:
+    """The config check and verify call a pack's hooks with: the model type's tiny config (built
+    once per process), else its default config, else ``None``."""
+    from transformers.utils import logging as hf_logging
+
+    from .._pipeline.model_types import default_config
+    from ..testing import tiny_config
+
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity(hf_logging.CRITICAL)  # some default configs log errors while they are shrunk
+    try:
+        return tiny_config(model_type)
+    except Exception:  # a config that cannot be shrunk (or built) is asked as it is
+        return default_config(model_type)
+    finally:
+        hf_logging.set_verbosity(verbosity)
+
+
+def check_model_types(model_types: Sequence[str] | None) -> None:
+    from .._pipeline.model_types import unknown_model_type
+
+    for model_type in model_types or ():
+        unknown = unknown_model_type(model_type)
+        if unknown is not None:
+            raise UsageError(f"--model-type {unknown}")
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    from .._pipeline.selection import current_selection
+    from .._session.session import Session
+    from ..errors import HfPatchError
+
+    check_model_types(args.model_type)
+    selection = current_selection(args.packs or None, origin="hfpatch check")
+    session = Session(selection, strict=False)
+    failed = False
+    for error in selection.problems:
+        print(f"FAIL  {error}")
+        failed = True
+    results = []
+    for name in sorted(selection.packs):
+        result = check_pack(session, name, args.model_type or (), config_for=probe_config)
+        results.append(result)
+        targets = ", ".join(result.model_types) or "no model type"
+        # --record refreshes the record: the drift it replaces is not a failure
+        ok = not result.problems and (args.record or not result.drift)
+        failed = failed or not ok
+        print(f"{'ok   ' if ok else 'FAIL '} {name} {result.version}: targets {targets}")
+        for problem in result.problems:
+            print(f"      - {problem}")
+        for refused in result.refused:
+            print(f"      refused (left as it is): {refused}")
+        if args.record:
+            try:
+                path = write_record(result)
+            except (HfPatchError, OSError) as exc:
+                failed = True
+                print(f"      not recorded: {exc}")
+            else:
+                classes = len(result.targets)
+                print(
+                    f"      recorded {classes} class{'es' if classes != 1 else ''} on transformers "
+                    f"{transformers_version()} in {path}"
+                )
+            continue
+        for drift in result.drift:
+            print(f"      - {drift.describe()}")
+        if result.drift:
+            print(f"      verify the pack on this release, then `hfpatch check --record {name}` adds it to the record")
+        elif not result.recorded and not result.problems:
+            print(f"      no drift record: `hfpatch check --record {name}` writes one (not a failure)")
+    if len(results) > 1:
+        together = ", ".join(result.pack for result in results)
+        problems = check_combination(session, results, config_for=probe_config)
+        if problems:
+            failed = True
+            print(f"FAIL  together: {together}")
+            for problem in problems:
+                print(f"      - {problem}")
+        else:
+            print(f"ok    together: {together}")
+    if not selection.packs and not selection.problems:
+        print("No pack to check.")
+    return EXIT_PROBLEMS if failed else EXIT_OK

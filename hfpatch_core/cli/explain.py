@@ -1,0 +1,235 @@
+"""``hfpatch explain``: what the enabled packs would do to one model, computed on the meta device, then shown."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+import torch.nn as nn
+from transformers import monkey_patching
+
+from .._pipeline.model_types import (
+    load_config,
+    model_class_for,
+)
+from .._pipeline.planning import plan_load
+from .._pipeline.resolution import find_replacement
+from .._session.session import Session
+from ..context import LoadContext
+from ..conversion import describe_transform
+from ..plan import Claim, Plan
+from . import EXIT_OK
+from .output import print_json, table
+
+
+@dataclasses.dataclass(frozen=True)
+class ClassReport:
+    """One module class present in the model."""
+
+    name: str
+    count: int
+    replaced_by: Claim | None
+    lost: tuple[str, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class Explanation:
+    """What the enabled packs would do to one model."""
+
+    model_class: str
+    model_type: str | None
+    plan: Plan
+    classes: tuple[ClassReport, ...]
+    unused: tuple[Claim, ...]
+    warnings: tuple[str, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "model_class": self.model_class,
+            "model_type": self.model_type,
+            "fingerprint": self.plan.fingerprint,
+            "packs": [{"name": name, "version": version} for name, version in self.plan.packs],
+            "classes": [
+                {
+                    "class": report.name,
+                    "count": report.count,
+                    "replaced_by": _claim_json(report.replaced_by) if report.replaced_by else None,
+                    "lost": list(report.lost),
+                }
+                for report in self.classes
+            ],
+            "unused": [_claim_json(claim) for claim in self.unused],
+            "refused": [
+                {"pack": refused.pack, "version": refused.version, "class": refused.target, "reason": refused.reason}
+                for refused in self.plan.refused
+            ],
+            "lost": [
+                {"claim": _claim_json(lost.claim), "class": lost.class_name, "reason": lost.reason}
+                for lost in self.plan.lost
+            ],
+            "conversions": {
+                key: [{"transform": describe_transform(entry.transform), "from": entry.origin} for entry in entries]
+                for key, entries in self.plan.conversions.lists.items()
+            },
+            "conversions_removed": [
+                {"key": removal.key, "transform": describe_transform(removal.transform), "by": removal.pack}
+                for removal in self.plan.conversions.removed
+            ],
+            "conversions_lost": [
+                {
+                    "pack": claim.pack,
+                    "key": claim.key,
+                    "transforms": [describe_transform(transform) for transform in claim.converter.transforms],
+                    "reason": reason,
+                }
+                for claim, reason in self.plan.conversions.lost
+            ],
+            "warnings": list(self.warnings),
+        }
+
+
+def _claim_json(claim: Claim) -> dict[str, Any]:
+    return {
+        "pack": claim.pack,
+        "version": claim.version,
+        "target": claim.target,
+        "replacement": claim.patch.replacement_name,
+        "priority": claim.priority,
+        "overwrite": claim.patch.overwrite,
+    }
+
+
+def nesting_warnings(model: nn.Module, plan: Plan) -> list[str]:
+    """One message per pattern claim of ``plan`` that replaces a class containing other replaced classes."""
+    nested: dict[int, tuple[Claim, dict[str, list[str]]]] = {}
+    for module in model.modules():
+        outer = type(module).__name__
+        claim = plan.replaced.get(outer)
+        if claim is None or not claim.patch.is_pattern:
+            continue
+        inners = nested.setdefault(id(claim), (claim, {}))[1].setdefault(outer, [])
+        for inner_module in module.modules():
+            inner = type(inner_module).__name__
+            if inner_module is not module and inner in plan.replaced and inner not in inners:
+                inners.append(inner)
+    found: list[str] = []
+    for claim, containers in nested.values():
+        containers = {outer: inners for outer, inners in containers.items() if inners}
+        if not containers:
+            continue
+        inner_names = list(dict.fromkeys(inner for inners in containers.values() for inner in inners))
+        replacers = dict.fromkeys(
+            f"{plan.replaced[inner].pack!r}'s {plan.replaced[inner].patch.replacement.__qualname__}"
+            for inner in inner_names
+        )
+        found.append(
+            f"pattern {claim.target!r} of pack {claim.pack!r} replaces "
+            + "; ".join(f"{outer}, which contains {', '.join(inners)}" for outer, inners in containers.items())
+            + f", also replaced (by {', '.join(replacers)}); the outer replacement decides whether the classes "
+            f"it contains are built at all. Anchor the pattern (e.g. '^{inner_names[0]}$') if it was meant for "
+            "one class."
+        )
+    return found
+
+
+def explain(model: str, session: Session, *, registered: Mapping[str, type] | None = None) -> Explanation:
+    """Build ``model`` (a checkpoint directory or a model type) on the meta device and
+    report, for every module class in it, what the session's packs would do."""
+
+    config = load_config(model)
+    model_class = model_class_for(config)
+    with torch.device("meta"):
+        instance = model_class(config)
+    counts: dict[str, int] = {}
+    for module in instance.modules():
+        counts[type(module).__name__] = counts.get(type(module).__name__, 0) + 1
+    context = LoadContext.for_model(model_class, config)
+    session.report(session.selection.problems)
+    plan = plan_load(
+        context,
+        session.packs,
+        priority_offsets=session.selection.spec.priority_offsets,
+        class_names=counts,
+        registered=monkey_patching.get_patch_mapping() if registered is None else registered,
+        report=session.report,
+        selection=session.selection.spec,
+    )
+    lost_by_class: dict[str, list[str]] = {}
+    for lost in plan.lost:
+        for name in [lost.class_name] if lost.class_name else _matching(lost.claim, counts):
+            lost_by_class.setdefault(name, []).append(f"{lost.claim.describe()}: {lost.reason}")
+    classes = tuple(
+        ClassReport(name, count, plan.replaced.get(name), tuple(lost_by_class.get(name, ())))
+        for name, count in counts.items()
+    )
+    used = {id(claim) for claim in plan.replaced.values()}
+    unused = tuple(claim for claim in plan.entries if id(claim) not in used)
+    return Explanation(
+        model_class=model_class.__name__,
+        model_type=context.model_type,
+        plan=plan,
+        classes=classes,
+        unused=unused,
+        warnings=tuple(nesting_warnings(instance, plan)),
+    )
+
+
+def _matching(claim: Claim, names: Iterable[str]) -> list[str]:
+    return [name for name in names if find_replacement(name, {claim.target: claim}) is claim]
+
+
+def cmd_explain(args: argparse.Namespace) -> int:
+    from .._session.session import new_session
+    from ..conversion import describe_transform
+
+    explanation = explain(args.model, new_session())
+    if args.json:
+        print_json(explanation.to_json())
+        return EXIT_OK
+    plan = explanation.plan
+    packs = ", ".join(f"{name} {version}" for name, version in plan.packs) or "none"
+    print(f"{explanation.model_class} (model_type {explanation.model_type}); packs: {packs}; plan {plan.fingerprint}")
+    rows = []
+    for report in explanation.classes:
+        claim = report.replaced_by
+        rows.append(
+            [
+                report.name,
+                str(report.count),
+                f"{claim.patch.replacement.__qualname__} [{claim.pack} {claim.version}]" if claim else "-",
+            ]
+        )
+    print(table(rows, ["class", "count", "replaced by"]))
+    lost = [(report.name, text) for report in explanation.classes for text in report.lost]
+    if lost:
+        print("\nClaims that lost or are shadowed:")
+        for name, text in lost:
+            print(f"  {name}: {text}")
+    for lost_claim in plan.lost:
+        if lost_claim.class_name is None and not any(lost_claim.claim.describe() in text for _, text in lost):
+            print(f"  {lost_claim.claim.describe()}: {lost_claim.reason}")
+    if plan.refused:
+        print("\nClasses a pack found and refused (left as they are):")
+        for refused in plan.refused:
+            print(f"  {refused.describe()}")
+    if explanation.unused:
+        print("\nClaims that match no class of this model:")
+        for claim in explanation.unused:
+            print(f"  {claim.describe()}")
+    conversions = plan.conversions
+    for key, entries in conversions.lists.items():
+        print(f"\nConversions for {key!r} (first matching converter wins):")
+        for entry in entries:
+            print(f"  {entry.describe()}")
+    for removal in conversions.removed:
+        print(f"  removed by {removal.pack!r}: {describe_transform(removal.transform)} [transformers]")
+    if conversions.lost and not conversions.lists:
+        print("\nConverters not applied:")
+    for converter, reason in conversions.lost:
+        print(f"  not applied: {converter.describe()}: {reason}")
+    for warning in explanation.warnings:
+        print(f"\nwarning: {warning}")
+    return EXIT_OK

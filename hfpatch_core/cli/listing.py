@@ -1,0 +1,110 @@
+"""``hfpatch list``: installed packs, enabled or not and why, and the conflicts between them."""
+
+from __future__ import annotations
+
+import argparse
+import warnings
+from typing import Any
+
+from . import EXIT_OK
+from .output import print_json, table
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    from .._pipeline.discovery import discover
+    from .._pipeline.selection import installed_transformers_version, parse_selection, select
+    from ..settings import PACKS_ENV, packs_from_env
+
+    discovery = discover()
+    version = installed_transformers_version()
+    selection = select(parse_selection(packs_from_env()), discovery, version)
+    infos = [*discovery.packs.values(), *(info for infos in discovery.duplicates.values() for info in infos)]
+    infos.sort(key=lambda info: (info.name, info.distribution))
+    # a conflict needs two packs: with one enabled, list reads metadata only (no torch, no pack imported)
+    conflicts = conflicts_of(selection) if len(selection.packs) > 1 and not args.no_conflicts else None
+    rows: list[dict[str, Any]] = [
+        {
+            "name": info.name,
+            "distribution": info.distribution,
+            "version": info.version,
+            "enabled": selection.status.get(info.name) == "enabled",
+            "status": selection.status.get(info.name, ""),
+            "transformers": info.transformers_range or "any",
+            "description": info.summary,
+            **(
+                {
+                    "conflicts": [
+                        {
+                            "model_type": conflict.model_type,
+                            "target": conflict.target,
+                            "with": [pack for pack in conflict.packs if pack != info.name],
+                        }
+                        for conflict in conflicts.of(info.name)
+                    ]
+                }
+                if conflicts is not None
+                else {}
+            ),
+        }
+        for info in infos
+    ]
+    if args.json:
+        data: dict[str, Any] = {"transformers_version": version, "packs": rows}
+        if conflicts is not None:
+            data["conflicts_checked_on"] = list(conflicts.model_types)
+            data["settled_by"] = None if conflicts.selection is None else {PACKS_ENV: conflicts.selection}
+        print_json(data)
+        return EXIT_OK
+    if not rows:
+        print("No pack is installed. Packs are distributions named hfpatch-pack-*; pip install one.")
+        return EXIT_OK
+    for row in rows:
+        marks = [
+            f"{', '.join(conflict['with']) or 'itself'} on {conflict['model_type']}"
+            for conflict in row.get("conflicts", ())
+        ]
+        if marks:
+            row["status"] += f", conflicts with {'; '.join(marks)}"
+    print(
+        table(
+            [
+                [r["name"], r["distribution"], r["version"], r["status"], r["transformers"], r["description"]]
+                for r in rows
+            ],
+            ["pack", "distribution", "version", "status", "transformers", "description"],
+        )
+    )
+    if conflicts is not None and conflicts.conflicts:
+        shown = selection.spec.text
+        where = f"{PACKS_ENV}={shown}" if shown is not None else f"{PACKS_ENV} unset"
+        print(f"\nConflicts: with {where}, every load of these model types raises PatchConflictError:")
+        for conflict in conflicts.conflicts:
+            print(f"  {conflict.model_type}: {conflict.message}")
+        checked = ", ".join(conflicts.model_types)
+        if conflicts.selection is not None:
+            print(
+                f"{PACKS_ENV}={conflicts.selection} settles every one: the resolver decided each model type two or "
+                f"more enabled packs target ({checked}) with it and found no tie."
+            )
+        else:
+            print(
+                f"No selection settles every one among the {conflicts.checked} the resolver checked on {checked}; "
+                f"choose the packs to run with {PACKS_ENV}=a,b."
+            )
+    elif conflicts is not None and conflicts.model_types:
+        checked = ", ".join(conflicts.model_types)
+        print(f"\nNo conflict on {checked} (the model types two or more enabled packs target).")
+    if any(r["enabled"] for r in rows):
+        print("\n'enabled' packs are selected; hfpatch check imports them and calls their hooks.")
+    return EXIT_OK
+
+
+def conflicts_of(selection: Any) -> Any:
+    """``inspection.find_conflicts`` of the selection, with the configs ``check`` asks packs with;
+    warnings from building models' configs and importing packs are not list's to show."""
+
+    from .check import find_conflicts, probe_config
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return find_conflicts(selection, config_for=probe_config)

@@ -1,0 +1,201 @@
+"""The ``hfpatch`` argument parser and the dispatch of every command but ``run``'s fast path."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import os
+import sys
+import warnings
+from collections.abc import Callable, Sequence
+
+from . import EXIT_BROKEN_PIPE, EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE
+from .output import UsageError, show_warning, without_progress_bars
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from .launch import LaunchError, launch
+
+    try:
+        launch(args.command)
+    except LaunchError as exc:
+        raise UsageError(str(exc)) from None
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from .demo import run_demo
+
+    report = run_demo(args.model, args.packs)
+    return EXIT_OK if report is None or report.ok else EXIT_PROBLEMS
+
+
+def cmd_new(args: argparse.Namespace) -> int:
+    from .scaffold import new_pack
+
+    try:
+        project = new_pack(
+            args.name,
+            model_type=args.model_type,
+            target=args.target,
+            no_input=args.no_input,
+            output_dir=args.output_dir,
+        )
+    except EOFError:
+        print()
+        raise UsageError("standard input ended before every question was answered; pass --no-input") from None
+    relative = os.path.relpath(project)
+    shown = str(project) if relative.startswith("..") else relative
+    print(f"Created {shown}. Next:")
+    print(f"  cd {shown}")
+    print('  pip install -e ".[test]"   # the pack, hfpatch-core, transformers, torch and pytest')
+    print("                             # (hfpatch-core not on your index: add --find-links, see README.md)")
+    print("  pytest                     # the generated equivalence test")
+    return EXIT_OK
+
+
+def _lazy(module: str, name: str) -> Callable[[argparse.Namespace], int]:
+    """The command ``name`` of ``hfpatch_core.cli.<module>``, imported when it runs: a command's
+    module imports torch and transformers, and ``hfpatch list`` must not."""
+
+    def handler(args: argparse.Namespace) -> int:
+        command: Callable[[argparse.Namespace], int] = getattr(importlib.import_module(f".{module}", __package__), name)
+        return command(args)
+
+    return handler
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="hfpatch",
+        description="List, explain, check and run 🤗 Transformers patch packs.",
+        epilog="Exit codes: 0 ok, 1 problems found, 2 bad input. HF_PATCH_PACKS chooses the packs.",
+    )
+    parser.add_argument("--debug", action="store_true", help="show tracebacks")
+    commands = parser.add_subparsers(dest="command_name", required=True, metavar="COMMAND")
+
+    listing = commands.add_parser("list", help="installed packs and whether they are enabled")
+    listing.add_argument("--json", action="store_true", help="machine-readable output")
+    listing.add_argument(
+        "--no-conflicts",
+        action="store_true",
+        help="read metadata only: do not import the enabled packs to find the model types they conflict on",
+    )
+    listing.set_defaults(handler=_lazy("listing", "cmd_list"))
+
+    explaining = commands.add_parser("explain", help="what the enabled packs would replace in a model")
+    explaining.add_argument("model", help="a local checkpoint directory or a model_type")
+    explaining.add_argument("--json", action="store_true", help="machine-readable output")
+    explaining.set_defaults(handler=_lazy("explain", "cmd_explain"))
+
+    checking = commands.add_parser("check", help="import packs and validate what their hooks return")
+    checking.add_argument("packs", nargs="*", metavar="PACK", help="packs to check (default: all installed)")
+    checking.add_argument(
+        "--model-type",
+        action="append",
+        metavar="TYPE",
+        help="check on these model types (repeatable) instead of those the pack claims when asked without a config",
+    )
+    checking.add_argument(
+        "--record",
+        action="store_true",
+        help="add the installed transformers release to each passing pack's drift record (beside its module)",
+    )
+    checking.set_defaults(handler=_lazy("check", "cmd_check"))
+
+    verifying = commands.add_parser("verify", help="prove packs keep models correct on tiny checkpoints")
+    verifying.add_argument("packs", nargs="*", metavar="PACK", help="packs to verify (default: all installed)")
+    verifying.add_argument("--model-type", action="append", help="model types to verify on (repeatable)")
+    verifying.add_argument("--model", help="a local checkpoint directory to verify on")
+    verifying.add_argument(
+        "--all-model-types",
+        action="store_true",
+        help="verify on a tiny checkpoint of every causal-LM model type (or of each --model-type): one verdict each "
+        "(exact, failed, refused, not applicable, no checkpoint), the coverage table of docs/zoo.md",
+    )
+    verifying.add_argument("--json", action="store_true", help="machine-readable output")
+    verifying.add_argument(
+        "--distributed",
+        metavar="MODES",
+        help="also shard as transformers does on 2 local ranks (torchrun, gloo): tp,fsdp,ep",
+    )
+    verifying.add_argument(
+        "--train",
+        dest="train_steps",
+        action="store_const",
+        const=5,
+        default=0,
+        help="also train with and without each pack for 5 AdamW steps and compare losses, gradients and weights",
+    )
+    verifying.set_defaults(handler=_lazy("verify", "cmd_verify"))
+
+    demo = commands.add_parser("demo", help="load a tiny model with and without packs and compare")
+    demo.add_argument("--model", help="a local checkpoint directory (default: a tiny random Qwen2-MoE)")
+    demo.add_argument(
+        "--packs",
+        metavar="SPEC",
+        help="the packs, as HF_PATCH_PACKS writes them (default: HF_PATCH_PACKS; when it is unset, qwen-moe, "
+        "else the built-in example)",
+    )
+    demo.set_defaults(handler=cmd_demo)
+
+    creating = commands.add_parser("new", help="create a pack project from the template")
+    creating.add_argument("name", nargs="?", help="the pack's name, what HF_PATCH_PACKS selects (default: my-pack)")
+    creating.add_argument(
+        "--model-type", metavar="TYPE", help="config.model_type the example patch applies to (default: llama)"
+    )
+    creating.add_argument(
+        "--target", metavar="CLASS", help="the transformers class to replace (default: the model type's MLP class)"
+    )
+    creating.add_argument("--no-input", action="store_true", help="ask nothing: use the values given and the defaults")
+    creating.add_argument(
+        "-o", "--output-dir", default=".", metavar="DIR", help="where to create the project (default: .)"
+    )
+    creating.set_defaults(handler=cmd_new)
+
+    running = commands.add_parser(
+        "run",
+        help="run a program (and its children) with hfpatch enabled",
+        description="Run CMD with hfpatch enabled in it and in every Python process it starts. "
+        "'python' or 'python3' as CMD is this environment's interpreter (" + sys.executable + "), not the "
+        "first Python on PATH; in a virtual environment, CMD's PATH starts with the environment's scripts "
+        "directory, as if it were activated, so 'python' and 'hfpatch' in CMD's children are this environment's.",
+        usage="hfpatch run -- CMD [ARG ...]",
+    )
+    running.add_argument("command", nargs=argparse.REMAINDER, help="-- program and arguments")
+    running.set_defaults(handler=cmd_run)
+    return parser
+
+
+#: The commands that load models: transformers' progress bars are off while they run.
+_LOADING_COMMANDS = frozenset({"verify", "demo", "explain"})
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        with warnings.catch_warnings(), contextlib.ExitStack() as stack:
+            # installed here, by the command, never on import: a program using the library keeps its own
+            warnings.showwarning = show_warning
+            if args.command_name in _LOADING_COMMANDS:
+                stack.enter_context(without_progress_bars())
+            code: int = args.handler(args)
+        sys.stdout.flush()  # here, so that a reader gone away is caught below and not at exit
+        return code
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:
+        # what is left to write goes nowhere, quietly, as for a program killed by SIGPIPE
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
+    except Exception as exc:
+        from ..errors import HfPatchError
+
+        if args.debug:
+            raise
+        if isinstance(exc, UsageError | HfPatchError | OSError | ValueError):
+            print(f"hfpatch: error: {exc}", file=sys.stderr)
+            return EXIT_USAGE
+        print(f"hfpatch: error: {type(exc).__name__}: {exc} (run with --debug for the traceback)", file=sys.stderr)
+        return EXIT_PROBLEMS

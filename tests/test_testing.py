@@ -19,6 +19,7 @@ from hfpatch_core.testing import (
     TinyCheckpointError,
     assert_pack_equivalent,
     check_pack_equivalence,
+    check_training_equivalence,
     discover_from_wheel,
     load_model,
     logits_of,
@@ -409,3 +410,11 @@ def test_a_checkpointed_block_recomputes_with_the_routes_its_forward_took(reentr
     again = held.for_another_model()
     assert torch.equal(gradient(again, checkpointed=True), forced)
     assert again.finish() == [] and again.forced == 1
+
+
+def test_a_pack_patching_the_text_model_of_a_composite_model_trains_like_vanilla(install, tmp_path) -> None:
+    # the training batches come from the text model's vocabulary (the outer config has none)
+    install(PackSpec("qwen2-mlp", QWEN2_FUSED_MLP_PACK))
+    report = check_training_equivalence("qwen2-mlp", tiny_checkpoint("got_ocr2", tmp_path / "ckpt"), steps=2)
+    assert report.ok, report.failures
+    assert report.max_loss_diff is not None and report.max_loss_diff <= 1e-4

@@ -90,7 +90,9 @@ def trainer_losses(
     from transformers import Trainer, TrainingArguments
 
     if dataset is None:
-        config = model.config
+        from .models import text_config_of
+
+        config = text_config_of(model.config)  # a composite model's vocabulary is its text model's
         pad = getattr(config, "pad_token_id", None)
         pad = pad if isinstance(pad, int) and 0 <= pad < int(config.vocab_size) else 0
         dataset = TrainerBatches(int(config.vocab_size), pad_token_id=pad, repeats=max_steps)

@@ -458,7 +458,7 @@ def _training_report(
     seed: int,
     hold_routing: bool = True,
 ) -> TrainingReport:
-    from .models import load_model
+    from .models import load_model, text_config_of
 
     tolerances = tolerances or TrainingTolerances.default(dtype)
     setting = _setting(steps, dtype, checkpointing)
@@ -479,7 +479,7 @@ def _training_report(
     )
     # kernels off on both sides, as in the equivalence check: a hub kernel would replace both forwards
     vanilla = load_model(source, dtype=dtype, use_kernels=False)
-    config = vanilla.config
+    config = text_config_of(vanilla.config)  # a composite model's vocabulary is its text model's
     batches = training_batches(int(config.vocab_size), steps, pad_token_id=_pad_id(config), seed=seed)
     runs: list[list[_Step]] = []
     routing = HeldRouting(dtype) if hold_routing else None

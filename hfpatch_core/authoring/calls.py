@@ -17,6 +17,11 @@ cross-attention (``self.k_proj(key_value_states)``), a part called twice or thro
 helper, a part passed around as an object.  The answer is conservative: a forward whose
 source cannot be read, or that reaches a part only through another method, is refused.
 
+``builds_by_name(cls, name)`` answers whether an ``__init__`` of ``cls`` (or of a base
+class) refers to ``name``: transformers' patch registry replaces a class by rebinding its
+name in the modeling modules, so a child built from a table (``MIXER_TYPES[kind](...)``)
+or a factory keeps the original class whatever the registry says.
+
 Reading the source needs no weights and no device, and is cached per class.
 
 Imported by its full name (``hfpatch_core.authoring.calls``).
@@ -30,7 +35,7 @@ import inspect
 import textwrap
 from collections.abc import Sequence
 
-__all__ = ["forward_owner", "same_input"]
+__all__ = ["builds_by_name", "forward_owner", "same_input"]
 
 _SCOPES = (ast.For, ast.AsyncFor, ast.While, ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp, ast.Lambda)
 _FUNCTIONS = (ast.FunctionDef, ast.AsyncFunctionDef)
@@ -113,3 +118,26 @@ def _same_input(cls: type, parts: tuple[str, ...]) -> str | None:
         if stored and first <= (node.lineno, node.col_offset) <= last:  # type: ignore[attr-defined]
             return f"{where} assigns {name} between the calls of {', '.join(parts)}"
     return None
+
+
+@functools.lru_cache(maxsize=1024)
+def builds_by_name(cls: type, name: str) -> bool:
+    """Whether some ``__init__`` in ``cls``'s method resolution order refers to ``name``.
+
+    As a global name (``LlamaAttention(config, layer_idx)``) or an attribute
+    (``modeling.LlamaAttention``).  ``False`` where no source can be read.
+    """
+    for base in cls.__mro__:
+        init = vars(base).get("__init__")
+        if init is None or base.__module__.startswith(("torch.", "builtins")):
+            continue
+        try:
+            tree = ast.parse(textwrap.dedent(inspect.getsource(inspect.unwrap(init))))
+        except (OSError, TypeError, SyntaxError):
+            continue
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Name) and node.id == name) or (
+                isinstance(node, ast.Attribute) and node.attr == name
+            ):
+                return True
+    return False

@@ -335,7 +335,8 @@ def fused_views_class(
     frozen = tuple((fused, tuple(parts)) for fused, parts in groups.items())
     name = name or f"Fused{original.__name__}"
     extra = tuple(sorted((namespace or {}).items()))
-    key = (original, frozen, module, name, tuple(mixins), extra)
+    arguments = (original, frozen, module, name, tuple(mixins), extra)
+    key = (original, frozen, module, name, tuple(mixins), repr(extra))
     with _CLASSES_LOCK:
         found = _CLASSES.get(key)
         if found is None:
@@ -344,7 +345,7 @@ def fused_views_class(
                 "__qualname__": name,
                 "__doc__": f"``{original.__name__}`` with {', '.join(f'{f} from {list(p)}' for f, p in frozen)}.",
                 "hfpatch_packed_modules": dict(frozen),
-                "__hfpatch_fused_args__": key,
+                "__hfpatch_fused_args__": arguments,
                 **dict(extra),
             }
             meta: type = FusedClassMeta

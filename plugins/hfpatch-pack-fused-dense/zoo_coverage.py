@@ -23,23 +23,45 @@ import sys
 import tempfile
 import warnings
 from pathlib import Path
+from typing import Any
 
 os.environ.setdefault("USE_HUB_KERNELS", "0")
 warnings.simplefilter("ignore")
 
 
-def _meta_model(model_type: str) -> tuple[object, object]:
-    """The tiny config ``verdict_of`` builds, and its causal-LM model on the meta device (``None`` if it fails)."""
-    import torch
+#: A tiny checkpoint larger than this is not built (a composite model whose sub-configs
+#: ``tiny_config`` does not shrink yet): "no checkpoint".
+MAX_PARAMETERS = 60_000_000
 
-    from hfpatch_core.testing.checkpoints import _causal_lm_class, tiny_config
+
+def _meta_model(model_type: str) -> tuple[Any, Any, str]:
+    """The tiny config ``verdict_of`` builds, its causal-LM model on the meta device, and why not."""
+    import torch
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    from hfpatch_core.testing.checkpoints import tiny_config
 
     try:
         config = tiny_config(model_type)
-        with torch.device("meta"):
-            return config, _causal_lm_class(config)(config)
-    except Exception:
-        return None, None
+        with torch.device("meta"), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return config, MODEL_FOR_CAUSAL_LM_MAPPING[type(config)](config), ""
+    except Exception as exc:
+        return None, None, f"{type(exc).__name__}: {exc}"
+
+
+def _vanilla_problem(checkpoint: Path) -> str | None:
+    """Why the checkpoint does not run a forward without any pack, or ``None`` if it does."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(checkpoint)
+        with torch.no_grad():
+            model(input_ids=torch.ones(1, 4, dtype=torch.long))
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -55,19 +77,29 @@ def main(argv: list[str] | None = None) -> int:
     from hfpatch_pack_fused_dense import refusals
     from hfpatch_pack_fused_dense.detection import candidate_kinds
 
-    from hfpatch_core.testing.zoo import causal_lm_model_types, coverage, verdict_of
+    from hfpatch_core.testing.zoo import ZooRow, causal_lm_model_types, coverage, verdict_of
 
     types = args.model_types or causal_lm_model_types()
     rows = []
     with tempfile.TemporaryDirectory(prefix="fused-dense-zoo-") as directory:
         for number, model_type in enumerate(types, 1):
-            row = verdict_of("fused-dense", model_type, Path(directory), generate_tokens=8)
-            if row.verdict == "not applicable":
-                config, model = _meta_model(model_type)
-                if model is not None and any(candidate_kinds(module) for module in model.modules()):
-                    reasons = refusals(config)
-                    detail = "; ".join(f"{name}: {reason}" for name, reason in reasons.items())
-                    row = dataclasses.replace(row, verdict="refused", detail=detail or "candidate not claimed")
+            config, model, problem = _meta_model(model_type)
+            if model is None:
+                row = ZooRow("fused-dense", model_type, "no checkpoint", problem[:200])
+            elif not any(candidate_kinds(module) for module in model.modules()):
+                row = ZooRow("fused-dense", model_type, "not applicable")
+            elif (size := sum(p.numel() for p in model.parameters())) > MAX_PARAMETERS:
+                row = ZooRow("fused-dense", model_type, "no checkpoint", f"the tiny checkpoint has {size:,} parameters")
+            else:
+                row = verdict_of("fused-dense", model_type, Path(directory), generate_tokens=8)
+                problem = _vanilla_problem(Path(directory) / model_type) if row.verdict == "failed" else None
+                if problem is not None:  # the checkpoint is broken without the pack too
+                    row = dataclasses.replace(row, verdict="no checkpoint", detail=f"vanilla fails: {problem}"[:200])
+            candidate = model is not None and any(candidate_kinds(module) for module in model.modules())
+            if row.verdict == "not applicable" and candidate:
+                reasons = refusals(config, type(model).__name__)
+                detail = "; ".join(f"{name}: {reason}" for name, reason in reasons.items())
+                row = dataclasses.replace(row, verdict="refused", detail=detail or "candidate not claimed")
             rows.append(row)
             print(f"[{number}/{len(types)}] {row.model_type:28} {row.verdict:15} {row.detail[:150]}", flush=True)
     counts = coverage(rows)

@@ -21,6 +21,7 @@ qwen3_moe attention) wins the classes it also claims, and this pack keeps the ot
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Any
 
 from transformers.core_model_loading import WeightConverter
@@ -55,11 +56,6 @@ PRIORITY = -1
 #: pack decides from a config, so it names some model types to build one from); it is not
 #: what the pack applies to, which is every model with the structure.
 SAMPLE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe")
-
-_TENSOR_PARALLEL = (
-    "tensor parallelism: transformers' plan would hook the q/k/v (gate/up) views as well as the fused "
-    "projection; load without tp_plan, or without the pack (HF_PATCH_PACKS=all,-fused-dense)"
-)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,50 +107,74 @@ def detection_for(config: Any, model_class_name: str | None = None) -> Detection
     return detect(config, model_class)
 
 
-def refusals(config: Any, model_class_name: str | None = None, parallel: tuple[str, ...] = ()) -> dict[str, str]:
+def _builtin_conversion_problems(model_type: str | None, detection: Detection) -> dict[str, str]:
+    """Classes whose parts transformers' own conversion for ``model_type`` builds from other tensors.
+
+    Some model types publish fused checkpoints that transformers splits into ``q_proj`` /
+    ``k_proj`` / ``v_proj`` (or ``gate_proj`` / ``up_proj``) while loading; a converter of
+    this pack would have to run after that one, which no release supports.
+    """
+    try:
+        from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+
+        builtin = get_checkpoint_conversion_mapping(model_type) if model_type else None
+    except Exception:  # a release without the table converts nothing itself
+        builtin = None
+    problems: dict[str, str] = {}
+    for transform in builtin or ():
+        targets = [str(pattern) for pattern in getattr(transform, "target_patterns", None) or ()]
+        for name in detection.originals:
+            for kind in detection.kinds(name):
+                parts = KINDS[kind][1]
+                named = [part for part in parts for target in targets if re.search(rf"(?<!\w){part}(?!\w)", target)]
+                if named:
+                    problems.setdefault(
+                        name,
+                        f"transformers' own conversion for {model_type!r} builds {named[0]} from the checkpoint's "
+                        f"{list(getattr(transform, 'source_patterns', []))}: a second conversion cannot follow it",
+                    )
+    return problems
+
+
+def refusals(config: Any, model_class_name: str | None = None) -> dict[str, str]:
     """Class name -> why the pack does not fuse it, for a load of ``config``.
 
     Every class with ``q_proj`` / ``k_proj`` / ``v_proj`` or ``gate_proj`` / ``up_proj``
     children that the pack leaves alone is here, with the reason: parts that are not
     plain ``nn.Linear`` on one input, a bias on some parts only, a forward that gives
     the parts different inputs (a cross-attention) or reaches them through a helper,
-    converter patterns that would touch another module; under tensor parallelism
-    (``parallel`` containing ``"tp"``) every class the pack would fuse.  A model that
-    cannot be built on the meta device is one entry named after the config class.
+    converter patterns that would touch another module.  A model that cannot be built
+    on the meta device is one entry named after the config class.
 
     Args:
         config: the load's config.
         model_class_name: the class the load builds (default: the config's base model).
-        parallel: the load's parallelisms (``LoadContext.parallel``).
     """
     try:
         detection = detection_for(config, model_class_name)
     except Exception as exc:  # any model may fail to build on the meta device in its own way
         return {type(config).__name__: f"cannot build the model on the meta device ({type(exc).__name__}: {exc})"}
-    found = dict(detection.rejected)
-    if "tp" in parallel:
-        found.update(dict.fromkeys(detection.originals, _TENSOR_PARALLEL))
-    return found
+    return {**detection.rejected, **_builtin_conversion_problems(getattr(config, "model_type", None), detection)}
 
 
 def fusions_for(context: LoadContext) -> list[Fusion]:
     """What the pack replaces for one load, in target-name order; empty when it has nothing to do.
 
     Nothing without a config (the sizes are unknown), for a sub-model (the outer load
-    built the whole model on the meta device and claimed its classes already), in a
-    tensor-parallel load, and where the model cannot be built on the meta device.
+    built the whole model on the meta device and claimed its classes already), and where
+    the model cannot be built on the meta device.
     """
     if context.config is None or context.model_type is None or context.parent is not None:
-        return []
-    if "tp" in context.parallel:
         return []
     try:
         detection = detection_for(context.config, context.model_class_name)
     except Exception:  # refusals() gives the reason; the model loads as in transformers
         return []
+    refused = _builtin_conversion_problems(context.model_type, detection)
     fusions = [
         Fusion(original, fused_class(original, detection.kinds(name)), detection.classes()[name])
         for name, original in detection.originals.items()
+        if name not in refused
     ]
     return sorted(fusions, key=lambda fusion: fusion.original.__name__)
 

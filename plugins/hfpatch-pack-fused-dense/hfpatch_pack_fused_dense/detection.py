@@ -38,7 +38,7 @@ from typing import Any, Literal
 import torch
 import torch.nn as nn
 
-from hfpatch_core.authoring.calls import same_input
+from hfpatch_core.authoring.calls import builds_by_name, same_input
 from hfpatch_core.authoring.views import fusable_parts
 
 Kind = Literal["attention", "mlp"]
@@ -158,7 +158,9 @@ def inspect_model(model: nn.Module, prefix: str = "") -> Detection:
     classes: dict[str, type] = {}
     instances: dict[tuple[str, Kind], list[tuple[str, tuple[int, ...], bool]]] = {}
     paths: dict[tuple[str, Kind], set[str]] = {}
-    for path, module in model.named_modules():
+    modules = dict(model.named_modules())
+    names = {type(module).__name__ for module in modules.values()}
+    for path, module in modules.items():
         kinds = candidate_kinds(module)
         if not kinds or getattr(type(module), "hfpatch_packed_modules", None):
             continue
@@ -167,6 +169,10 @@ def inspect_model(model: nn.Module, prefix: str = "") -> Detection:
             rejected.setdefault(name, f"two classes named {name} ({classes[name].__module__}, {cls.__module__})")
             continue
         where = path.removeprefix(f"{prefix}.") if prefix else path
+        problem = _registry_problem(name, names) or _builder_problem(path, name, modules)
+        if problem is not None:
+            rejected.setdefault(name, f"{path or '<model>'}: {problem}")
+            continue
         for kind in kinds:
             parts = KINDS[kind][1]
             problem = _module_problem(module, kind, counts) or same_input(cls, parts)
@@ -198,6 +204,32 @@ def inspect_model(model: nn.Module, prefix: str = "") -> Detection:
             rejected[site.class_name] = problem
     kept = tuple(site for site in sites if site.class_name not in rejected)
     return Detection(kept, rejected, {site.class_name: classes[site.class_name] for site in kept})
+
+
+def _registry_problem(name: str, names: Iterable[str]) -> str | None:
+    """Why a patch of ``name`` would replace another class of the model, or ``None``."""
+    # transformers' registry matches a key with re.search where no class has that exact name
+    others = sorted(other for other in names if other != name and re.search(name, other))
+    if others:
+        return (
+            f"transformers' patch registry would also replace {others[0]} (its name contains {name!r}), "
+            "which this pack does not fuse"
+        )
+    return None
+
+
+def _builder_problem(path: str, name: str, modules: Mapping[str, nn.Module]) -> str | None:
+    """Why the module at ``path`` would be built as ``name`` whatever the registry says, or ``None``."""
+    parent = path.rpartition(".")[0] if "." in path else ""
+    while parent and isinstance(modules[parent], (nn.ModuleList, nn.ModuleDict, nn.Sequential)):
+        parent = parent.rpartition(".")[0] if "." in parent else ""
+    owner = type(modules[parent])
+    if path and not builds_by_name(owner, name):
+        return (
+            f"{owner.__name__}.__init__ does not build {name} by its name (a table or a factory): "
+            "the patch registry could not replace it"
+        )
+    return None
 
 
 def _pattern_problem(site: Site, keys: Iterable[str], paths: set[str]) -> str | None:

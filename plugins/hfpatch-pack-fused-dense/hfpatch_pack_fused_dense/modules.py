@@ -33,9 +33,13 @@ _PREFIX: dict[Kind, str] = {"attention": "QKV", "mlp": "GateUp"}
 class FusedDense:
     """The pack's mixin (after ``FusedViewsMixin``): what every fused class declares for sharded loads.
 
-    Tensor parallelism is not declared: transformers' plan would put its hooks on the
-    views (``q_proj`` ...) as well as on the fused projection, so the pack does not claim
-    anything in a tensor-parallel load (``hfpatch_pack_fused_dense.refusals`` says so).
+    Under tensor parallelism each fused projection is column-parallel (``hfpatch_tp_plan``,
+    set per class by ``fused_class``: ``{"qkv_proj": "colwise"}``, ``{"gate_up_proj":
+    "colwise"}``), where the model's plan shards the module at all: each rank holds its
+    own heads of q, k and v (its rows of gate and up), which the converter
+    (``SizedConcatenate``) cuts from each part.  The views keep the model's own rules
+    (``q_proj``: ``colwise``): they own no parameter, and their hooks see what the
+    original projections saw.
     """
 
     #: Under FSDP2 the fused projection shards with its layer, as the model's plan wraps it:
@@ -57,5 +61,10 @@ def fused_class(original: type[nn.Module], kinds: Sequence[Kind]) -> type[nn.Mod
     ordered = [kind for kind in KINDS if kind in kinds]
     groups = {KINDS[kind][0]: KINDS[kind][1] for kind in ordered}
     return fused_views_class(
-        original, groups, module=__name__, name=class_name(original, ordered), mixins=(FusedDense,)
+        original,
+        groups,
+        module=__name__,
+        name=class_name(original, ordered),
+        mixins=(FusedDense,),
+        namespace={"hfpatch_tp_plan": dict.fromkeys(groups, "colwise")},
     )

@@ -360,15 +360,18 @@ def test_a_sub_model_is_left_to_the_outer_load() -> None:
     assert hfpatch_pack_fused_dense.provide_converters(nested) == []
 
 
-def test_tensor_parallel_loads_are_refused_before_any_weight_is_read() -> None:
-    config = CASES["llama"].config
-    context = LoadContext("llama", "LlamaForCausalLM", config, parallel=("tp",))
-    assert hfpatch_pack_fused_dense.provide_patches(context) == []
-    refused = hfpatch_pack_fused_dense.refusals(config, "LlamaForCausalLM", parallel=("tp",))
-    assert sorted(refused) == ["LlamaAttention", "LlamaMLP"]
-    assert all(reason.startswith("tensor parallelism") for reason in refused.values())
-    fsdp = LoadContext("llama", "LlamaForCausalLM", config, parallel=("fsdp",))
-    assert len(hfpatch_pack_fused_dense.provide_patches(fsdp)) == 2
+def test_the_fused_projections_declare_their_sharding() -> None:
+    """Column-parallel fused projections; FSDP2 and expert parallelism as the model's plan says."""
+    config = CASES["qwen2_moe"].config
+    context = LoadContext("qwen2_moe", "Qwen2MoeForCausalLM", config, parallel=("tp", "ep"))
+    plans = {
+        p.target: (p.replacement.hfpatch_tp_plan, p.replacement.hfpatch_fsdp_plan, p.replacement.hfpatch_ep_plan)
+        for p in hfpatch_pack_fused_dense.provide_patches(context)
+    }
+    assert plans == {
+        "Qwen2MoeAttention": ({"qkv_proj": "colwise"}, {}, {}),
+        "Qwen2MoeMLP": ({"gate_up_proj": "colwise"}, {}, {}),
+    }
 
 
 # --- the family's own forward, once per input ---------------------------------------------

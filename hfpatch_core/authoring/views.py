@@ -230,7 +230,7 @@ def fuse_as_views(module: nn.Module, parts: Sequence[str], fused: str) -> tuple[
         if not combined.weight.is_meta:
             torch.cat([linear.weight for linear in linears], out=combined.weight.data)
             if combined.bias is not None:
-                torch.cat([linear.bias for linear in linears], out=combined.bias.data)  # type: ignore[misc]
+                torch.cat([linear.bias for linear in linears], out=combined.bias.data)
     combined.weight.requires_grad_(all(linear.weight.requires_grad for linear in linears))
     shared = SharedProjection(combined, sizes)
     views: dict[str, nn.Module] = {}
@@ -299,7 +299,7 @@ def _rebuild(
     return fused_views_class(original, dict(frozen), module=module, name=name, mixins=mixins, namespace=dict(namespace))
 
 
-copyreg.pickle(FusedClassMeta, _reduce_fused_class)  # type: ignore[arg-type]
+copyreg.pickle(FusedClassMeta, _reduce_fused_class)
 
 _CLASSES: dict[tuple[Any, ...], type[nn.Module]] = {}
 _CLASSES_LOCK = threading.Lock()
@@ -350,7 +350,7 @@ def fused_views_class(
             }
             meta: type = FusedClassMeta
             if type(original) is not type and not issubclass(FusedClassMeta, type(original)):
-                meta = FusedClassMeta.__class__(f"Fused{type(original).__name__}", (FusedClassMeta, type(original)), {})
+                meta = type(f"Fused{type(original).__name__}", (FusedClassMeta, type(original)), {})
             found = meta(name, (FusedViewsMixin, *mixins, original), attributes)
             _CLASSES[key] = found
             target = sys.modules.get(module)

@@ -136,7 +136,7 @@ def _module_problem(module: nn.Module, kind: Kind, counts: Mapping[int, int]) ->
     if problem is not None:
         return problem
     for part in parts:
-        child = module._modules[part]
+        child: nn.Module = getattr(module, part)
         if counts.get(id(child), 0) > 1 or any(counts.get(id(p), 0) > 1 for p in child.parameters()):
             return f"{part} (or its weight) is shared with another module: a fused copy would untie it"
     return None
@@ -179,10 +179,11 @@ def inspect_model(model: nn.Module, prefix: str = "") -> Detection:
             if problem is not None:
                 rejected.setdefault(name, f"{path or '<model>'}: {problem}")
                 continue
-            linears = [module._modules[part] for part in parts]
-            sizes = tuple(linear.out_features for linear in linears)  # type: ignore[misc]
+            linears: list[nn.Linear] = [getattr(module, part) for part in parts]
+            sizes = tuple(linear.out_features for linear in linears)
             instances.setdefault((name, kind), []).append((where, sizes, linears[0].bias is not None))
             paths.setdefault((name, kind), set()).add(path)
+    keys = list(model.state_dict().keys())
     sites: list[Site] = []
     for (name, kind), found in instances.items():
         if name in rejected:
@@ -190,18 +191,22 @@ def inspect_model(model: nn.Module, prefix: str = "") -> Detection:
         by_pattern: dict[str, set[tuple[tuple[int, ...], bool]]] = {}
         for where, sizes, bias in found:
             by_pattern.setdefault(relative(where), set()).add((sizes, bias))
-        for where, sizes, bias in found:
-            pattern = relative(where) if len(by_pattern[relative(where)]) == 1 else where
-            site = Site(pattern, kind, name, sizes, bias)
-            if site not in sites:
-                sites.append(site)
-    keys = list(model.state_dict().keys())
-    for site in sites:
-        if site.class_name in rejected:
-            continue
-        problem = _pattern_problem(site, keys, paths[(site.class_name, site.kind)])
-        if problem is not None:
-            rejected[site.class_name] = problem
+        short = [
+            Site(relative(where) if len(by_pattern[relative(where)]) == 1 else where, kind, name, sizes, bias)
+            for where, sizes, bias in found
+        ]
+        # the whole paths where a short pattern would also match another module's tensors
+        whole = [Site(where, kind, name, sizes, bias) for where, sizes, bias in found]
+        collision: str | None = None
+        for candidate in (short, whole):
+            unique = list(dict.fromkeys(candidate))
+            problems = (_pattern_problem(site, keys, paths[(name, kind)]) for site in unique)
+            collision = next((reason for reason in problems if reason is not None), None)
+            if collision is None:
+                sites.extend(unique)
+                break
+        if collision is not None:
+            rejected.setdefault(name, collision)
     kept = tuple(site for site in sites if site.class_name not in rejected)
     return Detection(kept, rejected, {site.class_name: classes[site.class_name] for site in kept})
 
@@ -223,7 +228,7 @@ def _builder_problem(path: str, name: str, modules: Mapping[str, nn.Module]) -> 
     parent = path.rpartition(".")[0] if "." in path else ""
     while parent and isinstance(modules[parent], (nn.ModuleList, nn.ModuleDict, nn.Sequential)):
         parent = parent.rpartition(".")[0] if "." in parent else ""
-    owner = type(modules[parent])
+    owner: type = type(modules[parent])
     if path and not builds_by_name(owner, name):
         return (
             f"{owner.__name__}.__init__ does not build {name} by its name (a table or a factory): "
@@ -260,16 +265,18 @@ def model_class_for(config: Any, class_name: str | None = None) -> type[nn.Modul
     from transformers.models.auto import modeling_auto
 
     if class_name:
-        found = getattr(transformers, class_name, None)
+        found: Any = getattr(transformers, class_name, None)
         config_class = getattr(found, "config_class", None) if isinstance(found, type) else None
-        if config_class is not None and issubclass(found, nn.Module) and isinstance(config, config_class):  # type: ignore[arg-type]
-            return found  # type: ignore[return-value]
+        if isinstance(config_class, type) and issubclass(found, nn.Module) and isinstance(config, config_class):
+            model_class: type[nn.Module] = found
+            return model_class
     for mapping in (modeling_auto.MODEL_MAPPING, modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING):
         try:
-            built: type[nn.Module] = mapping[type(config)]
-            return built
+            built: Any = mapping[type(config)]
         except (KeyError, ValueError):
             continue
+        if isinstance(built, type) and issubclass(built, nn.Module):
+            return built
     return None
 
 

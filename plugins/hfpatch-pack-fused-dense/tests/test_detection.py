@@ -248,11 +248,14 @@ def test_sizes_that_differ_between_layers_get_one_pattern_per_layer() -> None:
 def test_a_pattern_that_would_convert_another_module_refuses_the_class() -> None:
     """A converter pattern matches anywhere in a key: ``attn`` would also match ``cross_attn``."""
 
+    class Memory(Attention):  # reads the same input; its name does not contain another's
+        pass
+
     class Block(nn.Module):
         def __init__(self) -> None:
             super().__init__()
             self.attn = Attention()
-            self.cross_attn = CrossAttention()
+            self.cross_attn = Memory(kv_input=48)
 
     class Model(nn.Module):
         def __init__(self) -> None:
@@ -263,7 +266,7 @@ def test_a_pattern_that_would_convert_another_module_refuses_the_class() -> None
         detection = inspect_model(Model())
     assert detection.sites == ()
     assert "would also convert 'layers.0.cross_attn.q_proj.weight'" in detection.rejected["Attention"]
-    assert "different inputs" in detection.rejected["CrossAttention"]
+    assert "read different input sizes" in detection.rejected["Memory"]
 
 
 def test_a_shared_projection_is_not_fused() -> None:
@@ -276,3 +279,48 @@ def test_a_shared_projection_is_not_fused() -> None:
     with torch.device("meta"):
         detection = inspect_model(Tied())
     assert "shared with another module" in detection.rejected["Attention"]
+
+
+_TABLE = {"attention": Attention}
+
+
+def test_a_class_built_from_a_table_is_refused() -> None:
+    """transformers' registry rebinds class names in the modeling modules: a module built
+    from a table (nemotron_h's ``MIXER_TYPES[kind](...)``) would keep the original class."""
+
+    class Layer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.mixer = _TABLE["attention"]()
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.ModuleList([Layer(), Layer()])
+
+    with torch.device("meta"):
+        detection = inspect_model(Model())
+    assert detection.rejected == {
+        "Attention": "layers.0.mixer: Layer.__init__ does not build Attention by its name (a table or a factory): "
+        "the patch registry could not replace it"
+    }
+
+
+def test_a_class_whose_name_is_part_of_another_is_refused() -> None:
+    """transformers' registry matches a plain name with re.search: a patch of ``Attention``
+    would also replace ``AttentionBlock`` (olmo_hybrid: OlmoHybridAttention, OlmoHybridAttentionDecoderLayer)."""
+
+    class AttentionBlock(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.attn = Attention()
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.ModuleList([AttentionBlock(), AttentionBlock()])
+
+    with torch.device("meta"):
+        detection = inspect_model(Model())
+    assert detection.sites == ()
+    assert "would also replace AttentionBlock (its name contains 'Attention')" in detection.rejected["Attention"]

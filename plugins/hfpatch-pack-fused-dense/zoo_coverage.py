@@ -51,14 +51,17 @@ def _meta_model(model_type: str) -> tuple[Any, Any, str]:
 
 
 def _vanilla_problem(checkpoint: Path) -> str | None:
-    """Why the checkpoint does not run a forward without any pack, or ``None`` if it does."""
+    """Why the checkpoint does not run, without any pack, the left-padded batch ``verdict_of`` compares on."""
     import torch
     from transformers import AutoModelForCausalLM
 
+    from hfpatch_core.testing import padded_batch
+
     try:
         model = AutoModelForCausalLM.from_pretrained(checkpoint)
+        ids, mask = padded_batch(int(model.config.get_text_config().vocab_size), pad_token_id=0)
         with torch.no_grad():
-            model(input_ids=torch.ones(1, 4, dtype=torch.long))
+            model(input_ids=ids, attention_mask=mask)
     except Exception as exc:
         return f"{type(exc).__name__}: {exc}"
     return None

@@ -111,8 +111,10 @@ def _builtin_conversion_problems(model_type: str | None, detection: Detection) -
     """Classes whose parts transformers' own conversion for ``model_type`` builds from other tensors.
 
     Some model types publish fused checkpoints that transformers splits into ``q_proj`` /
-    ``k_proj`` / ``v_proj`` (or ``gate_proj`` / ``up_proj``) while loading; a converter of
-    this pack would have to run after that one, which no release supports.
+    ``k_proj`` / ``v_proj`` (or ``gate_proj`` / ``up_proj``) while loading (a
+    ``WeightConverter``); a converter of this pack would have to run after that one, which
+    no release supports.  Renamings (``c_fc_0`` to ``gate_proj``) run before converters
+    and compose.
     """
     try:
         from transformers.conversion_mapping import get_checkpoint_conversion_mapping
@@ -121,7 +123,8 @@ def _builtin_conversion_problems(model_type: str | None, detection: Detection) -
     except Exception:  # a release without the table converts nothing itself
         builtin = None
     problems: dict[str, str] = {}
-    for transform in builtin or ():
+    # a renaming (legacy names to q_proj, ...) runs before any converter: it composes
+    for transform in (each for each in builtin or () if isinstance(each, WeightConverter)):
         targets = [str(pattern) for pattern in getattr(transform, "target_patterns", None) or ()]
         for name in detection.originals:
             for kind in detection.kinds(name):

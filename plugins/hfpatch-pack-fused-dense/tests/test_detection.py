@@ -245,8 +245,9 @@ def test_sizes_that_differ_between_layers_get_one_pattern_per_layer() -> None:
     ]
 
 
-def test_a_pattern_that_would_convert_another_module_refuses_the_class() -> None:
-    """A converter pattern matches anywhere in a key: ``attn`` would also match ``cross_attn``."""
+def test_a_pattern_that_would_convert_another_module_takes_the_whole_paths() -> None:
+    """A converter pattern matches anywhere in a key: ``attn`` would also match ``cross_attn``,
+    so the patterns name each layer's whole path (``layers.0.attn``), which match nothing else."""
 
     class Memory(Attention):  # reads the same input; its name does not contain another's
         pass
@@ -264,9 +265,19 @@ def test_a_pattern_that_would_convert_another_module_refuses_the_class() -> None
 
     with torch.device("meta"):
         detection = inspect_model(Model())
-    assert detection.sites == ()
-    assert "would also convert 'layers.0.cross_attn.q_proj.weight'" in detection.rejected["Attention"]
+    assert [(site.class_name, site.path) for site in detection.sites] == [
+        ("Attention", "layers.0.attn"),
+        ("Attention", "layers.1.attn"),
+    ]
+    assert list(detection.rejected) == ["Memory"]
     assert "read different input sizes" in detection.rejected["Memory"]
+    from hfpatch_pack_fused_dense.detection import _pattern_problem
+
+    short = detection.sites[0].__class__("attn", "attention", "Attention", (32, 16, 16), False)
+    keys = ["layers.0.attn.q_proj.weight", "layers.0.cross_attn.q_proj.weight"]
+    assert _pattern_problem(short, keys, {"layers.0.attn"}) == (
+        "the converter pattern 'attn.q_proj.weight' would also convert 'layers.0.cross_attn.q_proj.weight'"
+    )
 
 
 def test_a_shared_projection_is_not_fused() -> None:

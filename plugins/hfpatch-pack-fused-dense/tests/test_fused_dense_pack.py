@@ -310,16 +310,35 @@ def test_hooks_return_nothing_without_a_config_or_where_nothing_is_separate() ->
     assert hfpatch_pack_fused_dense.refusals(phi3, "Phi3ForCausalLM") == {}
 
 
-def test_a_model_type_no_table_names_is_claimed_by_structure() -> None:
-    """exaone builds llama's classes itself: the classes come from its modules, not its name."""
+def test_a_model_type_no_table_names_is_claimed_by_structure(tmp_path: Path) -> None:
+    """exaone builds llama's classes itself: the classes come from its modules, not its name.
+    Its checkpoints keep exaone's own names (``mlp.c_fc_0``), which transformers renames to
+    ``gate_proj`` before this pack's converter fuses them, and saves back."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    if "exaone" not in CONFIG_MAPPING_NAMES:
+        pytest.skip("this transformers release has no exaone (added after 5.3)")
     config = AutoConfig.for_model(
-        "exaone", num_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2
+        "exaone",
+        num_layers=2,
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=VOCAB,
+        eos_token_id=2,
+        initializer_range=0.2,
     )
     patches = hfpatch_pack_fused_dense.provide_patches(LoadContext("exaone", "ExaoneForCausalLM", config))
     assert sorted((p.target, p.replacement.__name__) for p in patches) == [
         ("LlamaAttention", "FusedQKVLlamaAttention"),
         ("LlamaMLP", "FusedGateUpLlamaMLP"),
     ]
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    assert any(".mlp.c_fc_0." in key for key in safetensors_of(tmp_path))
+    report = assert_pack_equivalent(PACK, tmp_path, expected_replacements=["LlamaAttention", "LlamaMLP"])
+    assert report.round_trip and report.max_abs_diff is not None and report.max_abs_diff <= 1e-5
 
 
 def test_converters_follow_the_detected_sizes(case: Case) -> None:

@@ -49,4 +49,6 @@ def test_every_model_type_with_the_projections_is_claimed_or_refused() -> None:
     assert len(verdicts) >= 60, (len(verdicts), unbuilt)
     assert len(claiming) >= 0.8 * len(verdicts), sorted(set(verdicts) - set(claiming))
     for model_type in ("llama", "gemma", "granite", "olmo2", "qwen2_moe", "exaone", "mistral", "cohere"):
+        if model_type not in causal_lm_model_types():
+            continue  # exaone: added after 5.3
         assert model_type in claiming, (model_type, verdicts.get(model_type), unbuilt.get(model_type))

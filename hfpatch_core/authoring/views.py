@@ -223,8 +223,14 @@ def fuse_as_views(module: nn.Module, parts: Sequence[str], fused: str) -> tuple[
     linears: list[nn.Linear] = [getattr(module, name) for name in parts]
     sizes = tuple(linear.out_features for linear in linears)
     first = linears[0]
-    combined = nn.Linear(
-        first.in_features, sum(sizes), bias=first.bias is not None, device=first.weight.device, dtype=first.weight.dtype
+    # skip_init: no random draw, so that a model built from a config draws what the original draws
+    combined = torch.nn.utils.skip_init(
+        nn.Linear,
+        first.in_features,
+        sum(sizes),
+        bias=first.bias is not None,
+        device=first.weight.device,
+        dtype=first.weight.dtype,
     )
     with torch.no_grad():
         if not combined.weight.is_meta:

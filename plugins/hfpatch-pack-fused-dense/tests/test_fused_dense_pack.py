@@ -170,6 +170,25 @@ def test_from_config_initialises_and_saves_the_original_layout(
     torch.testing.assert_close(logits_of(reloaded, ids, mask), logits_of(model, ids, mask), rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("name", ["llama-bias", "qwen2_moe", "olmo2"])
+def test_from_config_with_a_seed_draws_vanilla_weights(name: str) -> None:
+    """Building the fused projection draws no random numbers, and transformers initialises
+    the views' rows in vanilla's module order: the same seed gives vanilla's weights."""
+    config = CASES[name].config
+    torch.manual_seed(0)
+    vanilla = hfpatch_core.original_state_dict(AutoModelForCausalLM.from_config(config))
+    hfpatch_core.enable(PACK, strict=True)
+    try:
+        torch.manual_seed(0)
+        patched = AutoModelForCausalLM.from_config(config)
+    finally:
+        hfpatch_core.disable()
+    assert owners(patched) == dict.fromkeys(CASES[name].replaced, PACK)
+    original = hfpatch_core.original_state_dict(patched)
+    assert sorted(original) == sorted(vanilla)
+    assert all(torch.equal(original[key], value) for key, value in vanilla.items())
+
+
 @pytest.mark.parametrize("name", ["mistral-sliding", "qwen2-sliding"])
 def test_the_sliding_window_cases_exercise_the_window(checkpoints: dict[str, Path], name: str) -> None:
     """On the patched model, widening the 4-token window changes the logits past it and only there."""

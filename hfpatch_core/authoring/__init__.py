@@ -10,6 +10,11 @@ within a minor release:
   (``PACKED_MODULES``, ``packed_outputs``, ``expose_parts``);
 * ``fusion``: fusing ``nn.Linear`` projections that read the same input
   (``fuse_projections``, ``FusedQKVAttentionBase``, ``forward_for``);
+* ``views``: fusing them without re-writing the forward: the parts become views of one
+  projection computed once per input (``fused_views_class``, ``fuse_as_views``,
+  ``fusable_parts``, ``SharedProjection``, ``ProjectionView``);
+* ``calls``: proving from a forward's source that it gives several children the same
+  input (``same_input``);
 * ``peft``: what PEFT sees of a patched model (``HIDDEN_FROM_ADAPTERS``);
 * ``probes``: questions about the installed transformers (``class_keys_supported``, ...);
 * ``source_patterns_of`` / ``target_patterns_of``: a transform's patterns as written.
@@ -18,12 +23,14 @@ within a minor release:
 from __future__ import annotations
 
 from ..conversion import source_patterns_of, target_patterns_of
-from . import fusion, packing, peft, probes, sized
+from . import calls, fusion, packing, peft, probes, sized, views
+from .calls import same_input
 from .fusion import QKV_PROJECTIONS, FusedQKVAttentionBase, forward_for, fuse_projections, linear_like, local_sizes
 from .packing import PACKED_MODULES, PACKED_SIZES, PackedLinear, PackedPart, packed_modules, packed_outputs
 from .peft import HIDDEN_FROM_ADAPTERS
 from .probes import class_keys_supported, parallel_modes
 from .sized import SizedConcatenate, SizedSplit
+from .views import FusedViewsMixin, ProjectionView, SharedProjection, fusable_parts, fuse_as_views, fused_views_class
 
 __all__ = [
     "HIDDEN_FROM_ADAPTERS",
@@ -31,13 +38,20 @@ __all__ = [
     "PACKED_SIZES",
     "QKV_PROJECTIONS",
     "FusedQKVAttentionBase",
+    "FusedViewsMixin",
     "PackedLinear",
     "PackedPart",
+    "ProjectionView",
+    "SharedProjection",
     "SizedConcatenate",
     "SizedSplit",
+    "calls",
     "class_keys_supported",
     "forward_for",
+    "fusable_parts",
+    "fuse_as_views",
     "fuse_projections",
+    "fused_views_class",
     "fusion",
     "linear_like",
     "local_sizes",
@@ -47,7 +61,9 @@ __all__ = [
     "parallel_modes",
     "peft",
     "probes",
+    "same_input",
     "sized",
     "source_patterns_of",
     "target_patterns_of",
+    "views",
 ]

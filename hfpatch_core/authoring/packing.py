@@ -35,6 +35,7 @@ __all__ = [
     "PackedPart",
     "expose_parts",
     "exposed_parts",
+    "mark_exposed",
     "packed_modules",
     "packed_outputs",
     "record_sizes",
@@ -63,6 +64,15 @@ def exposed_parts(module: nn.Module) -> Mapping[str, tuple[str, ...]]:
     """The parts ``expose_parts`` put on ``module``: fused child name -> part names (empty before)."""
     exposed: Mapping[str, tuple[str, ...]] = module.__dict__.get(_EXPOSED, {})
     return exposed
+
+
+def mark_exposed(module: nn.Module, fused: str, parts: Sequence[str]) -> None:
+    """Record that ``module`` shows ``fused``'s parts under their own names already.
+
+    For a module built with its parts in place (``hfpatch_core.authoring.views``):
+    ``expose_parts`` then leaves ``fused`` as it is.
+    """
+    module.__dict__.setdefault(_EXPOSED, {})[fused] = tuple(parts)
 
 
 class PackedLinear(nn.Module):

@@ -1,108 +1,61 @@
-"""hfpatch pack ``fused-dense``: one ``qkv_proj`` and one ``gate_up_proj`` per decoder layer.
+"""hfpatch pack ``fused-dense``: one ``qkv_proj`` and one ``gate_up_proj``, in every model that has the projections.
 
-For the dense decoder families llama, mistral, qwen2 and qwen3 (and the dense parts of
-qwen2_moe / qwen3_moe) this pack replaces
-
-* the attention class with a subclass whose q/k/v projections are one ``nn.Linear``
-  (``qkv_proj``): one matmul instead of three;
-* the SiLU-gated MLP class with a subclass whose gate/up projections are one
-  ``nn.Linear`` (``gate_up_proj``): one matmul instead of two.
-
-Which classes, at which module paths and with which sizes, is found **structurally**:
-for each load, the family's decoder layers are built on the meta device from the
-load's config and inspected (``hfpatch_pack_fused_dense.detection``); only classes
-whose every instance has the expected projection layout are patched.  The family table
-(``FAMILIES``) says which decoder layer to build and which attention forward each
-family has, since a fused forward must reproduce the original one.
+Found by structure, for every model type alike (``hfpatch_pack_fused_dense.detection``):
+the load's model is built on the meta device from its config and walked; every class
+whose modules have ``q_proj`` / ``k_proj`` / ``v_proj`` (an attention) or ``gate_proj`` /
+``up_proj`` (a gated MLP) as plain ``nn.Linear`` on one input, as its forward's source
+shows, is replaced by a subclass (``hfpatch_pack_fused_dense.modules``) in which those
+projections are views of one fused ``nn.Linear``-like projection: the family's own
+forward runs unchanged, and the fused matmul is computed once per input.  A class it
+cannot fuse exactly is refused, with the reason (``refusals``).
 
 The converters concatenate the checkpoint's q/k/v (and gate/up) tensors with
-``hfpatch_core.conversion.SizedConcatenate``, which ``save_pretrained`` reverses to
-an exact split: checkpoints load as published and save back with the same tensor names,
+``hfpatch_core.authoring.SizedConcatenate``, which ``save_pretrained`` reverses to an
+exact split: checkpoints load as published and save back with the same tensor names,
 shapes and values.
 
-Composition with ``qwen-moe``: both packs fuse the qwen2_moe / qwen3_moe attention; this
-pack claims those two attention classes (and their converters) at priority -1, so
-``qwen-moe`` wins them when both are enabled, and this pack still fuses the shared-expert
-and dense MLPs, which ``qwen-moe`` does not touch.
+Every claim has priority -1: a pack written for a family (``qwen-moe`` on the qwen2_moe /
+qwen3_moe attention) wins the classes it also claims, and this pack keeps the others.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import importlib
+import re
 from typing import Any
 
 from transformers.core_model_loading import WeightConverter
 
 import hfpatch_core
 from hfpatch_core import Converter, LoadContext, Patch
-from hfpatch_core.authoring import SizedConcatenate, probes
+from hfpatch_core.authoring import SizedConcatenate
 
-from .detection import Detection, Site, detect
-from .modules import (
-    LLAMA,
-    MISTRAL,
-    QWEN2,
-    QWEN3,
-    AttentionFlavor,
-    FusedGateUpMLP,
-    FusedQKVAttention,
-    fused_attention_class,
-    fused_mlp_class,
-)
+from .detection import KINDS, Detection, Site, detect, model_class_for
+from .modules import FusedDense, fused_class
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "FAMILIES",
-    "Family",
-    "FusedGateUpMLP",
-    "FusedQKVAttention",
+    "PRIORITY",
+    "SAMPLE_MODEL_TYPES",
+    "FusedDense",
     "Fusion",
     "__version__",
-    "detect_for",
+    "detection_for",
     "fusions_for",
     "provide_converters",
     "provide_model_types",
     "provide_patches",
+    "refusals",
 ]
 
+#: The priority of every patch and converter: a pack written for one family wins its classes.
+PRIORITY = -1
 
-@dataclasses.dataclass(frozen=True)
-class Family:
-    """One model type the pack fuses.
-
-    Attributes:
-        decoder_layer: the decoder-layer class in
-            ``transformers.models.<model_type>.modeling_<model_type>``, built on the meta
-            device to find the projections.
-        attention: the attention class whose forward ``flavor`` reproduces.
-        mlp: the gated MLP class (``down_proj(act_fn(gate_proj(x)) * up_proj(x))``).
-        flavor: the attention forward's family-specific parts.
-        attention_priority: the priority of the attention patch and its converter
-            (-1 where another first-party pack fuses the same attention).
-    """
-
-    decoder_layer: str
-    attention: str
-    mlp: str
-    flavor: AttentionFlavor
-    attention_priority: int = 0
-
-
-#: The model types this pack patches.
-FAMILIES: dict[str, Family] = {
-    "llama": Family("LlamaDecoderLayer", "LlamaAttention", "LlamaMLP", LLAMA),
-    "mistral": Family("MistralDecoderLayer", "MistralAttention", "MistralMLP", MISTRAL),
-    "qwen2": Family("Qwen2DecoderLayer", "Qwen2Attention", "Qwen2MLP", QWEN2),
-    "qwen3": Family("Qwen3DecoderLayer", "Qwen3Attention", "Qwen3MLP", QWEN3),
-    # qwen-moe fuses these attentions too (same layout): it wins them, see the module docstring
-    "qwen2_moe": Family("Qwen2MoeDecoderLayer", "Qwen2MoeAttention", "Qwen2MoeMLP", LLAMA, attention_priority=-1),
-    "qwen3_moe": Family("Qwen3MoeDecoderLayer", "Qwen3MoeAttention", "Qwen3MoeMLP", QWEN3, attention_priority=-1),
-}
-
-_PARTS = {"attention": ("q_proj", "k_proj", "v_proj"), "mlp": ("gate_proj", "up_proj")}
-_FUSED = {"attention": "qkv_proj", "mlp": "gate_up_proj"}
+#: Where ``hfpatch check`` / ``hfpatch verify`` look when asked for the pack as a whole (the
+#: pack decides from a config, so it names some model types to build one from); it is not
+#: what the pack applies to, which is every model with the structure.
+SAMPLE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,105 +63,144 @@ class Fusion:
     """One class this pack replaces in one load: the patch and the converter it needs.
 
     Attributes:
-        original: the transformers class replaced.
+        original: the class replaced.
         replacement: its fused subclass.
-        sites: where its modules sit in a decoder layer, with their sizes.
-        priority: the priority of the patch and of the converter.
+        sites: where its modules sit, with their sizes.
     """
 
     original: type
     replacement: type
     sites: tuple[Site, ...]
-    priority: int = 0
 
     @property
     def patch(self) -> Patch:
-        """The exact-name patch of ``original`` with ``replacement``, at ``priority``."""
-        return Patch(self.original.__name__, self.replacement, priority=self.priority)
+        """The exact-name patch of ``original`` with ``replacement``, at ``PRIORITY``."""
+        return Patch(self.original.__name__, self.replacement, priority=PRIORITY)
 
     def converter(self, model_type: str) -> Converter:
         """``SizedConcatenate`` of the parts into the fused tensor, per site, for weights and biases."""
         transforms = []
         for site in self.sites:
-            prefix = f"{site.path}." if site.path else ""
+            fused, parts = KINDS[site.kind]
             for suffix in ("weight", "bias") if site.bias else ("weight",):
                 # operations= by keyword: the third positional field differs between 5.3 and later
                 transforms.append(
                     WeightConverter(
-                        source_patterns=[f"{prefix}{part}.{suffix}" for part in _PARTS[site.kind]],
-                        target_patterns=f"{prefix}{_FUSED[site.kind]}.{suffix}",
+                        source_patterns=[f"{site.path}.{part}.{suffix}" for part in parts],
+                        target_patterns=f"{site.path}.{fused}.{suffix}",
                         operations=[SizedConcatenate(dim=0, sizes=site.sizes)],
                     )
                 )
-        return Converter(model_type, tuple(transforms), priority=self.priority, patch_targets=(self.original.__name__,))
+        return Converter(model_type, tuple(transforms), priority=PRIORITY, patch_targets=(self.original.__name__,))
 
 
-def _submodel_conversions_supported() -> bool:
-    # transformers 5.3 applies the root model type's conversions only (see hfpatch's README)
-    return probes.class_keys_supported()
-
-
-def detect_for(model_type: str, config: Any) -> Detection:
-    """The structural detection for ``config`` of a covered ``model_type`` (cached).
+def detection_for(config: Any, model_class_name: str | None = None) -> Detection:
+    """The structural detection for ``config`` (cached), on the class ``model_class_name`` if given.
 
     Raises:
-        KeyError: ``model_type`` is not in ``FAMILIES``.
-        ValueError: see ``hfpatch_pack_fused_dense.detection.detect``.
+        LookupError: no transformers model class builds from ``config``.
+        Exception: whatever building the model on the meta device raises.
     """
-    return detect(config, getattr(_modeling(model_type), FAMILIES[model_type].decoder_layer))
+    model_class = model_class_for(config, model_class_name)
+    if model_class is None:
+        raise LookupError(f"no transformers model class for {type(config).__name__}")
+    return detect(config, model_class)
 
 
-def _modeling(model_type: str) -> Any:
-    return importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
+def _builtin_conversion_problems(model_type: str | None, detection: Detection) -> dict[str, str]:
+    """Classes whose parts transformers' own conversion for ``model_type`` builds from other tensors.
+
+    Some model types publish fused checkpoints that transformers splits into ``q_proj`` /
+    ``k_proj`` / ``v_proj`` (or ``gate_proj`` / ``up_proj``) while loading (a
+    ``WeightConverter``); a converter of this pack would have to run after that one, which
+    no release supports.  Renamings (``c_fc_0`` to ``gate_proj``) run before converters
+    and compose.
+    """
+    try:
+        from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+
+        builtin = get_checkpoint_conversion_mapping(model_type) if model_type else None
+    except Exception:  # a release without the table converts nothing itself
+        builtin = None
+    problems: dict[str, str] = {}
+    # a renaming (legacy names to q_proj, ...) runs before any converter: it composes
+    for transform in (each for each in builtin or () if isinstance(each, WeightConverter)):
+        targets = [str(pattern) for pattern in getattr(transform, "target_patterns", None) or ()]
+        for name in detection.originals:
+            for kind in detection.kinds(name):
+                parts = KINDS[kind][1]
+                named = [part for part in parts for target in targets if re.search(rf"(?<!\w){part}(?!\w)", target)]
+                if named:
+                    problems.setdefault(
+                        name,
+                        f"transformers' own conversion for {model_type!r} builds {named[0]} from the checkpoint's "
+                        f"{list(getattr(transform, 'source_patterns', []))}: a second conversion cannot follow it",
+                    )
+    return problems
+
+
+def refusals(config: Any, model_class_name: str | None = None) -> dict[str, str]:
+    """Class name -> why the pack does not fuse it, for a load of ``config``.
+
+    Every class with ``q_proj`` / ``k_proj`` / ``v_proj`` or ``gate_proj`` / ``up_proj``
+    children that the pack leaves alone is here, with the reason: parts that are not
+    plain ``nn.Linear`` on one input, a bias on some parts only, a forward that gives
+    the parts different inputs (a cross-attention) or reaches them through a helper,
+    converter patterns that would touch another module.  A model that cannot be built
+    on the meta device is one entry named after the config class.
+
+    Args:
+        config: the load's config.
+        model_class_name: the class the load builds (default: the config's base model).
+    """
+    try:
+        detection = detection_for(config, model_class_name)
+    except Exception as exc:  # any model may fail to build on the meta device in its own way
+        return {type(config).__name__: f"cannot build the model on the meta device ({type(exc).__name__}: {exc})"}
+    return {**detection.rejected, **_builtin_conversion_problems(getattr(config, "model_type", None), detection)}
 
 
 def fusions_for(context: LoadContext) -> list[Fusion]:
     """What the pack replaces for one load, in target-name order; empty when it has nothing to do.
 
-    Nothing for a model type outside ``FAMILIES``, for a context without a config
-    (the sizes are unknown, and a fused class would not load a checkpoint without its
-    sized converter), and for a sub-model (a composite model's text model) on a
-    transformers release that cannot run a sub-model's conversions (5.3).
+    Nothing without a config (the sizes are unknown), for a sub-model (the outer load
+    built the whole model on the meta device and claimed its classes already), and where
+    the model cannot be built on the meta device.
     """
-    family = FAMILIES.get(context.model_type or "")
-    if family is None or context.config is None or context.model_type is None:
+    if context.config is None or context.model_type is None or context.parent is not None:
         return []
-    if context.parent is not None and not _submodel_conversions_supported():
+    try:
+        detection = detection_for(context.config, context.model_class_name)
+    except Exception:  # refusals() gives the reason; the model loads as in transformers
         return []
-    modeling = _modeling(context.model_type)
-    detection = detect_for(context.model_type, context.config)
-    fusions = []
-    attention = detection.classes("attention").get(family.attention, ())
-    if attention and all(site.qk_norm == family.flavor.qk_norm for site in attention):
-        original = getattr(modeling, family.attention)
-        replacement = fused_attention_class(original, family.flavor)
-        fusions.append(Fusion(original, replacement, attention, family.attention_priority))
-    mlp = detection.classes("mlp").get(family.mlp, ())
-    if mlp:
-        original = getattr(modeling, family.mlp)
-        fusions.append(Fusion(original, fused_mlp_class(original), mlp))
+    refused = _builtin_conversion_problems(context.model_type, detection)
+    fusions = [
+        Fusion(original, fused_class(original, detection.kinds(name)), detection.classes()[name])
+        for name, original in detection.originals.items()
+        if name not in refused
+    ]
     return sorted(fusions, key=lambda fusion: fusion.original.__name__)
 
 
 @hfpatch_core.hookimpl
 def provide_model_types() -> list[str]:
-    """The model types of ``FAMILIES``: ``hfpatch check`` and ``verify`` check the pack on these.
+    """``SAMPLE_MODEL_TYPES``: where ``hfpatch check`` and ``verify`` check the pack by default.
 
     The pack decides from the config (the sizes come from it), so asked with
     ``config=None`` it returns nothing; this says where to look instead.
     """
-    return list(FAMILIES)
+    return list(SAMPLE_MODEL_TYPES)
 
 
 @hfpatch_core.hookimpl
 def provide_patches(context: LoadContext) -> list[Patch]:
-    """The fused attention and MLP classes for a load of a covered family (see ``fusions_for``)."""
+    """The fused classes for a load (see ``fusions_for``)."""
     return [fusion.patch for fusion in fusions_for(context)]
 
 
 @hfpatch_core.hookimpl
 def provide_converters(context: LoadContext) -> list[Converter]:
-    """One converter per replaced class, keyed by the model type, with that class's priority.
+    """One converter per replaced class, keyed by the model type.
 
     One per class rather than one for all, each naming its patch in ``patch_targets``:
     when another pack wins one class (qwen-moe on the MoE attention, or any pack

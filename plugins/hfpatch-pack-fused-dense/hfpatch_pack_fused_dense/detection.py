@@ -1,58 +1,67 @@
-"""Finding the projections to fuse, structurally, on the meta device.
+"""Finding the projections to fuse by structure: the model built on the meta device, its modules walked.
 
-For a config, every decoder layer of the model is built on the meta device (no memory,
-no initialisation; about 0.5 ms a layer) and each module in it is checked for one of
-the two layouts the pack fuses:
+For a config, the model the load builds (or, when its class cannot be found, the
+config's base model) is built on the meta device (no memory, no initialisation) and
+every module in it is inspected.  A module is a *candidate* of a kind when it has all of
+that kind's parts as child modules:
 
-* **attention**: ``q_proj``, ``k_proj``, ``v_proj``, ``o_proj``, each exactly an
-  ``nn.Linear``; q/k/v read the same input size and all have a bias or none does;
-  ``k_proj`` and ``v_proj`` have the same output size; q and k/v outputs are whole heads
-  of ``module.head_dim``; ``o_proj`` reads what ``q_proj`` writes; and if there are
-  ``q_norm`` / ``k_norm``, both normalise one head (``[head_dim]`` weights);
-* **MLP**: ``gate_proj``, ``up_proj``, ``down_proj``, each exactly an ``nn.Linear``, and
-  an ``act_fn``; gate and up have the same input and output sizes and the same bias
-  setting, and ``down_proj`` reads what they write.
+* **attention**: ``q_proj``, ``k_proj``, ``v_proj``, fused into ``qkv_proj``;
+* **MLP**: ``gate_proj``, ``up_proj``, fused into ``gate_up_proj``.
 
-A module that has some of these projections but not that layout (a cross-attention
-whose ``k_proj`` reads another width, a q-only bias, a ``q_proj`` that is a quantized or
-adapter wrapper, a norm over all heads at once) is *rejected*, with the reason, and so
-is its class.  Sizes are read from the built modules, so the converters get exactly the
-sizes the installed transformers builds.
+A candidate class is *claimed* when, in every instance, the parts are exactly
+``nn.Linear`` (``hfpatch_core.authoring.views.fusable_parts``: one input size, all or no
+bias, one dtype), own their parameters (none shared with another module), and the
+class's forward gives all parts the same input (``hfpatch_core.authoring.calls.same_input``,
+read from the source).  Otherwise it is *refused*, with the first reason found.  Nothing
+depends on the model type's name: the classes come from the modules.
 
-Results are cached by decoder-layer class and the config's content (a ``to_dict`` dump,
-about 0.05 ms), so repeated loads of one model pay for the build once.
+The converters' patterns are the instances' paths after the last layer number (one
+pattern per such path where all layers have the same sizes, one per layer otherwise), and
+each pattern is checked against every tensor name of the built model: a pattern that
+would also convert a tensor of another module refuses the class.
+
+Results are cached by the built class and the config's content (a ``to_dict`` dump), so
+repeated loads of one model pay for the build once.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
+import re
 import threading
+import warnings
 from collections.abc import Iterable, Mapping
 from typing import Any, Literal
 
 import torch
 import torch.nn as nn
 
+from hfpatch_core.authoring.calls import builds_by_name, same_input
+from hfpatch_core.authoring.views import fusable_parts
+
 Kind = Literal["attention", "mlp"]
 
-ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
-MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+#: Per kind: the fused child's name and the parts it stands for, in row order.
+KINDS: dict[Kind, tuple[str, tuple[str, ...]]] = {
+    "attention": ("qkv_proj", ("q_proj", "k_proj", "v_proj")),
+    "mlp": ("gate_up_proj", ("gate_proj", "up_proj")),
+}
 
 
 @dataclasses.dataclass(frozen=True)
 class Site:
-    """One fusable module, as found in the decoder layers.
+    """One fusable module instance.
 
     Attributes:
-        path: the module's path inside its decoder layer (``"self_attn"``,
-            ``"mlp.shared_expert"``): the converters' patterns start with it.
+        path: the converters' pattern for its parts' parent: its path after the last
+            layer number where all layers agree (``"self_attn"``, ``"mlp.shared_expert"``),
+            its whole path (without the base model's prefix) otherwise.
         kind: ``"attention"`` or ``"mlp"``.
         class_name: the module's class name (the patch target).
-        sizes: the output sizes of the fused parts, in fused order: ``(q, k, v)`` or
-            ``(gate, up)``.
+        sizes: the output sizes of the fused parts, in fused order: ``(q, k, v)`` or ``(gate, up)``.
         bias: whether the fused parts have a bias.
-        qk_norm: for an attention, whether it has per-head ``q_norm`` / ``k_norm``.
     """
 
     path: str
@@ -60,152 +69,184 @@ class Site:
     class_name: str
     sizes: tuple[int, ...]
     bias: bool
-    qk_norm: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
 class Detection:
-    """What ``detect`` found in a model's decoder layers.
+    """What ``detect`` found in a model.
 
     Attributes:
-        sites: one per (class, path) that is fusable in every layer it occurs in.
+        sites: one per (class, kind, pattern) that is fusable, in module order.
         rejected: class name -> why its modules are not fused (the first problem found).
+        originals: class name -> the class, for every class in ``sites``.
     """
 
     sites: tuple[Site, ...] = ()
     rejected: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    originals: Mapping[str, type] = dataclasses.field(default_factory=dict)
 
     def classes(self, kind: Kind | None = None) -> dict[str, tuple[Site, ...]]:
-        """Fusable class name -> its sites (of ``kind`` only, when given), in layer order."""
+        """Fusable class name -> its sites (of ``kind`` only, when given), in module order."""
         found: dict[str, list[Site]] = {}
         for site in self.sites:
             if kind is None or site.kind == kind:
                 found.setdefault(site.class_name, []).append(site)
         return {name: tuple(sites) for name, sites in found.items()}
 
+    def kinds(self, class_name: str) -> tuple[Kind, ...]:
+        """The kinds fused in ``class_name``, in ``KINDS`` order."""
+        present = {site.kind for site in self.sites if site.class_name == class_name}
+        return tuple(kind for kind in KINDS if kind in present)
 
-def _children(module: nn.Module, names: Iterable[str]) -> dict[str, Any]:
-    return {name: getattr(module, name) for name in names if getattr(module, name, None) is not None}
+
+def relative(path: str) -> str:
+    """The part of ``path`` after its last layer number: ``layers.3.mlp.shared_expert`` -> ``mlp.shared_expert``.
+
+    ``path`` itself where it has no layer number or ends with one.  A converter's pattern
+    matches anywhere in a key, and transformers keeps the rest of the key, layer number
+    included, as it is.
+    """
+    names = path.split(".")
+    numbered = [index for index, name in enumerate(names) if name.isdigit()]
+    if not numbered or numbered[-1] == len(names) - 1:
+        return path
+    return ".".join(names[numbered[-1] + 1 :])
 
 
-def _not_linear(children: Mapping[str, Any]) -> str | None:
-    for name, child in children.items():
-        if type(child) is not nn.Linear:
-            return f"{name} is {type(child).__qualname__}, not nn.Linear"
+def candidate_kinds(module: nn.Module) -> tuple[Kind, ...]:
+    """The kinds whose parts ``module`` has, all of them, as child modules."""
+    return tuple(
+        kind
+        for kind, (_, parts) in KINDS.items()
+        if all(isinstance(module._modules.get(part), nn.Module) for part in parts)
+    )
+
+
+def _regex(pattern: str) -> re.Pattern[str]:
+    # as transformers compiles a WeightConverter's source pattern (core_model_loading)
+    body = pattern.replace("*.", r".*\.")
+    return re.compile(body + r"(?!\w)" if re.search(r"[a-zA-Z0-9]$", body) else body)
+
+
+def _module_problem(module: nn.Module, kind: Kind, counts: Mapping[int, int]) -> str | None:
+    fused, parts = KINDS[kind]
+    if fused in module._modules or fused in module._parameters or fused in vars(module):
+        return f"already has a {fused!r}"
+    problem = fusable_parts(module, parts)
+    if problem is not None:
+        return problem
+    for part in parts:
+        child: nn.Module = getattr(module, part)
+        if counts.get(id(child), 0) > 1 or any(counts.get(id(p), 0) > 1 for p in child.parameters()):
+            return f"{part} (or its weight) is shared with another module: a fused copy would untie it"
     return None
 
 
-def attention_layout(module: nn.Module) -> Site | str | None:
-    """The attention site of ``module`` (with an empty path), the reason it is not fusable, or ``None``.
+def inspect_model(model: nn.Module, prefix: str = "") -> Detection:
+    """The fusable sites of a built model (any device; only types, shapes and sources are read).
 
-    ``None``: ``module`` has none of ``q_proj`` / ``k_proj`` / ``v_proj`` (not an attention
-    this pack could fuse at all).
+    Args:
+        model: the model, built.
+        prefix: the base model's attribute name (``"model"``), left out of the patterns.
     """
-    found = _children(module, ATTENTION_PROJECTIONS)
-    if not any(name in found for name in ATTENTION_PROJECTIONS[:3]):
-        return None
-    missing = [name for name in ATTENTION_PROJECTIONS if name not in found]
-    if missing:
-        return f"has {sorted(found)} but no {missing}"
-    if (problem := _not_linear(found)) is not None:
-        return problem
-    query, key, value, out = (found[name] for name in ATTENTION_PROJECTIONS)
-    if len({query.in_features, key.in_features, value.in_features}) != 1:
-        return (
-            f"q/k/v read different input sizes ({query.in_features}, {key.in_features}, {value.in_features}): "
-            "not one projection of one input"
-        )
-    if len({query.bias is None, key.bias is None, value.bias is None}) != 1:
-        with_bias = [name for name in ("q_proj", "k_proj", "v_proj") if found[name].bias is not None]
-        return f"only {with_bias} of q/k/v have a bias"
-    if key.out_features != value.out_features:
-        return f"k_proj and v_proj write different sizes ({key.out_features}, {value.out_features})"
-    head_dim = getattr(module, "head_dim", None)
-    if not isinstance(head_dim, int) or isinstance(head_dim, bool) or head_dim <= 0:
-        return f"no integer head_dim attribute (got {head_dim!r})"
-    if query.out_features % head_dim or key.out_features % head_dim:
-        return f"q/k/v sizes ({query.out_features}, {key.out_features}) are not whole heads of {head_dim}"
-    if out.in_features != query.out_features:
-        return f"o_proj reads {out.in_features}, q_proj writes {query.out_features}"
-    norms = _children(module, ("q_norm", "k_norm"))
-    if len(norms) == 1:
-        return f"has {sorted(norms)} but not both q_norm and k_norm"
-    for name, norm in norms.items():
-        shape = tuple(getattr(getattr(norm, "weight", None), "shape", ()))
-        if shape != (head_dim,):
-            return f"{name} normalises a {list(shape)} weight, not one head ([{head_dim}])"
-    sizes = (query.out_features, key.out_features, value.out_features)
-    return Site("", "attention", type(module).__name__, sizes, query.bias is not None, qk_norm=bool(norms))
-
-
-def mlp_layout(module: nn.Module) -> Site | str | None:
-    """The MLP site of ``module`` (with an empty path), the reason it is not fusable, or ``None``.
-
-    ``None``: ``module`` has neither ``gate_proj`` nor ``up_proj``.
-    """
-    found = _children(module, MLP_PROJECTIONS)
-    if "gate_proj" not in found and "up_proj" not in found:
-        return None
-    missing = [name for name in MLP_PROJECTIONS if name not in found]
-    if missing:
-        return f"has {sorted(found)} but no {missing}"
-    if (problem := _not_linear(found)) is not None:
-        return problem
-    if not callable(getattr(module, "act_fn", None)):
-        return "no act_fn: not a gated MLP of the form down(act(gate(x)) * up(x))"
-    gate, up, down = (found[name] for name in MLP_PROJECTIONS)
-    if (gate.in_features, gate.out_features) != (up.in_features, up.out_features):
-        return f"gate_proj is {gate.in_features}->{gate.out_features}, up_proj {up.in_features}->{up.out_features}"
-    if (gate.bias is None) != (up.bias is None):
-        return "only one of gate_proj and up_proj has a bias"
-    if down.in_features != gate.out_features:
-        return f"down_proj reads {down.in_features}, gate/up write {gate.out_features}"
-    return Site("", "mlp", type(module).__name__, (gate.out_features, up.out_features), gate.bias is not None)
-
-
-def inspect_layer(layer: nn.Module) -> tuple[list[Site], dict[str, str]]:
-    """The fusable sites of one built module tree, and the classes rejected in it (with why).
-
-    Works on any device (the pack uses the meta device); only shapes and types are read.
-    """
+    counts: dict[int, int] = {}
+    for _, module in model.named_modules(remove_duplicate=False):
+        counts[id(module)] = counts.get(id(module), 0) + 1
+    for _, parameter in model.named_parameters(remove_duplicate=False):
+        counts[id(parameter)] = counts.get(id(parameter), 0) + 1
+    rejected: dict[str, str] = {}
+    classes: dict[str, type] = {}
+    instances: dict[tuple[str, Kind], list[tuple[str, tuple[int, ...], bool]]] = {}
+    paths: dict[tuple[str, Kind], set[str]] = {}
+    modules = dict(model.named_modules())
+    names = {type(module).__name__ for module in modules.values()}
+    for path, module in modules.items():
+        kinds = candidate_kinds(module)
+        if not kinds or getattr(type(module), "hfpatch_packed_modules", None):
+            continue
+        cls, name = type(module), type(module).__name__
+        if classes.setdefault(name, cls) is not cls:
+            rejected.setdefault(name, f"two classes named {name} ({classes[name].__module__}, {cls.__module__})")
+            continue
+        where = path.removeprefix(f"{prefix}.") if prefix else path
+        problem = _registry_problem(name, names) or _builder_problem(path, name, modules)
+        if problem is not None:
+            rejected.setdefault(name, f"{path or '<model>'}: {problem}")
+            continue
+        for kind in kinds:
+            parts = KINDS[kind][1]
+            problem = _module_problem(module, kind, counts) or same_input(cls, parts)
+            if problem is not None:
+                rejected.setdefault(name, f"{path or '<model>'}: {problem}")
+                continue
+            linears: list[nn.Linear] = [getattr(module, part) for part in parts]
+            sizes = tuple(linear.out_features for linear in linears)
+            instances.setdefault((name, kind), []).append((where, sizes, linears[0].bias is not None))
+            paths.setdefault((name, kind), set()).add(path)
+    keys = list(model.state_dict().keys())
     sites: list[Site] = []
-    rejected: dict[str, str] = {}
-    for path, module in layer.named_modules():
-        for layout in (attention_layout, mlp_layout):
-            result = layout(module)
-            if isinstance(result, Site):
-                sites.append(dataclasses.replace(result, path=path))
-            elif isinstance(result, str):
-                rejected.setdefault(type(module).__name__, f"{path or '<layer>'}: {result}")
-    return sites, rejected
+    for (name, kind), found in instances.items():
+        if name in rejected:
+            continue
+        by_pattern: dict[str, set[tuple[tuple[int, ...], bool]]] = {}
+        for where, sizes, bias in found:
+            by_pattern.setdefault(relative(where), set()).add((sizes, bias))
+        short = [
+            Site(relative(where) if len(by_pattern[relative(where)]) == 1 else where, kind, name, sizes, bias)
+            for where, sizes, bias in found
+        ]
+        # the whole paths where a short pattern would also match another module's tensors
+        whole = [Site(where, kind, name, sizes, bias) for where, sizes, bias in found]
+        collision: str | None = None
+        for candidate in (short, whole):
+            unique = list(dict.fromkeys(candidate))
+            problems = (_pattern_problem(site, keys, paths[(name, kind)]) for site in unique)
+            collision = next((reason for reason in problems if reason is not None), None)
+            if collision is None:
+                sites.extend(unique)
+                break
+        if collision is not None:
+            rejected.setdefault(name, collision)
+    kept = tuple(site for site in sites if site.class_name not in rejected)
+    return Detection(kept, rejected, {site.class_name: classes[site.class_name] for site in kept})
 
 
-def consolidate(layers: Iterable[tuple[list[Site], dict[str, str]]]) -> Detection:
-    """Merge the ``inspect_layer`` results of every layer of one model.
+def _registry_problem(name: str, names: Iterable[str]) -> str | None:
+    """Why a patch of ``name`` would replace another class of the model, or ``None``."""
+    # transformers' registry matches a key with re.search where no class has that exact name
+    others = sorted(other for other in names if other != name and re.search(name, other))
+    if others:
+        return (
+            f"transformers' patch registry would also replace {others[0]} (its name contains {name!r}), "
+            "which this pack does not fuse"
+        )
+    return None
 
-    A class is fusable only if every one of its modules is, and if a path holds the same
-    sizes in every layer (a converter's pattern names the path, not the layer).
-    """
-    rejected: dict[str, str] = {}
-    by_key: dict[tuple[str, str], Site] = {}
-    for index, (sites, layer_rejected) in enumerate(layers):
-        for name, reason in layer_rejected.items():
-            rejected.setdefault(name, f"layer {index}, {reason}")
-        for site in sites:
-            seen = by_key.setdefault((site.class_name, site.path), site)
-            if seen != site and site.class_name not in rejected:
-                rejected[site.class_name] = (
-                    f"layer {index}, {site.path}: sizes {list(site.sizes)} (bias {site.bias}) differ from "
-                    f"{list(seen.sizes)} (bias {seen.bias}) at the same path in an earlier layer; one converter "
-                    "pattern cannot tell the layers apart"
-                )
-    kinds: dict[str, set[str]] = {}
-    for site in by_key.values():
-        kinds.setdefault(site.class_name, set()).add(site.kind)
-    for name, found in kinds.items():
-        if len(found) > 1 and name not in rejected:
-            rejected[name] = "has both an attention and an MLP layout"
-    return Detection(tuple(site for site in by_key.values() if site.class_name not in rejected), rejected)
+
+def _builder_problem(path: str, name: str, modules: Mapping[str, nn.Module]) -> str | None:
+    """Why the module at ``path`` would be built as ``name`` whatever the registry says, or ``None``."""
+    parent = path.rpartition(".")[0] if "." in path else ""
+    while parent and isinstance(modules[parent], (nn.ModuleList, nn.ModuleDict, nn.Sequential)):
+        parent = parent.rpartition(".")[0] if "." in parent else ""
+    owner: type = type(modules[parent])
+    if path and not builds_by_name(owner, name):
+        return (
+            f"{owner.__name__}.__init__ does not build {name} by its name (a table or a factory): "
+            "the patch registry could not replace it"
+        )
+    return None
+
+
+def _pattern_problem(site: Site, keys: Iterable[str], paths: set[str]) -> str | None:
+    """Why ``site``'s converter patterns would convert other tensors than the parts of the modules at ``paths``."""
+    fused, parts = KINDS[site.kind]
+    for name in (*parts, fused):
+        pattern = f"{site.path}.{name}.weight"
+        regex = _regex(pattern)
+        for key in keys:
+            if regex.search(key) and not (key.rsplit(".", 2)[0] in paths and key.rsplit(".", 2)[1] in parts):
+                return f"the converter pattern {pattern!r} would also convert {key!r}"
+    return None
 
 
 _CACHE: dict[tuple[type, str], Detection] = {}
@@ -218,33 +259,49 @@ def _config_key(config: Any) -> str:
     return json.dumps(config.to_dict(), sort_keys=True, default=repr)
 
 
-def detect(config: Any, layer_class: type[nn.Module]) -> Detection:
-    """Build every decoder layer ``layer_class(config, index)`` on the meta device and inspect it.
+def model_class_for(config: Any, class_name: str | None = None) -> type[nn.Module] | None:
+    """The class a load builds: transformers' class ``class_name`` if it exists, else the config's base model."""
+    import transformers
+    from transformers.models.auto import modeling_auto
+
+    if class_name:
+        found: Any = getattr(transformers, class_name, None)
+        config_class = getattr(found, "config_class", None) if isinstance(found, type) else None
+        if isinstance(config_class, type) and issubclass(found, nn.Module) and isinstance(config, config_class):
+            model_class: type[nn.Module] = found
+            return model_class
+    for mapping in (modeling_auto.MODEL_MAPPING, modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING):
+        try:
+            built: Any = mapping[type(config)]
+        except (KeyError, ValueError):
+            continue
+        if isinstance(built, type) and issubclass(built, nn.Module):
+            return built
+    return None
+
+
+def detect(config: Any, model_class: type[nn.Module]) -> Detection:
+    """Build ``model_class(config)`` on the meta device and inspect it (``inspect_model``).
 
     Args:
-        config: the model's (text) config; ``num_hidden_layers`` gives the layer count.
-        layer_class: the family's decoder-layer class.
+        config: the load's config (not changed: a copy is built).
+        model_class: the class to build.
 
     Returns:
-        The consolidated ``Detection``, cached by ``layer_class`` and the config's content.
+        The ``Detection``, cached by ``model_class`` and the config's content.
 
     Raises:
-        ValueError: the config has no positive ``num_hidden_layers``; pass the text
-            config of a decoder model.
+        Exception: whatever building the model on the meta device raises.
     """
-    layers = getattr(config, "num_hidden_layers", None)
-    if not isinstance(layers, int) or isinstance(layers, bool) or layers <= 0:
-        raise ValueError(
-            f"{type(config).__name__}.num_hidden_layers is {layers!r}; "
-            "fused-dense needs the decoder's layer count to find its projections"
-        )
-    key = (layer_class, _config_key(config))
+    key = (model_class, _config_key(config))
     with _CACHE_LOCK:
         cached = _CACHE.get(key)
     if cached is not None:
         return cached
-    with torch.device("meta"):
-        detection = consolidate(inspect_layer(layer_class(config, index)) for index in range(layers))
+    with torch.device("meta"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # what building on the meta device says is not the load's business
+        model = model_class(copy.deepcopy(config))
+    detection = inspect_model(model, getattr(model, "base_model_prefix", "") or "")
     with _CACHE_LOCK:
         if len(_CACHE) >= CACHE_SIZE:
             _CACHE.pop(next(iter(_CACHE)))

@@ -10,19 +10,24 @@ from typing import Any
 import pytest
 import torch
 import transformers
-from hfpatch_pack_fused_dense import FAMILIES
 from transformers import (
     AutoModelForCausalLM,
+    GemmaConfig,
+    GraniteConfig,
     LlamaConfig,
     MistralConfig,
+    Olmo2Config,
     PretrainedConfig,
     Qwen2Config,
     Qwen2MoeConfig,
     Qwen3Config,
     Qwen3MoeConfig,
 )
+from transformers.models.gemma import modeling_gemma
+from transformers.models.granite import modeling_granite
 from transformers.models.llama import modeling_llama
 from transformers.models.mistral import modeling_mistral
+from transformers.models.olmo2 import modeling_olmo2
 from transformers.models.qwen2 import modeling_qwen2
 from transformers.models.qwen2_moe import modeling_qwen2_moe
 from transformers.models.qwen3 import modeling_qwen3
@@ -120,6 +125,21 @@ CASES = {
             lambda: Qwen3MoeConfig(**{**_COMMON, **_MOE, "head_dim": 16}, mlp_only_layers=[1]),
             _replaced("Qwen3MoeAttention", "Qwen3MoeMLP"),
         ),
+        # structural variants no family table listed: gemma's (1 + w) norm and scaled embeddings,
+        # granite's multipliers, olmo2's q/k norms over all heads after the projections
+        Case("gemma", lambda: GemmaConfig(**_COMMON, head_dim=8), _replaced("GemmaAttention", "GemmaMLP")),
+        Case(
+            "granite",
+            lambda: GraniteConfig(
+                **_COMMON,
+                embedding_multiplier=3.0,
+                attention_multiplier=0.2,
+                residual_multiplier=0.5,
+                logits_scaling=2.0,
+            ),
+            _replaced("GraniteAttention", "GraniteMLP"),
+        ),
+        Case("olmo2", lambda: Olmo2Config(**_COMMON), _replaced("Olmo2Attention", "Olmo2MLP")),
     )
 }
 
@@ -130,6 +150,9 @@ MODELING = {
     "qwen3": modeling_qwen3,
     "qwen2_moe": modeling_qwen2_moe,
     "qwen3_moe": modeling_qwen3_moe,
+    "gemma": modeling_gemma,
+    "granite": modeling_granite,
+    "olmo2": modeling_olmo2,
 }
 
 
@@ -139,15 +162,17 @@ def head_dim(config: Any) -> int:
 
 def expected_sites(config: Any) -> list[tuple[str, str, tuple[int, ...], bool]]:
     """``(class, path, sizes, bias)`` the detection must find, computed from the config alone."""
-    family = FAMILIES[config.model_type]
+    attention, mlp = sorted(
+        {name for case in CASES.values() if case.config.model_type == config.model_type for name in case.replaced}
+    )
     q, kv = config.num_attention_heads * head_dim(config), config.num_key_value_heads * head_dim(config)
     bias = bool(getattr(config, "attention_bias", False) or config.model_type in ("qwen2", "qwen2_moe"))
-    found: list[tuple[str, str, tuple[int, ...], bool]] = [(family.attention, "self_attn", (q, kv, kv), bias)]
+    found: list[tuple[str, str, tuple[int, ...], bool]] = [(attention, "self_attn", (q, kv, kv), bias)]
     width = config.intermediate_size
     if config.model_type == "qwen2_moe":
         shared = config.shared_expert_intermediate_size
-        found.append((family.mlp, "mlp.shared_expert", (shared, shared), False))
-    found.append((family.mlp, "mlp", (width, width), bool(getattr(config, "mlp_bias", False))))
+        found.append((mlp, "mlp.shared_expert", (shared, shared), False))
+    found.append((mlp, "mlp", (width, width), bool(getattr(config, "mlp_bias", False))))
     return sorted(found)
 
 

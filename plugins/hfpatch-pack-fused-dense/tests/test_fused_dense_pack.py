@@ -6,9 +6,7 @@ the pack must change the module structure and nothing else.
 
 from __future__ import annotations
 
-import inspect
 import json
-import re
 import subprocess
 import sys
 import textwrap
@@ -18,14 +16,14 @@ from typing import Any
 import hfpatch_pack_fused_dense
 import pytest
 import torch
-from hfpatch_pack_fused_dense import FAMILIES, FusedGateUpMLP, FusedQKVAttention
-from hfpatch_pack_fused_dense.modules import LLAMA, MISTRAL, QWEN2, QWEN3
+from hfpatch_pack_fused_dense import SAMPLE_MODEL_TYPES
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import hfpatch_core
 from conftest import CASES, MODELING, PACK, PAD, VOCAB, Case, expected_sites
 from hfpatch_core import LoadContext
 from hfpatch_core.authoring import SizedConcatenate, source_patterns_of
+from hfpatch_core.authoring.views import FusedViewsMixin, ProjectionView, SharedProjection
 from hfpatch_core.testing import (
     BF16_TOLERANCES,
     assert_pack_equivalent,
@@ -92,9 +90,16 @@ def test_every_layer_is_fused_and_logits_match(checkpoints: dict[str, Path], cas
     for name, module in patched.named_modules():
         if name in replaced:
             assert type(module).__name__ == case.replaced[vanilla_types[name]], name
-            fused = "qkv_proj" if isinstance(module, FusedQKVAttention) else "gate_up_proj"
-            assert hasattr(module, fused), name
-            assert not any(hasattr(module, p) for p in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")), name
+            fused, parts = (
+                ("qkv_proj", ("q_proj", "k_proj", "v_proj"))
+                if "qkv_proj" in module._modules
+                else ("gate_up_proj", ("gate_proj", "up_proj"))
+            )
+            assert isinstance(module._modules[fused], SharedProjection), name
+            assert all(type(module._modules[part]) is ProjectionView for part in parts), name
+            # the original's forward, not a re-written one
+            original = type(vanilla.get_submodule(name))
+            assert type(module).forward is original.forward and isinstance(module, original)
     ids, mask = padded_batch(VOCAB, pad_token_id=PAD)
     expected, actual = logits_of(vanilla, ids, mask), logits_of(patched, ids, mask)
     assert torch.isfinite(expected[mask.bool()]).all()
@@ -167,6 +172,25 @@ def test_from_config_initialises_and_saves_the_original_layout(
     torch.testing.assert_close(logits_of(reloaded, ids, mask), logits_of(model, ids, mask), rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("name", ["llama-bias", "qwen2_moe", "olmo2"])
+def test_from_config_with_a_seed_draws_vanilla_weights(name: str) -> None:
+    """Building the fused projection draws no random numbers, and transformers initialises
+    the views' rows in vanilla's module order: the same seed gives vanilla's weights."""
+    config = CASES[name].config
+    torch.manual_seed(0)
+    vanilla = hfpatch_core.original_state_dict(AutoModelForCausalLM.from_config(config))
+    hfpatch_core.enable(PACK, strict=True)
+    try:
+        torch.manual_seed(0)
+        patched = AutoModelForCausalLM.from_config(config)
+    finally:
+        hfpatch_core.disable()
+    assert owners(patched) == dict.fromkeys(CASES[name].replaced, PACK)
+    original = hfpatch_core.original_state_dict(patched)
+    assert sorted(original) == sorted(vanilla)
+    assert all(torch.equal(original[key], value) for key, value in vanilla.items())
+
+
 @pytest.mark.parametrize("name", ["mistral-sliding", "qwen2-sliding"])
 def test_the_sliding_window_cases_exercise_the_window(checkpoints: dict[str, Path], name: str) -> None:
     """On the patched model, widening the 4-token window changes the logits past it and only there."""
@@ -233,15 +257,15 @@ def test_attention_outputs_are_recorded(checkpoints: dict[str, Path]) -> None:
 
 def test_a_patched_load_leaves_transformers_unpatched(checkpoints: dict[str, Path]) -> None:
     originals = {
-        (model_type, name): getattr(MODELING[model_type], name)
-        for model_type, family in FAMILIES.items()
-        for name in (family.attention, family.mlp)
+        (case.config.model_type, name): getattr(MODELING[case.config.model_type], name)
+        for case in CASES.values()
+        for name in case.replaced
     }
-    for name in ("llama", "qwen3", "qwen2_moe"):
+    for name in ("llama", "qwen3", "qwen2_moe", "olmo2"):
         load_model(checkpoints[name], PACK)
     for (model_type, name), cls in originals.items():
         assert getattr(MODELING[model_type], name) is cls
-        assert not issubclass(cls, (FusedQKVAttention, FusedGateUpMLP))
+        assert not issubclass(cls, FusedViewsMixin)
     vanilla = load_model(checkpoints["llama"])
     assert type(vanilla.model.layers[0].self_attn) is MODELING["llama"].LlamaAttention
     assert type(vanilla.model.layers[0].mlp) is MODELING["llama"].LlamaMLP
@@ -253,7 +277,7 @@ def test_the_fused_classes_unpickle_in_a_fresh_process(checkpoints: dict[str, Pa
     import pickle
 
     model = load_model(checkpoints["qwen2_moe"], PACK)
-    classes = sorted({type(m) for m in model.modules() if isinstance(m, (FusedQKVAttention, FusedGateUpMLP))}, key=str)
+    classes = sorted({type(m) for m in model.modules() if isinstance(m, FusedViewsMixin)}, key=str)
     assert len(classes) == 2
     # each class with the transformers class it derives from (the first in its MRO)
     probe = (
@@ -295,17 +319,47 @@ def test_a_whole_patched_model_round_trips_through_torch_save(checkpoints: dict[
 # --- the hooks --------------------------------------------------------------------------
 
 
-def test_hooks_return_nothing_outside_the_families_or_without_a_config() -> None:
+def test_hooks_return_nothing_without_a_config_or_where_nothing_is_separate() -> None:
     for model_type in ("gemma", "phi3", "mixtral", "olmo2", None):
         context = LoadContext(model_type=model_type, model_class_name="AnyModel", config=None)
         assert hfpatch_pack_fused_dense.provide_patches(context) == []
         assert hfpatch_pack_fused_dense.provide_converters(context) == []
-    gemma = AutoConfig.for_model("gemma", num_hidden_layers=1)
-    assert hfpatch_pack_fused_dense.provide_patches(LoadContext("gemma", "GemmaForCausalLM", gemma)) == []
-    for model_type in FAMILIES:
-        bare = LoadContext(model_type=model_type, model_class_name="AnyModel", config=None)
-        assert hfpatch_pack_fused_dense.provide_patches(bare) == []
-        assert hfpatch_pack_fused_dense.provide_converters(bare) == []
+    # phi3 already has qkv_proj and gate_up_proj: nothing to fuse, nothing refused
+    phi3 = AutoConfig.for_model("phi3", num_hidden_layers=1, hidden_size=32, intermediate_size=64)
+    phi3.num_attention_heads = phi3.num_key_value_heads = 4
+    assert hfpatch_pack_fused_dense.provide_patches(LoadContext("phi3", "Phi3ForCausalLM", phi3)) == []
+    assert hfpatch_pack_fused_dense.refusals(phi3, "Phi3ForCausalLM") == {}
+
+
+def test_a_model_type_no_table_names_is_claimed_by_structure(tmp_path: Path) -> None:
+    """exaone builds llama's classes itself: the classes come from its modules, not its name.
+    Its checkpoints keep exaone's own names (``mlp.c_fc_0``), which transformers renames to
+    ``gate_proj`` before this pack's converter fuses them, and saves back."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    if "exaone" not in CONFIG_MAPPING_NAMES:
+        pytest.skip("this transformers release has no exaone (added after 5.3)")
+    config = AutoConfig.for_model(
+        "exaone",
+        num_layers=2,
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=VOCAB,
+        eos_token_id=2,
+        initializer_range=0.2,
+    )
+    patches = hfpatch_pack_fused_dense.provide_patches(LoadContext("exaone", "ExaoneForCausalLM", config))
+    assert sorted((p.target, p.replacement.__name__) for p in patches) == [
+        ("LlamaAttention", "FusedQKVLlamaAttention"),
+        ("LlamaMLP", "FusedGateUpLlamaMLP"),
+    ]
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    assert any(".mlp.c_fc_0." in key for key in safetensors_of(tmp_path))
+    report = assert_pack_equivalent(PACK, tmp_path, expected_replacements=["LlamaAttention", "LlamaMLP"])
+    assert report.round_trip and report.max_abs_diff is not None and report.max_abs_diff <= 1e-5
 
 
 def test_converters_follow_the_detected_sizes(case: Case) -> None:
@@ -313,13 +367,12 @@ def test_converters_follow_the_detected_sizes(case: Case) -> None:
     context = LoadContext(model_type=config.model_type, model_class_name="AnyModel", config=config)
     patches = hfpatch_pack_fused_dense.provide_patches(context)
     converters = hfpatch_pack_fused_dense.provide_converters(context)
-    family = FAMILIES[config.model_type]
     assert [(p.target, p.replacement.__name__) for p in patches] == sorted(case.replaced.items())
-    priorities = {p.target: p.priority for p in patches}
-    assert priorities[family.attention] == (-1 if config.model_type.endswith("_moe") else 0)
-    assert priorities[family.mlp] == 0
+    # every claim yields to a pack written for the family (qwen-moe on the MoE attention)
+    assert {p.priority for p in patches} == {hfpatch_pack_fused_dense.PRIORITY} == {-1}
     # one converter per replaced class, with that class's priority
     assert [c.key for c in converters] == [config.model_type] * len(patches)
+    assert [c.patch_targets for c in converters] == [(p.target,) for p in patches]
     assert [c.priority for c in converters] == [p.priority for p in patches]
     transforms = {
         (source_patterns_of(t), t.operations[0].sizes)
@@ -336,52 +389,65 @@ def test_converters_follow_the_detected_sizes(case: Case) -> None:
     assert transforms == expected
 
 
-def test_a_sub_model_is_fused_only_where_transformers_converts_sub_models() -> None:
-    """transformers 5.3 applies only the root model type's conversions: there the text model
-    of a composite load is left unpatched (rather than failing with WeightLayoutError)."""
+def test_a_sub_model_is_left_to_the_outer_load() -> None:
+    """The outer load builds the whole model on the meta device and claims the text model's
+    classes with converters keyed by the outer model type, which every release applies; the
+    sub-model's own hook call returns nothing, so nothing is claimed twice."""
     config = CASES["llama"].config
     parent = LoadContext(model_type="llava", model_class_name="LlavaForConditionalGeneration")
     nested = LoadContext(model_type="llama", model_class_name="LlamaModel", config=config, parent=parent)
-    patches = hfpatch_pack_fused_dense.provide_patches(nested)
-    import transformers
-    from packaging.version import Version
-
-    if Version(transformers.__version__) < Version("5.4"):
-        assert patches == []
-    else:
-        assert sorted(p.target for p in patches) == ["LlamaAttention", "LlamaMLP"]
+    assert hfpatch_pack_fused_dense.provide_patches(nested) == []
+    assert hfpatch_pack_fused_dense.provide_converters(nested) == []
 
 
-# --- the family table: each fused forward is the original's -----------------------------
-
-
-def _normalized_forward(cls: Any) -> str:
-    """``cls.forward``'s source with the family prefix of its class name replaced."""
-    source = textwrap.dedent(inspect.getsource(cls.forward))
-    prefix = re.sub(r"(Attention|MLP)$", "", cls.__name__)
-    return source.replace(prefix, "<Family>")
-
-
-@pytest.mark.parametrize("model_type", sorted(FAMILIES))
-def test_each_family_has_the_forward_its_flavor_reproduces(model_type: str) -> None:
-    """The table says which forward each family's attention has; the installed sources agree
-    (qwen2_moe's attention forward is llama's token for token, qwen3_moe's is qwen3's), and
-    every MLP forward is llama's ``down_proj(act_fn(gate_proj(x)) * up_proj(x))``."""
-    family = FAMILIES[model_type]
-    references = {
-        LLAMA: MODELING["llama"].LlamaAttention,
-        MISTRAL: MODELING["mistral"].MistralAttention,
-        QWEN2: MODELING["qwen2"].Qwen2Attention,
-        QWEN3: MODELING["qwen3"].Qwen3Attention,
+def test_the_fused_projections_declare_their_sharding() -> None:
+    """Column-parallel fused projections; FSDP2 and expert parallelism as the model's plan says."""
+    config = CASES["qwen2_moe"].config
+    context = LoadContext("qwen2_moe", "Qwen2MoeForCausalLM", config, parallel=("tp", "ep"))
+    plans = {
+        p.target: (p.replacement.hfpatch_tp_plan, p.replacement.hfpatch_fsdp_plan, p.replacement.hfpatch_ep_plan)
+        for p in hfpatch_pack_fused_dense.provide_patches(context)
     }
-    attention = getattr(MODELING[model_type], family.attention)
-    assert _normalized_forward(attention) == _normalized_forward(references[family.flavor])
-    others = {
-        flavor for flavor, cls in references.items() if _normalized_forward(cls) == _normalized_forward(attention)
+    assert plans == {
+        "Qwen2MoeAttention": ({"qkv_proj": "colwise"}, {}, {}),
+        "Qwen2MoeMLP": ({"gate_up_proj": "colwise"}, {}, {}),
     }
-    assert others == {family.flavor}, "flavors must differ in source"
-    mlp = getattr(MODELING[model_type], family.mlp)
-    assert _normalized_forward(mlp) == _normalized_forward(MODELING["llama"].LlamaMLP)
+
+
+# --- the family's own forward, once per input ---------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["llama", "olmo2"])
+def test_the_fused_matmul_runs_once_per_input(checkpoints: dict[str, Path], name: str) -> None:
+    """The original forward calls q_proj, k_proj and v_proj (gate_proj and up_proj); the
+    shared projection computes one matmul per layer for them, and keeps nothing after."""
+    model = load_model(checkpoints[name], PACK)
+    shared = [module for module in model.modules() if isinstance(module, SharedProjection)]
+    calls: list[int] = []
+    for module in shared:
+        module.register_forward_hook(lambda m, args, out: calls.append(id(m)))
+    ids, mask = padded_batch(VOCAB, pad_token_id=PAD)
+    logits_of(model, ids, mask)
+    assert sorted(calls) == sorted(id(module) for module in shared)  # each once
+    assert all(module._computed is None for module in shared)
+
+
+def test_a_view_called_on_another_input_still_gives_the_original_output() -> None:
+    """A view given another tensor than its siblings (what a cross-attention would do) gets
+    that tensor's projection: fusion saves matmuls, it never changes an output."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(CASES["llama-bias"].config)
+    attention = model.model.layers[0].self_attn
+    q, k, v = (attention.q_proj.weight.clone(), attention.k_proj.weight.clone(), attention.v_proj.weight.clone())
+    hfpatch_core.apply(model, packs=PACK, strict=True)
+    fused = model.model.layers[0].self_attn
+    x, y = torch.randn(2, 3, 32), torch.randn(2, 3, 32)
+    bias = fused.qkv_proj.bias
+    torch.testing.assert_close(fused.q_proj(x), x @ q.T + bias[:32], atol=1e-6, rtol=0)
+    torch.testing.assert_close(fused.k_proj(y), y @ k.T + bias[32:64], atol=1e-6, rtol=0)
+    torch.testing.assert_close(fused.v_proj(x), x @ v.T + bias[64:], atol=1e-6, rtol=0)
+    x.mul_(2)  # changed in place: not the input the cached output was computed for
+    torch.testing.assert_close(fused.q_proj(x), x @ q.T + bias[:32], atol=1e-6, rtol=0)
 
 
 # --- composing with qwen-moe ------------------------------------------------------------
@@ -393,15 +459,15 @@ def test_composes_with_qwen_moe(checkpoints: dict[str, Path], name: str, tmp_pat
     claims it, and its converter, at priority -1), fused-dense fuses the MLPs qwen-moe
     leaves alone, and the result still matches vanilla and saves the original layout."""
     assert "qwen-moe" in hfpatch_core.discover().packs, "install plugins/hfpatch-pack-qwen-moe too"
-    family = FAMILIES[name]
+    attention, mlp = sorted(CASES[name].replaced)
     source = checkpoints[name]
     both = load_model(source, "qwen-moe,fused-dense")
     experts = "Qwen2MoeExperts" if name == "qwen2_moe" else "Qwen3MoeExperts"
-    assert owners(both) == {family.attention: "qwen-moe", experts: "qwen-moe", family.mlp: PACK}
+    assert owners(both) == {attention: "qwen-moe", experts: "qwen-moe", mlp: PACK}
     plan = hfpatch_core.plan_of(both)
     assert plan is not None
     (lost,) = [lost for lost in plan.lost if lost.claim.pack == PACK]
-    assert lost.claim.target == family.attention and lost.winner is not None and lost.winner.pack == "qwen-moe"
+    assert lost.claim.target == attention and lost.winner is not None and lost.winner.pack == "qwen-moe"
     assert "priority -1 < 0" in lost.reason
     (lost_converter,) = plan.conversions.lost
     assert lost_converter[0].pack == PACK and lost_converter[0].priority == -1
@@ -463,7 +529,7 @@ def test_a_pack_winning_one_class_without_a_converter_leaves_that_class_unconver
     assert plan is not None
     [(lost, reason)] = plan.conversions.lost
     assert (lost.pack, lost.converter.patch_targets) == (PACK, ("LlamaAttention",))
-    assert reason.startswith("its patch 'LlamaAttention' is not applied: priority 0 < 1 of pack 'rival-attention'")
+    assert reason.startswith("its patch 'LlamaAttention' is not applied: priority -1 < 1 of pack 'rival-attention'")
     assert {origin for entries in plan.conversions.lists.values() for origin in (e.origin for e in entries)} == {PACK}
 
     vanilla = load_model(source)
@@ -514,11 +580,11 @@ def test_the_pack_is_discovered_from_an_installed_wheel(checkpoints: dict[str, P
     assert found["attention"] == "hfpatch_pack_fused_dense.modules"
 
 
-def test_hfpatch_check_covers_every_family(capsys: pytest.CaptureFixture[str]) -> None:
+def test_hfpatch_check_covers_the_sample_model_types(capsys: pytest.CaptureFixture[str]) -> None:
     """The pack decides from the config; ``provide_model_types`` tells ``check`` and ``verify`` where to look."""
     from hfpatch_core.cli import main
 
-    assert hfpatch_pack_fused_dense.provide_model_types() == list(FAMILIES)
+    assert hfpatch_pack_fused_dense.provide_model_types() == list(SAMPLE_MODEL_TYPES)
     assert main(["check", PACK]) == 0
     version = hfpatch_pack_fused_dense.__version__
-    assert capsys.readouterr().out == f"ok    {PACK} {version}: targets {', '.join(FAMILIES)}\n"
+    assert capsys.readouterr().out == f"ok    {PACK} {version}: targets {', '.join(SAMPLE_MODEL_TYPES)}\n"

@@ -154,9 +154,32 @@ def test_a_part_is_a_view_of_the_fused_rows() -> None:
     torch.testing.assert_close(part(x), fused(x)[:, 2:], atol=1e-6, rtol=0)
 
 
-def test_an_adapter_on_a_quantized_fused_projection_is_one_clear_error(checkpoints: dict[str, Path]) -> None:
+def test_dynamic_quantization_leaves_the_fused_projections_whole_and_adapters_still_apply(
+    checkpoints: dict[str, Path],
+) -> None:
+    """``quantize_dynamic`` swaps exact ``nn.Linear`` modules: the views (a subclass) and the
+    shared projection (not a linear) stay in floating point, so an adapter on v_proj applies."""
     from torch.ao.quantization import quantize_dynamic
 
     model = quantize_dynamic(load_model(checkpoints["llama"], PACK), {torch.nn.Linear}, dtype=torch.qint8)
-    with pytest.raises(AdapterError, match=r"fused by pack 'fused-dense'.*not a plain nn.Linear.*-fused-dense"):
-        get_peft_model(model, lora(["v_proj"], 0))
+    attention = model.model.layers[0].self_attn
+    assert attention.qkv_proj.weight.dtype == torch.float32
+    assert type(attention.o_proj).__module__.startswith("torch.ao.nn.quantized")
+    wrapped = get_peft_model(model, lora(["v_proj"], 0))
+    assert isinstance(wrapped.base_model.model.model.layers[0].self_attn.v_proj.base_layer, PackedPart)
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2_moe"])
+def test_a_seeded_adapter_on_all_linear_starts_from_vanilla_adapter(name: str, checkpoints: dict[str, Path]) -> None:
+    """PEFT draws LoRA's random initialisation in ``named_modules()`` order: the patched model
+    lists q/k/v/o and gate/up/down in vanilla's order, so a fixed seed gives vanilla's adapter."""
+    adapters = []
+    for packs in (None, PACK):
+        model = load_model(checkpoints[name], packs)
+        torch.manual_seed(1234)
+        wrapped = get_peft_model(model, LoraConfig(r=4, target_modules="all-linear"))
+        adapters.append({key: value.clone() for key, value in wrapped.state_dict().items() if "lora_" in key})
+    vanilla, patched = adapters
+    assert list(patched) == list(vanilla) and len(vanilla) > 0
+    for key, value in vanilla.items():
+        assert torch.equal(patched[key], value), key

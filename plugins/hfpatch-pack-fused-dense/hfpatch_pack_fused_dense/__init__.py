@@ -27,7 +27,7 @@ from typing import Any
 from transformers.core_model_loading import WeightConverter
 
 import hfpatch_core
-from hfpatch_core import Converter, LoadContext, Patch
+from hfpatch_core import Converter, LoadContext, Patch, Refusal
 from hfpatch_core.authoring import SizedConcatenate
 
 from .detection import KINDS, Detection, Site, detect, model_class_for
@@ -193,9 +193,14 @@ def provide_model_types() -> list[str]:
 
 
 @hfpatch_core.hookimpl
-def provide_patches(context: LoadContext) -> list[Patch]:
-    """The fused classes for a load (see ``fusions_for``)."""
-    return [fusion.patch for fusion in fusions_for(context)]
+def provide_patches(context: LoadContext) -> list[Patch | Refusal]:
+    """The fused classes for a load (see ``fusions_for``), and a ``Refusal`` with the reason for each
+    candidate the pack leaves alone (``refusals``), which ``hfpatch explain`` and ``check`` show."""
+    patches: list[Patch | Refusal] = [fusion.patch for fusion in fusions_for(context)]
+    if context.config is not None and context.model_type is not None and context.parent is None:
+        refused = refusals(context.config, context.model_class_name)
+        patches += [Refusal(name, reason) for name, reason in sorted(refused.items())]
+    return patches
 
 
 @hfpatch_core.hookimpl

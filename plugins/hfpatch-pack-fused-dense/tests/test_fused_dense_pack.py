@@ -588,3 +588,19 @@ def test_hfpatch_check_covers_the_sample_model_types(capsys: pytest.CaptureFixtu
     assert main(["check", PACK]) == 0
     version = hfpatch_pack_fused_dense.__version__
     assert capsys.readouterr().out == f"ok    {PACK} {version}: targets {', '.join(SAMPLE_MODEL_TYPES)}\n"
+
+
+def test_a_candidate_the_pack_leaves_alone_is_a_refusal_with_its_reason() -> None:
+    """xglm's attention serves as a cross-attention too: its projections may read different
+    inputs, so the pack refuses it, and says why in the plan, explain and check."""
+    from hfpatch_core import Refusal
+    from hfpatch_core.testing import tiny_config
+
+    config = tiny_config("xglm")
+    context = LoadContext("xglm", "XGLMForCausalLM", config)
+    offered = hfpatch_pack_fused_dense.provide_patches(context)
+    refused = {item.target: item.reason for item in offered if isinstance(item, Refusal)}
+    assert refused and refused == hfpatch_pack_fused_dense.refusals(config, "XGLMForCausalLM")
+    assert all(reason.strip() for reason in refused.values())
+    claimed = {item.target for item in offered if not isinstance(item, Refusal)}
+    assert not claimed & set(refused)

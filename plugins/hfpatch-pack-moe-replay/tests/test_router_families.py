@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn as nn
+import transformers
 from hfpatch_pack_moe_replay import (
     ReplayableRouter,
     Routing,
@@ -96,6 +97,13 @@ def family_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Pa
 @pytest.fixture(params=list(FAMILIES))
 def router_family(request: pytest.FixtureRequest) -> str:
     name: str = request.param
+    build, _ = FAMILIES[name]
+    config = build()
+    found = discover(config.model_type, config)
+    if found.refused is not None and found.candidate is not None and "without a top-k" in found.refused:
+        # an older release computes this family's selection otherwise (5.3's deepseek_v3 router picks
+        # groups and experts in one forward): refused there, with its reason, and tested where it is not
+        pytest.skip(f"{name} on transformers {transformers.__version__}: {found.refused}")
     return name
 
 

@@ -29,8 +29,8 @@ from transformers.utils.import_utils import _LazyModule
 
 from .. import _compat
 from .._pipeline.resolution import find_replacement
+from .._scope import LOAD_LOCK
 from ..plan import Conversions, Plan
-from .scope import LOAD_LOCK
 
 _MISSING: Any = object()
 

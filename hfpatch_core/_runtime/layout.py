@@ -20,11 +20,11 @@ import torch
 import torch.nn as nn
 
 from .._pipeline.composition import pattern_regex
+from .._scope import vanilla
 from ..authoring.peft import declares_packed_modules, watch_peft
 from ..conversion import source_patterns_of, target_patterns_of
 from ..errors import PackWarning, WeightLayoutError
 from ..plan import BUILTIN, Plan, plan_of
-from .scope import vanilla
 from .state_dicts import guard_loading, reversible_conversions
 
 #: The attribute of a patched model holding the unbound ``save_pretrained`` it shadows.

@@ -445,7 +445,7 @@ class _HookGuard:
     """The ``HookGuard`` gathering calls packs' hooks under: the load lock, and ``Registries``."""
 
     def hold(self) -> AbstractContextManager[Any]:
-        from .scope import LOAD_LOCK
+        from .._scope import LOAD_LOCK
 
         return LOAD_LOCK
 

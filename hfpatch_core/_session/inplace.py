@@ -38,7 +38,7 @@ import torch.nn as nn
 from .._runtime.frames import blame
 from .._runtime.layout import secure
 from .._runtime.peft_layers import base_model_of, plain_state, refuse_adapters
-from .._runtime.scope import LOAD_LOCK, vanilla
+from .._scope import LOAD_LOCK, vanilla
 from ..errors import ApplyError, HfPatchError
 from ..plan import PLAN_ATTRIBUTE, Claim, Plan, plan_of
 from .loaders import attach, disable, install

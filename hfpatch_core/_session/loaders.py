@@ -29,7 +29,7 @@ from .._runtime import application, recorders
 from .._runtime.frames import Loader, blame, unwind_entered_contexts
 from .._runtime.layout import secure
 from .._runtime.parallel_plans import add_declared_plans
-from .._runtime.scope import LOAD_LOCK
+from .._scope import LOAD_LOCK
 from ..errors import HfPatchError
 from ..plan import PLAN_ATTRIBUTE, Plan
 from ..settings import log_level_from_env

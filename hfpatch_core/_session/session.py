@@ -29,8 +29,8 @@ from .._pipeline.planning import class_names_for, plan_load
 from .._pipeline.selection import Selection, current_selection
 from .._runtime.application import registered, registered_conversions
 from .._runtime.frames import Loader, caller_stacklevel
-from .._runtime.scope import LOAD_LOCK, in_vanilla_block
 from .._runtime.snapshot import HOOK_GUARD
+from .._scope import LOAD_LOCK, in_vanilla_block
 from ..context import LoadContext
 from ..errors import HfPatchError, PackWarning
 from ..plan import Plan

@@ -16,6 +16,8 @@ within a minor release:
 * ``calls``: proving from a forward's source that it gives several children the same
   input (``same_input``);
 * ``peft``: what PEFT sees of a patched model (``HIDDEN_FROM_ADAPTERS``);
+* ``meta``: ``build_on_meta``, a model built on the meta device from inside a hook, as vanilla
+  transformers builds it;
 * ``probes``: questions about the installed transformers (``class_keys_supported``, ...);
 * ``source_patterns_of`` / ``target_patterns_of``: a transform's patterns as written.
 """
@@ -23,9 +25,10 @@ within a minor release:
 from __future__ import annotations
 
 from ..conversion import source_patterns_of, target_patterns_of
-from . import calls, fusion, packing, peft, probes, sized, views
+from . import calls, fusion, meta, packing, peft, probes, sized, views
 from .calls import same_input
 from .fusion import QKV_PROJECTIONS, FusedQKVAttentionBase, forward_for, fuse_projections, linear_like, local_sizes
+from .meta import build_on_meta
 from .packing import PACKED_MODULES, PACKED_SIZES, PackedLinear, PackedPart, packed_modules, packed_outputs
 from .peft import HIDDEN_FROM_ADAPTERS
 from .probes import class_keys_supported, parallel_modes
@@ -45,6 +48,7 @@ __all__ = [
     "SharedProjection",
     "SizedConcatenate",
     "SizedSplit",
+    "build_on_meta",
     "calls",
     "class_keys_supported",
     "forward_for",
@@ -55,6 +59,7 @@ __all__ = [
     "fusion",
     "linear_like",
     "local_sizes",
+    "meta",
     "packed_modules",
     "packed_outputs",
     "packing",

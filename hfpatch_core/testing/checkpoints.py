@@ -465,7 +465,7 @@ _MOST_PARAMETERS = 100_000_000
 
 def parameter_count(config: Any) -> int:
     """The parameters of the causal LM ``tiny_checkpoint`` builds from ``config``, counted on the meta device."""
-    from .._runtime.scope import vanilla
+    from .._scope import vanilla
 
     model_class = _causal_lm_class(config)
     with vanilla(), torch.device("meta"):
@@ -486,7 +486,7 @@ def check_tiny_checkpoint(model_type: str) -> str | None:
     """
     from transformers import AutoModelForCausalLM
 
-    from .._runtime.scope import vanilla
+    from .._scope import vanilla
     from .models import text_token_ids
 
     stage = "config"
@@ -559,7 +559,7 @@ def tiny_checkpoint(
         for name, value in config_overrides.items():
             setattr(config, name, value)
     target = Path(directory) if directory is not None else Path(tempfile.mkdtemp(dir=_scratch_directory()))
-    from .._runtime.scope import vanilla
+    from .._scope import vanilla
 
     try:
         with vanilla():

@@ -138,7 +138,7 @@ def _load_vanilla(source: str | Path, dtype: torch.dtype) -> Any:
     """The model without any pack, also where hfpatch is enabled (``hfpatch run -- pytest``)."""
     from transformers import AutoModelForCausalLM
 
-    from .._runtime.scope import vanilla
+    from .._scope import vanilla
 
     with vanilla():
         return AutoModelForCausalLM.from_pretrained(source, dtype=dtype, use_kernels=False)

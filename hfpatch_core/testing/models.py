@@ -49,7 +49,7 @@ def load_model(
         PackError: strict mode, and a selected pack failed.
         Exception: whatever ``from_pretrained`` raises.
     """
-    from .._runtime.scope import vanilla
+    from .._scope import vanilla
 
     if model_class is None:
         from transformers import AutoModelForCausalLM

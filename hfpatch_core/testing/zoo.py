@@ -9,7 +9,8 @@ Each model type gets one verdict:
 * ``failed``: the pack replaced classes and a check failed (the first failure is the detail);
 * ``refused``: the pack found what it patches but refused it, with its reason (``Refusal``);
 * ``not applicable``: the pack has nothing for this model type;
-* ``no checkpoint``: no tiny checkpoint of this model type could be built or loaded.
+* ``no checkpoint``: no tiny checkpoint of this model type could be built, or vanilla transformers
+  cannot load it and run a padded batch (the pack is not to blame).
 
 ``hfpatch verify PACK --all-model-types`` prints the table for one pack; ``make zoo``
 writes ``docs/zoo.md`` for every first-party pack (``.ci/zoo.py``).
@@ -109,6 +110,20 @@ def _offers_anything(pack: str, checkpoint: Path) -> bool:
     return False
 
 
+def _vanilla_problem(checkpoint: Path) -> str | None:
+    """Why vanilla transformers cannot load ``checkpoint`` and run a padded batch (``None``: it can)."""
+    from .equivalence import _inputs
+    from .models import load_model, logits_of
+
+    try:
+        model = load_model(checkpoint)
+        ids, mask = _inputs(model.config)
+        logits_of(model, ids, mask)
+    except Exception as exc:  # the tiny checkpoint of a model type may fail in any way
+        return f"vanilla transformers cannot run it: {type(exc).__name__}: {exc}"
+    return None
+
+
 def verdict_of(pack: str, model_type: str, directory: Path, *, generate_tokens: int = 8) -> ZooRow:
     """The verdict of ``pack`` on a tiny checkpoint of ``model_type`` built in ``directory``."""
     from .checkpoints import tiny_checkpoint
@@ -128,15 +143,18 @@ def verdict_of(pack: str, model_type: str, directory: Path, *, generate_tokens: 
             return row("not applicable")
         report = check_pack_equivalence(pack, checkpoint, generate_tokens=generate_tokens)
     except Exception as exc:
-        return row("failed", f"{type(exc).__name__}: {exc}")
+        vanilla = _vanilla_problem(checkpoint)
+        return row("no checkpoint", vanilla) if vanilla else row("failed", f"{type(exc).__name__}: {exc}")
     refusals = _refusals(report.plan)
     if not report.replaced:
         loading = [failure for failure in report.failures if failure.startswith("loading with pack")]
         if loading:
-            return row("failed", loading[0])
+            vanilla = _vanilla_problem(checkpoint)
+            return row("no checkpoint", vanilla) if vanilla else row("failed", loading[0])
         return row("refused", "; ".join(refusals)) if refusals else row("not applicable")
     if report.failures:
-        return row("failed", report.failures[0])
+        vanilla = _vanilla_problem(checkpoint)
+        return row("no checkpoint", vanilla) if vanilla else row("failed", report.failures[0])
     replaced = ", ".join(f"{original} <- {replacement}" for original, replacement in sorted(report.replaced.items()))
     if refusals:
         replaced += f" (refused: {'; '.join(refusals)})"

@@ -26,19 +26,17 @@ repeated loads of one model pay for the build once.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import json
 import re
 import threading
-import warnings
 from collections.abc import Iterable, Mapping
 from typing import Any, Literal
 
-import torch
 import torch.nn as nn
 
 from hfpatch_core.authoring.calls import builds_by_name, same_input
+from hfpatch_core.authoring.meta import build_on_meta
 from hfpatch_core.authoring.views import fusable_parts
 
 Kind = Literal["attention", "mlp"]
@@ -298,9 +296,7 @@ def detect(config: Any, model_class: type[nn.Module]) -> Detection:
         cached = _CACHE.get(key)
     if cached is not None:
         return cached
-    with torch.device("meta"), warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # what building on the meta device says is not the load's business
-        model = model_class(copy.deepcopy(config))
+    model = build_on_meta(model_class, config)
     detection = inspect_model(model, getattr(model, "base_model_prefix", "") or "")
     with _CACHE_LOCK:
         if len(_CACHE) >= CACHE_SIZE:

@@ -212,7 +212,8 @@ def test_a_sparse_mixer_is_refused_with_its_reason(tmp_path: Path) -> None:
 
 def test_every_moe_model_type_is_replayed_or_refused_with_a_reason() -> None:
     types = moe_model_types()
-    assert len(types) > 40 and {"deepseek_v3", "qwen3_moe", "llama4", "gpt_oss", "phimoe"} <= set(types)
+    # the enumeration reads the installed release (36 MoE types on 5.3.0, 67 on 5.25.0): it must find these
+    assert {"deepseek_v3", "qwen3_moe", "llama4", "gpt_oss", "phimoe"} <= set(types), types
     silent = []
     for model_type in types:
         found = discover(model_type)

@@ -258,6 +258,8 @@ and a fast core smoke run ({smoke}). transformers is installed `--no-deps` next 
 `USE_HUB_KERNELS=0`. `make test` runs the full suites on the
 oldest (5.3.0) and the newest (5.25.0) release only. To check a pack of your own the same
 way, see [Checking every release of the range](authors-guide.md#checking-every-release-of-the-range).
+Which model types each first-party pack applies to on the newest release, measured on
+every causal-LM model type, is the [zoo table](zoo.md) (`make zoo`).
 
 Results of {date} (CPU, Python 3.11, torch 2.13.0):
 

@@ -181,37 +181,43 @@ def provide_converters(context):
 """
 
 
-_FUSED_MLP_CLASS = """
+def fused_mlp_class(model_type: str = "llama", mlp: str = "LlamaMLP") -> str:
+    """Source of ``FusedGateUpMLP``: ``mlp`` of ``model_type`` with gate/up fused into one ``gate_up_proj``."""
+    return f"""
 import torch
 from torch import nn
 from hfpatch_core import Converter, Patch, hookimpl
 from hfpatch_core.authoring import SizedConcatenate
 from transformers.core_model_loading import WeightConverter
-from transformers.models.llama.modeling_llama import LlamaMLP
+from transformers.models.{model_type}.modeling_{model_type} import {mlp}
 
 
-class FusedGateUpMLP(LlamaMLP):
+class FusedGateUpMLP({mlp}):
     def __init__(self, config):
         super().__init__(config)
         del self.gate_proj, self.up_proj
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
+        bias = getattr(config, "mlp_bias", False)
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
 
     def forward(self, x):
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.down_proj(self.act_fn(gate) * up)
 """
 
-FUSED_MLP_PACK = f"""
-{_FUSED_MLP_CLASS}
+
+def fused_mlp_pack(model_type: str = "llama", mlp: str = "LlamaMLP") -> str:
+    """A pack fusing ``mlp``'s gate/up for ``model_type``, with the converter its checkpoints need."""
+    return f"""
+{fused_mlp_class(model_type, mlp)}
 
 @hookimpl
 def provide_patches(context):
-    return [Patch("LlamaMLP", FusedGateUpMLP)] if context.model_type == "llama" else []
+    return [Patch({mlp!r}, FusedGateUpMLP)] if context.model_type == {model_type!r} else []
 
 
 @hookimpl
 def provide_converters(context):
-    if context.model_type != "llama":
+    if context.model_type != {model_type!r}:
         return []
     size = context.config.intermediate_size
     fuse = WeightConverter(
@@ -219,8 +225,12 @@ def provide_converters(context):
         target_patterns="mlp.gate_up_proj.weight",
         operations=[SizedConcatenate(dim=0, sizes=(size, size))],
     )
-    return [Converter("llama", [fuse])]
+    return [Converter({model_type!r}, [fuse])]
 """
+
+
+_FUSED_MLP_CLASS = fused_mlp_class()
+FUSED_MLP_PACK = fused_mlp_pack()
 
 
 def fused_attention_and_mlp_pack(

@@ -28,7 +28,7 @@ from hfpatch_core.testing import (
     tiny_checkpoint,
     tiny_config,
 )
-from packs import DOUBLING_PACK, MLP_PACK, PackSpec, fused_qkv_pack
+from packs import DOUBLING_PACK, MLP_PACK, PackSpec, fused_mlp_pack, fused_qkv_pack
 
 PLUGIN_TEST = """
 from hfpatch_core.testing import assert_pack_equivalent
@@ -254,42 +254,7 @@ def test_tiny_checkpoints_without_a_directory_leave_nothing_behind(install, tmp_
 
 # --- composite models: the text model is loaded inside, with a plan of its own ---------------
 
-QWEN2_FUSED_MLP_PACK = """
-from torch import nn
-from hfpatch_core import Converter, Patch, hookimpl
-from hfpatch_core import SizedConcatenate
-from transformers.core_model_loading import WeightConverter
-from transformers.models.qwen2.modeling_qwen2 import Qwen2MLP
-
-
-class FusedGateUpQwen2MLP(Qwen2MLP):
-    def __init__(self, config):
-        super().__init__(config)
-        del self.gate_proj, self.up_proj
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-
-    def forward(self, x):
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(self.act_fn(gate) * up)
-
-
-@hookimpl
-def provide_patches(context):
-    return [Patch("Qwen2MLP", FusedGateUpQwen2MLP)] if context.model_type == "qwen2" else []
-
-
-@hookimpl
-def provide_converters(context):
-    if context.model_type != "qwen2":
-        return []
-    size = context.config.intermediate_size
-    fuse = WeightConverter(
-        source_patterns=["mlp.gate_proj.weight", "mlp.up_proj.weight"],
-        target_patterns="mlp.gate_up_proj.weight",
-        operations=[SizedConcatenate(dim=0, sizes=(size, size))],
-    )
-    return [Converter("qwen2", [fuse])]
-"""
+QWEN2_FUSED_MLP_PACK = fused_mlp_pack("qwen2", "Qwen2MLP")
 
 
 def test_a_pack_patching_the_text_model_of_a_composite_model_verifies(install) -> None:
@@ -297,7 +262,7 @@ def test_a_pack_patching_the_text_model_of_a_composite_model_verifies(install) -
     # own; its outer config has no vocab_size, and the pack's replacements are in the nested plan
     install(PackSpec("qwen2-mlp", QWEN2_FUSED_MLP_PACK))
     report = assert_pack_equivalent("qwen2-mlp", "got_ocr2", apply_path=True, generate_tokens=3)
-    assert report.replaced == {"Qwen2MLP": "FusedGateUpQwen2MLP"} and report.max_abs_diff == 0.0
+    assert report.replaced == {"Qwen2MLP": "FusedGateUpMLP"} and report.max_abs_diff == 0.0
     assert report.apply_path and report.round_trip
 
 
@@ -306,7 +271,7 @@ def test_apply_reproduces_patches_inside_a_composite_models_text_model(install, 
     model = load_model(tiny_checkpoint("got_ocr2", tmp_path / "ckpt"))
     plan = hfpatch_core.apply(model, "qwen2-mlp")
     swapped = sorted({type(m).__name__ for n, m in model.named_modules() if n.endswith(".mlp") and "language" in n})
-    assert swapped == ["FusedGateUpQwen2MLP"] and any(inner.replaced for inner in plan.nested)
+    assert swapped == ["FusedGateUpMLP"] and any(inner.replaced for inner in plan.nested)
     hfpatch_core.revert(model)
     restored = {type(m).__name__ for n, m in model.named_modules() if n.endswith(".mlp") and "language" in n}
     assert restored == {"Qwen2MLP"}

@@ -57,15 +57,25 @@ def logits(model) -> torch.Tensor:
         return model(ids).logits
 
 
+#: fused-dense claims at priority -1 (packs written for one family win), fused-mlp at 0: the
+#: selections below raise one of them above the other, or (``all``) leave fused-mlp ahead.
+SELECTIONS = {
+    "all": "fused-mlp",
+    "all,fused-dense@+2": "fused-dense",
+    "fused-dense@+2,fused-mlp": "fused-dense",
+    "fused-mlp@+1,fused-dense": "fused-mlp",
+}
+
+
 def _winner(packs: str) -> tuple[str, str]:
-    raised = next(item for item in packs.split(",") if item.endswith("@+1")).removesuffix("@+1")
-    return raised, next(pack for pack in FUSED if pack != raised)
+    winner = SELECTIONS[packs]
+    return winner, next(pack for pack in FUSED if pack != winner)
 
 
 # --- issue 27 item 2: two packs fusing the same tensors ----------------------------------
 
 
-@pytest.mark.parametrize("packs", ["all,fused-dense@+1", "fused-dense@+1,fused-mlp", "fused-mlp@+1,fused-dense"])
+@pytest.mark.parametrize("packs", list(SELECTIONS))
 def test_two_packs_fusing_the_same_tensors_load_exactly_whichever_wins(
     everything, llama_checkpoint, tmp_path, packs
 ) -> None:
@@ -88,7 +98,7 @@ def test_two_packs_fusing_the_same_tensors_load_exactly_whichever_wins(
     assert [key for key in original if not torch.equal(written[key], original[key].to(torch.float64))] == []
 
 
-@pytest.mark.parametrize("packs", ["fused-dense@+1,fused-mlp", "fused-mlp@+1,fused-dense"])
+@pytest.mark.parametrize("packs", ["fused-dense@+2,fused-mlp", "fused-mlp@+1,fused-dense"])
 def test_explain_and_check_say_what_the_load_does(everything, llama_checkpoint, capsys, packs) -> None:
     winner, loser = _winner(packs)
     conversions = explain(str(llama_checkpoint), new_session(packs)).plan.conversions
@@ -100,7 +110,7 @@ def test_explain_and_check_say_what_the_load_does(everything, llama_checkpoint, 
     assert gate_up == [winner]
     not_applied = {claim.pack: reason for claim, reason in conversions.lost if "mlp.gate_proj" in claim.describe()}
     reasons = {  # fused-dense ties its converter to its patch (patch_targets); fused-mlp to the pack's patches
-        "fused-dense": "its patch 'LlamaMLP' is not applied: priority 0 < 1 of pack 'fused-mlp' ('LlamaMLP' -> "
+        "fused-dense": "its patch 'LlamaMLP' is not applied: priority -1 < 1 of pack 'fused-mlp' ('LlamaMLP' -> "
         "FusedGateUpMLP)",
         "fused-mlp": "no patch of pack 'fused-mlp' is applied",
     }
@@ -114,7 +124,8 @@ def test_explain_and_check_say_what_the_load_does(everything, llama_checkpoint, 
 
 
 def test_a_conflict_names_every_claimant_and_a_selection_the_resolver_checked(everything, llama_checkpoint) -> None:
-    hfpatch_core.enable()  # HF_PATCH_PACKS unset: every installed pack
+    # out of the box fused-mlp (0) is ahead of fused-dense and rival-mlp (-1); raised by 1, fused-dense ties it
+    hfpatch_core.enable("all,fused-dense@+1")
     with pytest.raises(PatchConflictError) as caught:
         AutoModelForCausalLM.from_pretrained(llama_checkpoint)
     error = caught.value
@@ -127,8 +138,8 @@ def test_a_conflict_names_every_claimant_and_a_selection_the_resolver_checked(ev
         "rival-mlp: hfpatch_test_pack_rival_mlp.RivalMLP, priority -1)"
     ) in message
     # the pack with fewer claims on the load is raised: it moves fewer ties on other model types
-    assert error.selection == "all,fused-mlp@+1"
-    assert "HF_PATCH_PACKS=all,fused-mlp@+1 (raises 'fused-mlp' by 1) settles every conflict of llama" in message
+    assert error.selection == "all,fused-dense@+1,fused-mlp@+1"
+    assert f"HF_PATCH_PACKS={error.selection} (raises 'fused-mlp' by 1) settles every conflict of llama" in message
     hfpatch_core.disable()
     model = load_model(llama_checkpoint, error.selection)
     assert type(model.model.layers[0].mlp).__name__ == "FusedGateUpMLP"
@@ -152,6 +163,7 @@ def test_list_finds_the_conflicts_of_every_model_type_and_one_selection_settling
     conflicts = find_conflicts(current_selection())
     found = {(conflict.model_type, conflict.target, conflict.packs) for conflict in conflicts.conflicts}
     assert found == {
+        ("llama", "LlamaMLP", ("fused-dense", "fused-mlp")),
         ("qwen2_moe", "Qwen2MoeAttention", ("fused-dense", "qwen-moe")),
         ("qwen3_moe", "Qwen3MoeAttention", ("fused-dense", "qwen-moe")),
     }
@@ -164,8 +176,10 @@ def test_list_finds_the_conflicts_of_every_model_type_and_one_selection_settling
 
     assert main(["list"]) == 0
     out = capsys.readouterr().out
-    assert "enabled, conflicts with qwen-moe on qwen2_moe; qwen-moe on qwen3_moe" in out
-    assert "enabled, conflicts with fused-dense on qwen2_moe; fused-dense on qwen3_moe" in out
+    statuses = {line.split()[0]: line for line in out.splitlines() if "enabled" in line}
+    assert "conflicts with" in statuses["fused-dense"] and "qwen2_moe" in statuses["fused-dense"]
+    assert "conflicts with fused-dense on qwen2_moe; fused-dense on qwen3_moe" in statuses["qwen-moe"]
+    assert "conflicts with fused-dense on llama" in statuses["fused-mlp"]
     assert f"HF_PATCH_PACKS={settling} settles every one" in out
     monkeypatch.setenv("HF_PATCH_PACKS", settling)
     assert main(["list"]) == 0

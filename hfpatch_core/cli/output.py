@@ -8,8 +8,6 @@ import sys
 from collections.abc import Iterator, Sequence
 from typing import Any, TextIO
 
-import transformers
-
 
 def table(rows: Sequence[Sequence[str]], header: Sequence[str]) -> str:
     widths = [max(len(str(row[i])) for row in [header, *rows]) for i in range(len(header))]
@@ -30,8 +28,10 @@ class UsageError(Exception):
 
 
 def transformers_version() -> str:
+    # from the distribution's metadata: importing transformers imports torch, and `hfpatch list` must not
+    from .._pipeline.selection import installed_transformers_version
 
-    return str(transformers.__version__)
+    return installed_transformers_version()
 
 
 def show_warning(

@@ -24,7 +24,6 @@ __all__ = [
     "BUILTIN",
     "ConversionScope",
     "compose",
-    "fold_into",
     "pattern_regex",
     "patterns_overlap",
     "scope_for",
@@ -173,16 +172,3 @@ def scope_for(model_type: str | None, model_class_name: str, claims: Iterable[Co
         if isinstance(found, str) and found:
             class_types.setdefault(claim.key, found)
     return ConversionScope(frozenset(CONFIG_MAPPING_NAMES), class_types, _compat.class_keys_supported())
-
-
-def fold_into(conversions: Conversions, key: str, base: Sequence[Any]) -> Conversions:
-    """``conversions``' pack transforms, first, in one list for ``key`` ahead of ``base``.
-
-    A release that looks up the root model type's list only (5.3) never reads the list of
-    a composite model's text model: its converters must sit in the root's list.  Built-in
-    transforms of the sub-model's list are left out there, as that release leaves them.
-    """
-    ours = [entry for entries in conversions.lists.values() for entry in entries if entry.origin != BUILTIN]
-    if not ours:
-        return Conversions()
-    return Conversions({key: (*ours, *(ComposedTransform(t, BUILTIN) for t in base))})

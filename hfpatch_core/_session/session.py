@@ -24,8 +24,6 @@ from contextlib import contextmanager
 
 from transformers import monkey_patching
 
-from .._compat import class_keys_supported, conversion_cache
-from .._pipeline.composition import fold_into
 from .._pipeline.gathering import PackSet
 from .._pipeline.planning import class_names_for, plan_load
 from .._pipeline.selection import Selection, current_selection
@@ -193,20 +191,9 @@ class Frame:
         (self.root or self).cleanup.enter_context(registered_conversions(plan.conversions))
         if self.root is not None:
             self.root.nested.append(plan)
-            self._fold_into_root(plan)
         self.cleanup.enter_context(registered(plan))
         self.plan = plan
         return plan
-
-    def _fold_into_root(self, plan: Plan) -> None:
-        # where transformers reads the root model type's list only, a sub-model's converters
-        # join that list until the outermost load ends
-        root_plan = self.root.plan if self.root is not None else None
-        root_type = root_plan.context.model_type if root_plan is not None and root_plan.context else None
-        if self.root is None or not plan.conversions or root_type is None or class_keys_supported():
-            return
-        folded = fold_into(plan.conversions, root_type, list(conversion_cache().get(root_type) or []))
-        self.root.cleanup.enter_context(registered_conversions(folded))
 
     def final_plan(self) -> Plan | None:
         """The load's plan with the plans of the sub-models loaded inside it."""

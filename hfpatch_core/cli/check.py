@@ -19,7 +19,7 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 
 from .. import hookspecs
 from .._pipeline.discovery import PackInfo
-from .._pipeline.gathering import PackSet
+from .._pipeline.gathering import Gathered, PackSet
 from .._pipeline.model_types import (
     default_config,
     model_class_for,
@@ -194,116 +194,131 @@ def check_pack(
         config_for: the config to call the hooks with for a model type (default: its
             default config; ``hfpatch check`` passes a cached tiny config).
     """
-    configs = config_for or default_config
     info = session.selection.packs[name]
-    packs = PackSet({name: info}, guard=HOOK_GUARD)
-    problems: list[str] = []
-    targeted: list[str] = []
+    check = _PackCheck(name, PackSet({name: info}, guard=HOOK_GUARD), config_for or default_config)
+    targeted, declared = check.targets(info, model_types)
+    for model_type in targeted:
+        check.target(model_type, asked=bool(model_types) or model_type in declared)
+    if not targeted and not check.problems:
+        check.note(f"pack {name!r} targets no model type: {NO_TARGETS}")
+    path = _record_path(info) if check.imported else None
+    record: DriftRecord | None = None
+    try:
+        record = read_record(path) if path is not None else None
+    except RecordError as exc:
+        check.note(f"pack {name!r}: {exc}")
+    drift = compare(record, check.found, transformers.__version__) if record is not None and record.releases else ()
+    return CheckResult(
+        name,
+        info.version,
+        tuple(targeted),
+        tuple(check.problems),
+        targets=tuple(sorted(check.found)),
+        record=path,
+        recorded=record is not None and bool(record.releases),
+        drift=drift,
+        refused=tuple(dict.fromkeys(check.refusals)),
+    )
 
-    def note(message: str) -> None:
-        if message not in problems:
-            problems.append(message)
 
-    imported = True
+@dataclasses.dataclass
+class _PackCheck:
+    """One ``check_pack`` run as it goes: the problems found (in order, each once), whether the pack
+    imported, the classes its patches replace and the refusals it gave."""
 
-    def offered(model_type: str, config: Any) -> bool:
-        nonlocal imported
+    name: str
+    packs: PackSet
+    configs: ConfigFor
+    problems: list[str] = dataclasses.field(default_factory=list)
+    imported: bool = True
+    found: set[Target] = dataclasses.field(default_factory=set)
+    refusals: list[str] = dataclasses.field(default_factory=list)
+
+    def note(self, message: str) -> None:
+        if message not in self.problems:
+            self.problems.append(message)
+
+    def gather(self, model_type: str, config: Any) -> Gathered:
         context = LoadContext(model_type=model_type, model_class_name=_default_class_name(model_type), config=config)
-        gathered = packs.gather(context)
+        gathered = self.packs.gather(context)
         for failure in gathered.failures:
-            note(str(failure))
-            imported = imported and failure.stage != "import"
+            self.note(str(failure))
+            self.imported = self.imported and failure.stage != "import"
+        return gathered
+
+    def offers(self, model_type: str, config: Any) -> bool:
+        gathered = self.gather(model_type, config)
         return bool(gathered.claims or gathered.converters)
 
-    for model_type in model_types:
-        unknown = unknown_model_type(model_type)
-        if unknown is None:
-            targeted.append(model_type)
-        else:
-            note(unknown)
-
-    declared: tuple[str, ...] = ()
-    if not model_types:
+    def targets(self, info: PackInfo, model_types: Sequence[str]) -> tuple[list[str], tuple[str, ...]]:
+        """The model types to check (those given, else those the pack targets) and those it declares."""
+        if model_types:
+            for model_type in model_types:
+                unknown = unknown_model_type(model_type)
+                if unknown is not None:
+                    self.note(unknown)
+            return [model_type for model_type in model_types if unknown_model_type(model_type) is None], ()
+        targeted: list[str] = []
         for model_type in CONFIG_MAPPING_NAMES:
-            if offered(model_type, None):
+            if self.offers(model_type, None):
                 targeted.append(model_type)
-            if not imported:
-                break
-        if imported:
-            declared, declaration_problems = declared_model_types(info)
-            for problem in declaration_problems:
-                note(problem)
-            targeted.extend(model_type for model_type in declared if model_type not in targeted)
-        if imported and not targeted and not problems:
-            targeted.extend(
-                model_type for model_type in CONFIG_MAPPING_NAMES if offered(model_type, configs(model_type))
-            )
+            if not self.imported:
+                return targeted, ()
+        declared, declaration_problems = declared_model_types(info)
+        for problem in declaration_problems:
+            self.note(problem)
+        targeted.extend(model_type for model_type in declared if model_type not in targeted)
+        if not targeted and not self.problems:
+            # a pack that decides from the config alone offers nothing for config=None
+            targeted.extend(t for t in CONFIG_MAPPING_NAMES if self.offers(t, self.configs(t)))
+        return targeted, declared
 
-    found: set[Target] = set()
-    refusals: list[str] = []
-    for model_type in targeted:
-        config = configs(model_type)
-        context = LoadContext(model_type=model_type, model_class_name=_default_class_name(model_type), config=config)
-        gathered = packs.gather(context)
-        for failure in gathered.failures:
-            note(str(failure))
-        refusals.extend(f"{model_type}: {refused.target}: {refused.reason}" for refused in gathered.refused)
-        asked = bool(model_types) or model_type in declared
+    def target(self, model_type: str, *, asked: bool) -> None:
+        """Check what the pack offers for ``model_type`` (``asked``: it was named or declared, so it
+        must offer something)."""
+        config = self.configs(model_type)
+        gathered = self.gather(model_type, config)
+        self.refusals.extend(f"{model_type}: {refused.target}: {refused.reason}" for refused in gathered.refused)
         if asked and not (gathered.claims or gathered.converters or gathered.failures or gathered.refused):
-            note(f"pack {name!r} returns no patch and no converter for {model_type} (asked with a config of it)")
+            self.note(
+                f"pack {self.name!r} returns no patch and no converter for {model_type} (asked with a config of it)"
+            )
         classes = modeling_module_classes(model_type)
         for converter in gathered.converters:
-            key = converter.key
-            known = key in CONFIG_MAPPING_NAMES or isinstance(getattr(transformers, key, None), type)
-            if not known:
-                note(
-                    f"pack {name!r}: converter key {key!r} is neither a model type nor a model class of "
-                    f"transformers {transformers.__version__}; no model would use it."
-                )
-            elif not gathered.claims:
-                note(
-                    f"pack {name!r}: converter for {key!r} but no patch of the pack is active for {model_type}; "
-                    "the checkpoint would be converted for modules that were not replaced."
-                )
+            self._converter_key(converter.key, model_type, bool(gathered.claims))
+        context = LoadContext(model_type=model_type, model_class_name=_default_class_name(model_type), config=config)
         try:
-            plan = plan_load(context, packs, class_names=classes, registered={}, report=ignore)
+            plan = plan_load(context, self.packs, class_names=classes, registered={}, report=ignore)
         except (PatchConflictError, ConverterConflictError) as exc:
-            note(str(exc))
+            self.note(str(exc))
         else:
             for problem in [
                 *pattern_problems(plan, classes, _meta_model(plan, config), model_type),
                 *converter_problems(plan),
             ]:
-                note(problem)
+                self.note(problem)
         for claim in gathered.claims:
             hit = targets_of(model_type, [claim.target], classes)
-            found.update(hit)
+            self.found.update(hit)
             if not hit:
-                note(
-                    f"pack {name!r}: patch target {claim.target!r} matches no module class of "
+                self.note(
+                    f"pack {self.name!r}: patch target {claim.target!r} matches no module class of "
                     f"transformers.models.{model_type} in transformers {transformers.__version__}; "
                     "check the class name (it may have been renamed)."
                 )
-    if not targeted and not problems:
-        note(f"pack {name!r} targets no model type: {NO_TARGETS}")
-    path = _record_path(info) if imported else None
-    record: DriftRecord | None = None
-    try:
-        record = read_record(path) if path is not None else None
-    except RecordError as exc:
-        note(f"pack {name!r}: {exc}")
-    drift = compare(record, found, transformers.__version__) if record is not None and record.releases else ()
-    return CheckResult(
-        name,
-        info.version,
-        tuple(targeted),
-        tuple(problems),
-        targets=tuple(sorted(found)),
-        record=path,
-        recorded=record is not None and bool(record.releases),
-        drift=drift,
-        refused=tuple(dict.fromkeys(refusals)),
-    )
+
+    def _converter_key(self, key: str, model_type: str, patched: bool) -> None:
+        known = key in CONFIG_MAPPING_NAMES or isinstance(getattr(transformers, key, None), type)
+        if not known:
+            self.note(
+                f"pack {self.name!r}: converter key {key!r} is neither a model type nor a model class of "
+                f"transformers {transformers.__version__}; no model would use it."
+            )
+        elif not patched:
+            self.note(
+                f"pack {self.name!r}: converter for {key!r} but no patch of the pack is active for {model_type}; "
+                "the checkpoint would be converted for modules that were not replaced."
+            )
 
 
 def targets_of(model_type: str, patch_targets: Iterable[str], classes: Mapping[str, type] | None = None) -> set[Target]:

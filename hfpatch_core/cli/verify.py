@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import tempfile
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from .._session.session import Session
@@ -15,7 +17,6 @@ from .output import UsageError, print_json, table
 
 def cmd_verify(args: argparse.Namespace) -> int:
     from .._pipeline.selection import current_selection
-    from ..testing import Report, TinyCheckpointError, check_pack_equivalence, tiny_checkpoint
     from .check import check_model_types, check_pack, probe_config
     from .demo import checkpoint_problem
 
@@ -47,55 +48,184 @@ def cmd_verify(args: argparse.Namespace) -> int:
             unverified[name] = "; ".join(result.problems) + " (or --model DIR)"
         jobs.extend((name, model_type) for model_type in result.model_types)
     if distributed:
-        return _verify_distributed(jobs, distributed, unverified, args)
-    reports: list[Report] = []
+        outcome = _distributed_outcome(_run(jobs, args, _on_two_ranks(modes=distributed)), unverified)
+    else:
+        outcome = _equivalence_outcome(
+            _run(jobs, args, _on_one_process(args.train_steps)), unverified, args.train_steps
+        )
+    if args.json:
+        print_json(outcome.to_json())
+    else:
+        print(outcome.text())
+    return EXIT_OK if outcome.ok else EXIT_PROBLEMS
+
+
+@dataclasses.dataclass(frozen=True)
+class Outcome:
+    """What one ``hfpatch verify`` run found, computed before anything is shown.
+
+    Attributes:
+        key: the JSON key of the rows (``reports``, or ``distributed`` for ``--distributed``).
+        header: the table's columns.
+        rows: one table row per report.
+        details: a line per failure (or refusal) the table cannot hold.
+        records: the reports as JSON.
+        unverified: the packs that could not be verified, with the reason.
+        ok: every report passed and every pack was verified.
+    """
+
+    key: str
+    header: tuple[str, ...]
+    rows: tuple[tuple[str, ...], ...]
+    details: tuple[str, ...]
+    records: tuple[dict[str, Any], ...]
+    unverified: Mapping[str, str]
+    ok: bool
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            self.key: list(self.records),
+            "unverified": [{"pack": name, "reason": reason} for name, reason in self.unverified.items()],
+        }
+
+    def text(self) -> str:
+        parts = [table(self.rows, self.header)] if self.rows else []
+        parts += [f"\n{line}" for line in self.details]
+        parts += [f"\n{name}: not verified: {reason}" for name, reason in self.unverified.items()]
+        return "\n".join(parts) if parts else "No pack to verify."
+
+
+@dataclasses.dataclass(frozen=True)
+class _Verifier:
+    """How a verify run proves a pack on one checkpoint (``verify(pack, checkpoint, model type)``), the
+    rows of a model it could not build (``failed(pack, model type, message)``), and where it runs."""
+
+    verify: Callable[[str, str, str], list[Any]]
+    failed: Callable[[str, str, str], list[Any]]
+    where: str = ""
+
+
+def _run(jobs: Sequence[tuple[str, str]], args: argparse.Namespace, verifier: _Verifier) -> list[Any]:
+    """Run ``verifier`` on every (pack, model) job with progress on stderr; a model type whose tiny
+    checkpoint cannot be built is a failed row, not the end of the run."""
+    from ..testing import TinyCheckpointError, tiny_checkpoint
+
+    reports: list[Any] = []
     with tempfile.TemporaryDirectory(prefix="hfpatch-verify-") as scratch:
         checkpoints: dict[str, str] = {}
         for index, (name, target) in enumerate(jobs, 1):
-            print(f"[{index}/{len(jobs)}] verifying {name} on {target} ...", file=sys.stderr, flush=True)
+            print(
+                f"[{index}/{len(jobs)}] verifying {name} on {target}{verifier.where} ...", file=sys.stderr, flush=True
+            )
             try:
                 if not args.model and target not in checkpoints:
                     checkpoints[target] = str(tiny_checkpoint(target, os.path.join(scratch, target)))
-                report = check_pack_equivalence(
-                    name, checkpoints.get(target, target), apply_path=True, train_steps=args.train_steps
-                )
-            except Exception as exc:  # one model type that cannot be built is a FAIL row, not the end of the run
+                reports.extend(verifier.verify(name, checkpoints.get(target, target), target))
+            except Exception as exc:
                 message = str(exc) if isinstance(exc, TinyCheckpointError) else f"{type(exc).__name__}: {exc}"
-                report = Report(pack=name, model_type=target, failures=[message])
-            reports.append(report)
-    if args.json:
-        print_json(
-            {
-                "reports": [report.to_json() for report in reports],
-                "unverified": [{"pack": name, "reason": reason} for name, reason in unverified.items()],
-            }
+                reports.extend(verifier.failed(name, target, message))
+    return reports
+
+
+def _on_one_process(train_steps: int) -> _Verifier:
+    from ..testing import Report, check_pack_equivalence
+
+    def verify(name: str, checkpoint: str, target: str) -> list[Any]:
+        return [check_pack_equivalence(name, checkpoint, apply_path=True, train_steps=train_steps)]
+
+    def failed(name: str, target: str, message: str) -> list[Any]:
+        return [Report(pack=name, model_type=target, failures=[message])]
+
+    return _Verifier(verify, failed)
+
+
+def _on_two_ranks(modes: Sequence[str]) -> _Verifier:
+    from ..testing.distributed import ModeReport, verify_distributed
+
+    def verify(name: str, checkpoint: str, target: str) -> list[Any]:
+        return list(verify_distributed(name, checkpoint, list(modes), model_type=target))
+
+    def failed(name: str, target: str, message: str) -> list[Any]:
+        return [ModeReport(name, target, mode, "failed", detail=message) for mode in modes]
+
+    return _Verifier(verify, failed, " on 2 ranks")
+
+
+_MATCH = {True: "match", False: "DIFFERS", None: "-"}
+_DONE = {True: "ok", False: "FAILED", None: "-"}
+
+
+def _diff(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2e}"
+
+
+def _equivalence_outcome(reports: Sequence[Any], unverified: Mapping[str, str], train_steps: int) -> Outcome:
+    training = ("training",) if train_steps else ()
+    rows = tuple(
+        (
+            r.pack,
+            r.model_type,
+            ", ".join(f"{a}->{b}" for a, b in sorted(r.replaced.items())) or "-",
+            _diff(r.max_abs_diff),
+            _MATCH[r.generation_match],
+            _DONE[r.round_trip],
+            _DONE[r.apply_path],
+            *((_training_cell(r),) if train_steps else ()),
+            "PASS" if r.ok else "FAIL",
         )
-    elif reports:
-        rows = [
-            [
-                r.pack,
-                r.model_type,
-                ", ".join(f"{a}->{b}" for a, b in sorted(r.replaced.items())) or "-",
-                "-" if r.max_abs_diff is None else f"{r.max_abs_diff:.2e}",
-                {True: "match", False: "DIFFERS", None: "-"}[r.generation_match],
-                {True: "ok", False: "FAILED", None: "-"}[r.round_trip],
-                {True: "ok", False: "FAILED", None: "-"}[r.apply_path],
-                *([_training_cell(r)] if args.train_steps else []),
-                "PASS" if r.ok else "FAIL",
-            ]
-            for r in reports
-        ]
-        columns = ["pack", "model type", "replaced", "max abs diff", "generation", "round trip", "apply path"]
-        print(table(rows, [*columns, *(["training"] if args.train_steps else []), "verdict"]))
-        for report in reports:
-            for failure in report.failures:
-                print(f"\n{report.pack} on {report.model_type}: {failure}")
-    if not args.json:
-        for name, reason in unverified.items():
-            print(f"\n{name}: not verified: {reason}")
-        if not reports and not unverified:
-            print("No pack to verify.")
-    return EXIT_OK if all(report.ok for report in reports) and not unverified else EXIT_PROBLEMS
+        for r in reports
+    )
+    header = (
+        "pack",
+        "model type",
+        "replaced",
+        "max abs diff",
+        "generation",
+        "round trip",
+        "apply path",
+        *training,
+        "verdict",
+    )
+    details = tuple(f"{r.pack} on {r.model_type}: {failure}" for r in reports for failure in r.failures)
+    return Outcome(
+        "reports",
+        header,
+        rows,
+        details,
+        tuple(r.to_json() for r in reports),
+        unverified,
+        all(r.ok for r in reports) and not unverified,
+    )
+
+
+def _distributed_outcome(reports: Sequence[Any], unverified: Mapping[str, str]) -> Outcome:
+    rows = tuple(
+        (
+            r.pack,
+            r.model_type,
+            r.mode,
+            r.outcome,
+            _diff(r.max_abs_diff),
+            _MATCH[r.generation_match],
+            "PASS" if r.ok else "FAIL",
+        )
+        for r in reports
+    )
+    header = ("pack", "model type", "mode", "outcome", "max abs diff", "generation", "verdict")
+    details = tuple(
+        f"{r.pack} on {r.model_type}, {r.mode}: {r.outcome}: {r.detail}"
+        for r in reports
+        if r.outcome in ("failed", "refused", "unavailable") and r.detail
+    )
+    return Outcome(
+        "distributed",
+        header,
+        rows,
+        details,
+        tuple(r.to_json() for r in reports),
+        unverified,
+        all(r.ok for r in reports) and not unverified,
+    )
 
 
 def _verify_every_model_type(args: argparse.Namespace) -> int:
@@ -146,52 +276,6 @@ def _distributed_modes(value: str | None) -> list[str]:
     if unknown or not modes:
         raise UsageError(f"--distributed takes parallelisms among {','.join(MODES)}, got {value!r}")
     return list(dict.fromkeys(modes))
-
-
-def _verify_distributed(
-    jobs: list[tuple[str, str]], modes: list[str], unverified: dict[str, str], args: argparse.Namespace
-) -> int:
-    """``verify --distributed``: one torchrun of 2 ranks per pack and model, a row per parallelism."""
-    from ..testing import tiny_checkpoint
-    from ..testing.distributed import ModeReport, verify_distributed
-
-    reports: list[ModeReport] = []
-    with tempfile.TemporaryDirectory(prefix="hfpatch-verify-") as scratch:
-        for index, (name, target) in enumerate(jobs, 1):
-            print(f"[{index}/{len(jobs)}] verifying {name} on {target} on 2 ranks ...", file=sys.stderr, flush=True)
-            try:
-                checkpoint = target if args.model else str(tiny_checkpoint(target, os.path.join(scratch, target)))
-                reports.extend(verify_distributed(name, checkpoint, modes, model_type=target))
-            except Exception as exc:  # a model type that cannot be built is a FAIL row, not the end of the run
-                reports.extend(ModeReport(name, target, mode, "failed", detail=str(exc)) for mode in modes)
-    if args.json:
-        print_json(
-            {
-                "distributed": [report.to_json() for report in reports],
-                "unverified": [{"pack": name, "reason": reason} for name, reason in unverified.items()],
-            }
-        )
-    else:
-        rows = [
-            [
-                r.pack,
-                r.model_type,
-                r.mode,
-                r.outcome,
-                "-" if r.max_abs_diff is None else f"{r.max_abs_diff:.2e}",
-                {True: "match", False: "DIFFERS", None: "-"}[r.generation_match],
-                "PASS" if r.ok else "FAIL",
-            ]
-            for r in reports
-        ]
-        if rows:
-            print(table(rows, ["pack", "model type", "mode", "outcome", "max abs diff", "generation", "verdict"]))
-        for report in reports:
-            if report.outcome in ("failed", "refused", "unavailable") and report.detail:
-                print(f"\n{report.pack} on {report.model_type}, {report.mode}: {report.outcome}: {report.detail}")
-        for name, reason in unverified.items():
-            print(f"\n{name}: not verified: {reason}")
-    return EXIT_OK if all(report.ok for report in reports) and not unverified else EXIT_PROBLEMS
 
 
 def _training_cell(report: Any) -> str:

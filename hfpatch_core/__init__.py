@@ -32,6 +32,7 @@ _EXPORTS = {
     "Claim": "plan",
     "Lost": "plan",
     "Refused": "plan",
+    "Foreign": "plan",
     "Plan": "plan",
     "plan_of": "plan",
     "hookimpl": "hookspecs",
@@ -45,6 +46,7 @@ _EXPORTS = {
     "ConflictError": "errors",
     "PatchConflictError": "errors",
     "ConverterConflictError": "errors",
+    "ForeignPatchError": "errors",
     "PackError": "errors",
     "ModelError": "errors",
     "WeightLayoutError": "errors",
@@ -84,6 +86,7 @@ if TYPE_CHECKING:
         ConflictError,
         ConverterConflictError,
         DuplicatePackError,
+        ForeignPatchError,
         HfPatchError,
         InvalidPatchError,
         ModelError,
@@ -95,7 +98,7 @@ if TYPE_CHECKING:
     )
     from .hookspecs import hookimpl
     from .patches import Patch, Refusal
-    from .plan import Claim, Lost, Plan, Refused, plan_of
+    from .plan import Claim, Foreign, Lost, Plan, Refused, plan_of
 
 
 def __getattr__(name: str) -> Any:

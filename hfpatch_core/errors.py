@@ -106,6 +106,15 @@ class ConverterConflictError(ConflictError):
     """Two packs' converters claim the same checkpoint tensors with the same priority."""
 
 
+class ForeignPatchError(ConflictError):
+    """A pack's claim replaces, for a load, a class that code outside hfpatch swapped into
+    transformers (a modeling module's attribute, or a patch registry entry no pack made).
+
+    In the default mode this is reported once as a ``PackWarning`` and the pack's class is
+    used for the load (the foreign class is put back when it ends); strict mode raises it.
+    """
+
+
 class WeightLayoutError(ModelError):
     """A patched model does not match its checkpoint: a weight would be missing, unexpected,
     of the wrong shape, or saved in a layout vanilla transformers cannot read."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal
 
 from .context import LoadContext
 from .conversion import Converter, describe_transform, source_patterns_of
@@ -168,6 +168,44 @@ class Refused:
 
 
 @dataclasses.dataclass(frozen=True)
+class Foreign:
+    """A class of the model that code outside hfpatch replaced, as a load found it.
+
+    Attributes:
+        name: the class name (``LlamaMLP``), or the registry key for a registry entry.
+        replacement: what is in its place, ``module.qualname`` (``"removed"`` for a
+            registry entry taken out during the load).
+        source: ``"module"``: the modeling module's attribute was reassigned (Liger-Kernel's
+            way); ``"registry"``: an entry of transformers' patch registry that no pack
+            made; ``"changed during the load"``: code run by the load cleared or
+            overwrote an entry a pack registered for it.
+        module: the modeling module, for ``"module"``.
+        overridden_by: the pack whose claim replaces the class for this load instead; the
+            foreign class is put back when the load ends.
+    """
+
+    name: str
+    replacement: str
+    source: Literal["module", "registry", "changed during the load"]
+    module: str = ""
+    overridden_by: str | None = None
+
+    @property
+    def situation(self) -> str:
+        """What was found, in words."""
+        return {
+            "module": f"{self.module}.{self.name} is {self.replacement} (set outside hfpatch)",
+            "registry": f"transformers' patch registry maps {self.name!r} to {self.replacement} (no pack made it)",
+            "changed during the load": f"transformers' patch registry entry {self.name!r} of this load became "
+            f"{self.replacement} while the model was built (code outside hfpatch changed it)",
+        }[self.source]
+
+    def describe(self) -> str:
+        overridden = f"; pack {self.overridden_by!r} replaces it for this load" if self.overridden_by else ""
+        return self.situation + overridden
+
+
+@dataclasses.dataclass(frozen=True)
 class Plan:
     """The outcome of resolving every claim gathered for one load.
 
@@ -184,6 +222,7 @@ class Plan:
         nested: the plans of sub-models loaded inside this load.
         refused: the classes packs found to patch and refused, each with the reason
             (``Refusal``); nothing is replaced for them.
+        foreign: the model's classes replaced outside hfpatch (``Foreign``).
     """
 
     context: LoadContext | None
@@ -194,6 +233,7 @@ class Plan:
     conversions: Conversions = dataclasses.field(default_factory=Conversions)
     nested: tuple[Plan, ...] = ()
     refused: tuple[Refused, ...] = ()
+    foreign: tuple[Foreign, ...] = ()
 
     def all_plans(self) -> tuple[Plan, ...]:
         """This plan and the plans of the sub-models loaded inside it."""

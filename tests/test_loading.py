@@ -158,7 +158,9 @@ def test_direct_registration_stays_unless_a_claim_overwrites(install, llama_chec
     assert "already registered with register_patch_mapping" in plan_of(model).lost[0].reason
     install(PackSpec("forcing", mlp_pack("ForcingMLP", overwrite=True, priority=1)))
     hfpatch_core.enable()
-    assert mlp_class(AutoModelForCausalLM.from_pretrained(llama_checkpoint)) == "ForcingMLP"
+    # overwrite=True wins over the user's entry, and the load says so (a foreign replacement, test_foreign)
+    with pytest.warns(PackWarning, match=r"pack 'forcing' replaces LlamaMLP .*no pack made it"):
+        assert mlp_class(AutoModelForCausalLM.from_pretrained(llama_checkpoint)) == "ForcingMLP"
     assert monkey_patching.get_patch_mapping() == {"LlamaMLP": UserMLP}  # the user's entry came back
 
 

@@ -22,9 +22,10 @@ import torch.nn as nn
 
 from .. import _compat
 from ..context import LoadContext
-from ..errors import ConverterConflictError, HfPatchError, PackError, PatchConflictError
-from ..plan import Conversions, Plan
+from ..errors import ConverterConflictError, ForeignPatchError, HfPatchError, PackError, PatchConflictError
+from ..plan import Conversions, Foreign, Plan
 from .composition import compose, scope_for
+from .foreign import foreign_replacements
 from .gathering import Gathered, PackSet
 from .parallel import refuse_unsharded
 from .resolution import PatchDecision, matches, resolve_converters, resolve_patches, unused_converters
@@ -316,6 +317,14 @@ def plan_load(
         )
         for claim, pattern in conversions.unmatched
     )
+    foreign = foreign_replacements(
+        context.model_type,
+        class_names,
+        registered=registered or {},
+        overridable=overridable,
+        replaced=decision.replaced,
+    )
+    report(_overridden(found) for found in foreign if found.overridden_by)
     return Plan(
         context=context,
         packs=tuple(sorted(set(gathered.packs))),
@@ -324,4 +333,17 @@ def plan_load(
         replaced=decision.replaced,
         conversions=conversions,
         refused=gathered.refused,
+        foreign=foreign,
+    )
+
+
+def _overridden(found: Foreign) -> ForeignPatchError:
+    pack = found.overridden_by or "?"
+    return ForeignPatchError(
+        f"pack {pack!r} replaces {found.name} for this load, but {found.situation}: the pack's "
+        "class is used instead, and the other one is put back when the load ends.",
+        f"To keep the other library's class, leave {pack!r} out of HF_PATCH_PACKS for this load, or apply "
+        "that library's patch after loading.",
+        packs=(pack,),
+        target=found.name,
     )

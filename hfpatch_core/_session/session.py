@@ -24,6 +24,7 @@ from contextlib import contextmanager
 
 from transformers import monkey_patching
 
+from .._pipeline.foreign import changed_registry_error, registry_changes
 from .._pipeline.gathering import PackSet
 from .._pipeline.planning import class_names_for, plan_load
 from .._pipeline.selection import Selection, current_selection
@@ -196,10 +197,16 @@ class Frame:
         return plan
 
     def final_plan(self) -> Plan | None:
-        """The load's plan with the plans of the sub-models loaded inside it."""
-        if self.plan is None or not self.nested:
-            return self.plan
-        return dataclasses.replace(self.plan, nested=tuple(self.nested))
+        """The load's plan with the plans of the sub-models loaded inside it, and the entries
+        of its own that code run by the load took out of transformers' patch registry."""
+        if self.plan is None:
+            return None
+        plan = self.plan
+        changed = registry_changes(plan.mapping, monkey_patching.get_patch_mapping()) if plan.mapping else ()
+        if changed:
+            self.session.report(changed_registry_error(plan, changed))
+            plan = dataclasses.replace(plan, foreign=(*plan.foreign, *changed))
+        return dataclasses.replace(plan, nested=tuple(self.nested)) if self.nested else plan
 
 
 _active: Session | None = None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import sys
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -15,7 +16,7 @@ from .._pipeline.model_types import (
     load_config,
     model_class_for,
 )
-from .._pipeline.planning import plan_load
+from .._pipeline.planning import module_classes, plan_load
 from .._pipeline.resolution import find_replacement
 from .._session.session import Session
 from ..context import LoadContext
@@ -65,6 +66,16 @@ class Explanation:
             "refused": [
                 {"pack": refused.pack, "version": refused.version, "class": refused.target, "reason": refused.reason}
                 for refused in self.plan.refused
+            ],
+            "foreign": [
+                {
+                    "class": found.name,
+                    "replacement": found.replacement,
+                    "source": found.source,
+                    "module": found.module or None,
+                    "overridden_by": found.overridden_by,
+                }
+                for found in self.plan.foreign
             ],
             "lost": [
                 {"claim": _claim_json(lost.claim), "class": lost.class_name, "reason": lost.reason}
@@ -143,9 +154,14 @@ def explain(model: str, session: Session, *, registered: Mapping[str, type] | No
     model_class = model_class_for(config)
     with torch.device("meta"):
         instance = model_class(config)
+    # a class is named as transformers' registry resolves it, by its modeling module's attribute:
+    # one swapped in outside hfpatch (Liger-Kernel's way) counts under the name it replaced
+    modeling = sys.modules.get(model_class.__module__)
+    aliases = {id(cls): name for name, cls in module_classes(modeling).items()} if modeling is not None else {}
     counts: dict[str, int] = {}
     for module in instance.modules():
-        counts[type(module).__name__] = counts.get(type(module).__name__, 0) + 1
+        name = aliases.get(id(type(module)), type(module).__name__)
+        counts[name] = counts.get(name, 0) + 1
     context = LoadContext.for_model(model_class, config)
     session.report(session.selection.problems)
     plan = plan_load(
@@ -215,6 +231,10 @@ def cmd_explain(args: argparse.Namespace) -> int:
         print("\nClasses a pack found and refused (left as they are):")
         for refused in plan.refused:
             print(f"  {refused.describe()}")
+    if plan.foreign:
+        print("\nClasses replaced outside hfpatch (another library's patches):")
+        for found in plan.foreign:
+            print(f"  {found.describe()}")
     if explanation.unused:
         print("\nClaims that match no class of this model:")
         for claim in explanation.unused:

@@ -55,9 +55,9 @@ def packs_from_env() -> str | None:
 
 def _boolean(name: str, *, default: bool, meaning: str) -> bool:
     raw = os.environ.get(name)
-    if raw is None:
+    value = (raw or "").strip().lower()
+    if not value:
         return default
-    value = raw.strip().lower()
     if value in _TRUE:
         return True
     if value in _FALSE:

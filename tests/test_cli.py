@@ -54,6 +54,7 @@ def test_list_shows_every_pack_and_why(install) -> None:
         "name": "mlp",
         "distribution": "hfpatch-pack-mlp",
         "version": "1.2.0",
+        "required_by": [],
         "enabled": True,
         "status": "enabled",
         "transformers": "<6,>=5.3",

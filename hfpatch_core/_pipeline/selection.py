@@ -115,8 +115,9 @@ def spec_from_env(*, locked: bool = False) -> SelectionSpec:
         SelectionError: the value is malformed.
         ValueError: ``HF_PATCH_AUTOLOAD`` is not a boolean.
     """
-    from ..settings import packs_from_env
+    from ..settings import autoload_from_env, packs_from_env
 
+    autoload_from_env()  # a malformed value is an error whether or not it decides
     raw = packs_from_env()
     return unset_selection(locked=locked) if raw is None else parse_selection(raw)
 

@@ -183,7 +183,7 @@ def test_under_a_lock_an_unset_selection_means_no_pack(locked, monkeypatch) -> N
 def test_autoload_off_makes_an_unset_selection_mean_no_pack(install, monkeypatch) -> None:
     install(PackSpec("mlp", MLP_PACK))
     with hfpatch_core.enabled() as selection:
-        assert list(selection.packs) == ["mlp"]  # the documented default: every installed pack
+        assert "mlp" in selection.packs  # the documented default: every installed pack
     monkeypatch.setenv("HF_PATCH_AUTOLOAD", "0")
     with hfpatch_core.enabled() as selection:
         assert not selection.packs

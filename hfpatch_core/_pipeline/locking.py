@@ -286,11 +286,15 @@ class Lock:
 
     # --- file ---------------------------------------------------------------------------
     def to_json(self) -> dict[str, Any]:
-        from .. import __version__
+        import importlib_metadata
 
+        try:
+            version = importlib_metadata.version("hfpatch-core")
+        except importlib_metadata.PackageNotFoundError:  # a source tree on the path
+            version = "unknown"
         return {
             "hfpatch_lock": FORMAT,
-            "written_by": f"hfpatch-core {__version__}",
+            "written_by": f"hfpatch-core {version}",
             "transformers": self.transformers,
             "selection": self.selection,
             "packs": {name: pack.to_json() for name, pack in sorted(self.packs.items())},

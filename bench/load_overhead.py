@@ -16,7 +16,10 @@ loaded, interleaved round by round,
       what hfpatch's per-load work (config, plan, checks) adds, i.e. (c)/(b2);
   (c) hfpatch: the same two classes returned by a pack installed as a real
       distribution (dist-info + module on a temporary ``sys.path`` entry), selected
-      with ``hfpatch_core.enable("bench-load")``.
+      with ``hfpatch_core.enable("bench-load")``;
+  (d) hfpatch under a lock: (c) with ``enable("bench-load", lock=...)`` and a lock
+      ``hfpatch lock`` wrote: each load checks the pack's files (hashed once per process,
+      ``stat`` after) and its plan against the lock.  Goal: (d) - (c) <= 1 ms per load.
 
 ``enable()`` / ``disable()`` run outside the timed region of (c): they are once per
 process, not per load.  Each round starts a fresh session, so every (c) sample also
@@ -181,6 +184,7 @@ def llama_section(work: Path, rounds: dict[str, int], *, profile: bool) -> None:
     install_packs(work / "site", [PackSpec(PACK, textwrap.dedent(PACK_SOURCE), module=PACK_MODULE)])
     pack = __import__(PACK_MODULE)
     mapping: dict[str, type] = pack.MAPPING
+    lock = write_lock(work / "hfpatch.lock")
 
     for (title, config), count in zip(llama_configs().items(), rounds.values(), strict=True):
         if count <= 0:
@@ -232,9 +236,9 @@ def llama_section(work: Path, rounds: dict[str, int], *, profile: bool) -> None:
             check(box[0], "BenchMLP", "BenchRMSNorm")
             return seconds
 
-        def through_hfpatch(load: Callable[[], Any] = load) -> float:
+        def through_hfpatch(load: Callable[[], Any] = load, lock: Path | None = None) -> float:
             box: list[Any] = []
-            hfpatch_core.enable(PACK)
+            hfpatch_core.enable(PACK, lock=lock if lock is not None else False)
             try:
                 seconds = timed(lambda: box.append(load()))
             finally:
@@ -248,7 +252,17 @@ def llama_section(work: Path, rounds: dict[str, int], *, profile: bool) -> None:
         outputs = [logits(variant_model) for variant_model in _models(load, mapping)]
         assert all(torch.equal(outputs[0], other) for other in outputs[1:]), "the three loads differ"
         print("  check: (a), (b) and (c) give identical logits; (b) and (c) replace LlamaMLP and every *RMSNorm")
-        samples = interleaved({"a": vanilla, "b": by_hand, "b2": by_hand_fast, "c": through_hfpatch}, count)
+        through_hfpatch(lock=lock)  # the first locked load hashes the pack: once per process
+        samples = interleaved(
+            {
+                "a": vanilla,
+                "b": by_hand,
+                "b2": by_hand_fast,
+                "c": through_hfpatch,
+                "d": lambda load=load: through_hfpatch(load, lock),
+            },
+            count,
+        )
         report(
             f"{title}: from_pretrained",
             samples,
@@ -257,12 +271,54 @@ def llama_section(work: Path, rounds: dict[str, int], *, profile: bool) -> None:
                 "b": "(b) register_patch_mapping by hand",
                 "b2": "(b2) by hand, hfpatch's apply_patches stand-in",
                 "c": f"(c) hfpatch_core.enable({PACK!r})",
+                "d": f"(d) hfpatch_core.enable({PACK!r}, lock=...)",
             },
-            [("b", "a"), ("c", "a"), ("c", "b"), ("b2", "a"), ("c", "b2")],
+            [("b", "a"), ("c", "a"), ("c", "b"), ("b2", "a"), ("c", "b2"), ("d", "c")],
         )
+        extra = median([locked - unlocked for locked, unlocked in zip(samples["d"], samples["c"], strict=True)])
+        verdict = "met" if extra <= 1e-3 else "NOT met"
+        print(f"  locked - unlocked, paired per round: median {extra * 1e3:+.3f} ms (goal <= 1 ms: {verdict})")
+        print(f"  the lock's own checks per load, timed alone: {lock_check_seconds(lock, load) * 1e6:.1f} us")
         if profile:
             hot_spots(load, count=20)
             profile = False  # the tiny model only: the same code runs for every size
+
+
+def write_lock(path: Path) -> Path:
+    """The lock of the bench pack, as ``HF_PATCH_PACKS=bench-load hfpatch lock -o PATH`` writes it."""
+    import os
+
+    from hfpatch_core.cli import main
+
+    os.environ["HF_PATCH_PACKS"] = PACK
+    try:
+        with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet):
+            assert main(["lock", "-o", str(path)]) == 0
+    finally:
+        del os.environ["HF_PATCH_PACKS"]
+    return path
+
+
+def lock_check_seconds(lock: Path, load: Callable[[], Any], calls: int = 2000) -> float:
+    """What a locked load adds, without the load's noise: the packs' and the plan's comparison
+    with the lock (``Lock.check_packs`` + ``Lock.check_plan``) on a loaded model's plan."""
+    import time
+
+    import hfpatch_core
+    from hfpatch_core._session.session import new_session
+
+    session = new_session(PACK, lock=lock)
+    hfpatch_core.enable(PACK, lock=lock)
+    try:
+        plan = hfpatch_core.plan_of(load())
+    finally:
+        hfpatch_core.disable()
+    assert plan is not None and session.lock is not None
+    start = time.perf_counter()
+    for _ in range(calls):
+        session.lock.check_packs(session.selection)
+        session.lock.check_plan(plan)
+    return (time.perf_counter() - start) / calls
 
 
 def hot_spots(load: Callable[[], Any], count: int, pack: str = PACK) -> None:

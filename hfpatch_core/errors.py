@@ -5,7 +5,7 @@ are grouped by how a caller reacts to them (catch the group, not each error):
 
 * ``ConfigurationError``: the choice of packs or the installed set is wrong; fix
   ``HF_PATCH_PACKS`` / ``enable(packs=...)`` or the environment (``SelectionError``,
-  ``DuplicatePackError``).
+  ``DuplicatePackError``, ``LockError``).
 * ``ConflictError``: packs disagree about a target and no rule decides; choose one, e.g.
   ``HF_PATCH_PACKS=all,pack@+1`` (``PatchConflictError``, ``ConverterConflictError``).
 * ``PackError``: a pack failed (import, hook, load); skipped with a ``PackWarning`` unless strict.
@@ -39,6 +39,21 @@ class SelectionError(ConfigurationError, ValueError):
 
 class DuplicatePackError(ConfigurationError):
     """Two installed distributions declare a pack of the same name."""
+
+
+class LockError(ConfigurationError):
+    """The packs a load would use, or its plan, differ from the lock (``HF_PATCH_LOCK``,
+    ``enable(lock=...)``); raised before any weight is read, or the lock file cannot be read.
+
+    Attributes:
+        lock: the lock file.
+        changes: what differs, one phrase each, every one naming its pack or model type.
+    """
+
+    def __init__(self, message: str, *, lock: str = "", changes: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.lock = lock
+        self.changes = changes
 
 
 class PackError(HfPatchError):

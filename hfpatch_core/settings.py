@@ -24,6 +24,17 @@ STRICT_ENV = "HF_PATCH_STRICT"
 #: load's plan (which packs replaced what).  Unset: logging is left to the program.
 LOG_ENV = "HF_PATCH_LOG"
 
+#: ``0``/``false``/``no``/``off`` makes an unset ``HF_PATCH_PACKS`` mean no pack (as pytest's
+#: ``PYTEST_DISABLE_PLUGIN_AUTOLOAD``): in production, only the packs named run.  Unset: ``1``.
+AUTOLOAD_ENV = "HF_PATCH_AUTOLOAD"
+
+#: A lock file written by ``hfpatch lock``: every load checks its packs and plan against it
+#: before any weight is read (``LockError``); an unset ``HF_PATCH_PACKS`` then means no pack.
+LOCK_ENV = "HF_PATCH_LOCK"
+
+#: The file ``hfpatch lock`` writes by default.
+LOCK_FILE = "hfpatch.lock"
+
 #: Set by ``hfpatch run``; makes every Python process that inherits it enable hfpatch
 #: when transformers' modeling code is first imported.
 AUTORUN_ENV = "HFPATCH_AUTORUN"
@@ -42,21 +53,39 @@ def packs_from_env() -> str | None:
     return os.environ.get(PACKS_ENV)
 
 
+def _boolean(name: str, *, default: bool, meaning: str) -> bool:
+    raw = os.environ.get(name)
+    value = (raw or "").strip().lower()
+    if not value:
+        return default
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise ValueError(f"{name}={raw!r} is not a boolean; use one of {sorted(_TRUE)} {meaning}, or unset it.")
+
+
 def strict_from_env() -> bool:
     """Whether ``HF_PATCH_STRICT`` asks for strict mode.
 
     Raises:
         ValueError: the variable holds something that is neither true nor false.
     """
-    raw = os.environ.get(STRICT_ENV, "").strip().lower()
-    if raw in _TRUE:
-        return True
-    if raw in _FALSE:
-        return False
-    raise ValueError(
-        f"{STRICT_ENV}={os.environ[STRICT_ENV]!r} is not a boolean; "
-        f"use one of {sorted(_TRUE)} to turn strict mode on, or unset it."
-    )
+    return _boolean(STRICT_ENV, default=False, meaning="to turn strict mode on")
+
+
+def autoload_from_env() -> bool:
+    """Whether an unset ``HF_PATCH_PACKS`` means every installed pack (``HF_PATCH_AUTOLOAD``, default on).
+
+    Raises:
+        ValueError: the variable holds something that is neither true nor false.
+    """
+    return _boolean(AUTOLOAD_ENV, default=True, meaning="(or 0 to run only the packs HF_PATCH_PACKS names)")
+
+
+def lock_from_env() -> str | None:
+    """The lock file ``HF_PATCH_LOCK`` names, or ``None`` when it is unset or empty."""
+    return os.environ.get(LOCK_ENV, "").strip() or None
 
 
 def log_level_from_env() -> int | None:

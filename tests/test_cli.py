@@ -54,6 +54,7 @@ def test_list_shows_every_pack_and_why(install) -> None:
         "name": "mlp",
         "distribution": "hfpatch-pack-mlp",
         "version": "1.2.0",
+        "required_by": [],
         "enabled": True,
         "status": "enabled",
         "transformers": "<6,>=5.3",
@@ -460,7 +461,8 @@ def test_list_marks_packs_that_conflict_and_a_selection_checked_on_every_model_t
     install(PackSpec("mlp", MLP_PACK), PackSpec("other", mlp_pack("OtherMLP")), PackSpec("norm", NORM_PATTERN_PACK))
     assert main(["list"]) == 0
     out = capsys.readouterr().out
-    status = {row[0]: row[3] for row in (re.split(r"\s{2,}", line) for line in out.splitlines()[2:5])}
+    # columns: pack, distribution, version, required by, status, ...
+    status = {row[0]: row[4] for row in (re.split(r"\s{2,}", line) for line in out.splitlines()[2:5])}
     assert status == {
         "mlp": "enabled, conflicts with other on llama",
         "norm": "enabled",

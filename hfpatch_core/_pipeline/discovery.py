@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import importlib_metadata
@@ -129,3 +129,32 @@ def discover() -> Discovery:
     packs = {name: infos[0] for name, infos in sorted(found.items()) if len(infos) == 1}
     duplicates = {name: tuple(infos) for name, infos in sorted(found.items()) if len(infos) > 1}
     return Discovery(packs=packs, duplicates=duplicates)
+
+
+def required_by(distributions: Iterable[str]) -> dict[str, tuple[str, ...]]:
+    """For each of ``distributions``, the installed distributions whose ``Requires-Dist`` names it:
+    what pulled a pack in.  A requirement under an extra reads ``name[extra]`` (whether that extra
+    was installed is not recorded).  Reads metadata only.
+    """
+    wanted = {canonicalize_name(name): name for name in distributions}
+    found: dict[str, dict[str, None]] = {name: {} for name in wanted.values()}
+    for dist in importlib_metadata.distributions():
+        requirer = dist.metadata["Name"] if dist.metadata is not None else None
+        if not requirer:
+            continue
+        for line in dist.requires or ():
+            try:
+                requirement = Requirement(line)
+            except InvalidRequirement:
+                continue
+            target = wanted.get(canonicalize_name(requirement.name))
+            if target is None or canonicalize_name(requirer) == canonicalize_name(target):
+                continue
+            marker = requirement.marker
+            if marker is None or marker.evaluate({"extra": ""}):
+                found[target][requirer] = None
+                continue
+            for extra in dist.metadata.get_all("Provides-Extra") or ():
+                if marker.evaluate({"extra": extra}):
+                    found[target][f"{requirer}[{extra}]"] = None
+    return {name: tuple(sorted(requirers)) for name, requirers in found.items()}

@@ -5,7 +5,7 @@ The choice is written the same way in ``HF_PATCH_PACKS`` and in ``enable(packs=.
 =====================  ===========================================================
 ``HF_PATCH_PACKS``     meaning
 =====================  ===========================================================
-unset                  every installed pack
+unset                  every installed pack; none with ``HF_PATCH_AUTOLOAD=0`` or a lock
 ``none`` or empty      no pack
 ``a,b``                only ``a`` and ``b``
 ``-a`` / ``all,-a``    every pack but ``a``
@@ -55,6 +55,8 @@ class SelectionSpec:
     priority_offsets: Mapping[str, int] = dataclasses.field(default_factory=dict)
     source: str = ""
     origin: str = PACKS_ENV
+    #: why an unset ``HF_PATCH_PACKS`` selects no pack (``HF_PATCH_AUTOLOAD=0``, a lock); ``""`` otherwise
+    unset_none: str = ""
 
     @property
     def quoted(self) -> str:
@@ -90,8 +92,39 @@ def _join(spec: object) -> str:
     return ",".join(items)
 
 
+def unset_selection(*, locked: bool = False) -> SelectionSpec:
+    """What an unset ``HF_PATCH_PACKS`` selects: every installed pack, or none when
+    ``HF_PATCH_AUTOLOAD`` is off or a lock is in force (``locked``).
+
+    Raises:
+        ValueError: ``HF_PATCH_AUTOLOAD`` is not a boolean.
+    """
+    from ..settings import AUTOLOAD_ENV, LOCK_ENV, autoload_from_env
+
+    if not autoload_from_env():
+        return SelectionSpec(mode="none", source=UNSET, unset_none=f"{PACKS_ENV} unset and {AUTOLOAD_ENV}=0")
+    if locked:
+        return SelectionSpec(mode="none", source=UNSET, unset_none=f"{PACKS_ENV} unset under a lock ({LOCK_ENV})")
+    return SelectionSpec(mode="all", source=UNSET)
+
+
+def spec_from_env(*, locked: bool = False) -> SelectionSpec:
+    """The choice ``HF_PATCH_PACKS`` makes (``unset_selection`` when it is unset).
+
+    Raises:
+        SelectionError: the value is malformed.
+        ValueError: ``HF_PATCH_AUTOLOAD`` is not a boolean.
+    """
+    from ..settings import autoload_from_env, packs_from_env
+
+    autoload_from_env()  # a malformed value is an error whether or not it decides
+    raw = packs_from_env()
+    return unset_selection(locked=locked) if raw is None else parse_selection(raw)
+
+
 def parse_selection(spec: str | Iterable[str] | None, *, origin: str = PACKS_ENV) -> SelectionSpec:
-    """Parse a pack choice; ``None`` (the variable unset) means every pack.
+    """Parse a pack choice; ``None`` (the variable unset) means every pack (see ``unset_selection``
+    for when it means none).
 
     ``origin`` says where the choice came from (``SelectionSpec.origin``): messages about
     it name that, not ``HF_PATCH_PACKS``, when the user wrote it elsewhere.
@@ -196,6 +229,9 @@ def select(spec: SelectionSpec, discovery: Discovery, transformers_version: str)
     status: dict[str, str] = {}
     problems: list[HfPatchError] = []
     for name in installed:
+        if spec.mode == "none" and spec.unset_none:
+            status[name] = f"disabled: {spec.unset_none}"
+            continue
         if spec.mode == "none":
             status[name] = f"disabled: {spec.origin}=none" if spec.origin.isidentifier() else f"disabled: {spec.quoted}"
             continue
@@ -239,16 +275,18 @@ def installed_transformers_version() -> str:
         return "0"
 
 
-def current_selection(packs: str | Iterable[str] | None = None, *, origin: str = PACKS_ENV) -> Selection:
+def current_selection(
+    packs: str | Iterable[str] | None = None, *, origin: str = PACKS_ENV, locked: bool = False
+) -> Selection:
     """Discover the installed packs and apply ``packs`` (``None``: ``HF_PATCH_PACKS``) to them.
 
     ``origin`` names where ``packs`` came from in messages (``parse_selection``); when
-    ``packs`` is ``None`` the choice is the variable's.
+    ``packs`` is ``None`` the choice is the variable's, and its being unset means what
+    ``unset_selection`` says (``locked``: a lock is in force).
 
     Imports neither torch, transformers nor any pack.
     """
-    from ..settings import packs_from_env
     from .discovery import discover
 
-    spec = parse_selection(packs_from_env()) if packs is None else parse_selection(packs, origin=origin)
+    spec = spec_from_env(locked=locked) if packs is None else parse_selection(packs, origin=origin)
     return select(spec, discover(), installed_transformers_version())

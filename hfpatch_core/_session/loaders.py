@@ -33,7 +33,7 @@ from .._scope import LOAD_LOCK
 from ..errors import HfPatchError
 from ..plan import PLAN_ATTRIBUTE, Plan
 from ..settings import log_level_from_env
-from .session import Session, activate, active_session, current_session, live_session, new_session, scoped
+from .session import LockChoice, Session, activate, active_session, current_session, live_session, new_session, scoped
 
 logger = logging.getLogger("hfpatch")
 
@@ -234,7 +234,7 @@ def install(session: Session) -> None:
         activate(session)
 
 
-def enable(packs: str | Iterable[str] | None = None, strict: bool | None = None) -> Selection:
+def enable(packs: str | Iterable[str] | None = None, strict: bool | None = None, lock: LockChoice = None) -> Selection:
     """Turn hfpatch on for this process.
 
     From now on every ``from_pretrained`` / ``from_config`` (Auto classes included)
@@ -247,6 +247,10 @@ def enable(packs: str | Iterable[str] | None = None, strict: bool | None = None)
             items, e.g. ``["all", "-experimental", "fast@+10"]``); ``None`` reads
             ``HF_PATCH_PACKS``.
         strict: make every pack failure an error; ``None`` reads ``HF_PATCH_STRICT``.
+        lock: a lock file ``hfpatch lock`` wrote: every load checks its packs and plan
+            against it before reading a weight (``LockError``), and ``packs=None`` with
+            ``HF_PATCH_PACKS`` unset selects no pack; ``None`` reads ``HF_PATCH_LOCK``,
+            ``False`` locks nothing.
 
     Returns:
         The selection: which packs run, and why each other installed pack does not.
@@ -254,9 +258,10 @@ def enable(packs: str | Iterable[str] | None = None, strict: bool | None = None)
     Raises:
         SelectionError: the choice is malformed or names a pack that is not installed.
         PackError: strict mode, and a selected pack is incompatible or ambiguous.
-        ValueError: ``HF_PATCH_STRICT`` or ``HF_PATCH_LOG`` holds no valid value.
+        LockError: the lock file cannot be read or is not a lock.
+        ValueError: ``HF_PATCH_STRICT``, ``HF_PATCH_AUTOLOAD`` or ``HF_PATCH_LOG`` holds no valid value.
     """
-    session = new_session(packs, strict)
+    session = new_session(packs, strict, lock)
     configure_logging()
     session.report(session.selection.problems)
     install(session)
@@ -264,7 +269,9 @@ def enable(packs: str | Iterable[str] | None = None, strict: bool | None = None)
 
 
 @contextmanager
-def enabled(packs: str | Iterable[str] | None = None, strict: bool | None = None) -> Iterator[Selection]:
+def enabled(
+    packs: str | Iterable[str] | None = None, strict: bool | None = None, lock: LockChoice = None
+) -> Iterator[Selection]:
     """Turn hfpatch on, with these packs, for the loads of the current thread or asyncio task in the block.
 
     ``with hfpatch_core.enabled(packs="fused-mlp") as selection: model = ...from_pretrained(...)``.
@@ -279,6 +286,7 @@ def enabled(packs: str | Iterable[str] | None = None, strict: bool | None = None
     Args:
         packs: which packs run, in ``HF_PATCH_PACKS`` syntax; ``None`` reads ``HF_PATCH_PACKS``.
         strict: make every pack failure an error; ``None`` reads ``HF_PATCH_STRICT``.
+        lock: a lock file, as ``enable``'s; ``None`` reads ``HF_PATCH_LOCK``, ``False`` locks nothing.
 
     Yields:
         The selection: which packs run in the block, and why each other installed pack does not.
@@ -286,10 +294,11 @@ def enabled(packs: str | Iterable[str] | None = None, strict: bool | None = None
     Raises:
         SelectionError: the choice is malformed or names a pack that is not installed.
         PackError: strict mode, and a selected pack is incompatible or ambiguous.
-        ValueError: ``HF_PATCH_STRICT`` or ``HF_PATCH_LOG`` holds no valid value.
+        LockError: the lock file cannot be read or is not a lock.
+        ValueError: ``HF_PATCH_STRICT``, ``HF_PATCH_AUTOLOAD`` or ``HF_PATCH_LOG`` holds no valid value.
     """
     global _open_blocks
-    session = new_session(packs, strict)
+    session = new_session(packs, strict, lock)
     configure_logging()
     session.report(session.selection.problems)
     with LOAD_LOCK:

@@ -17,15 +17,18 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import os
 import threading
 import warnings
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
+from typing import Literal
 
 from transformers import monkey_patching
 
 from .._pipeline.foreign import changed_registry_error, registry_changes
 from .._pipeline.gathering import PackSet
+from .._pipeline.locking import Lock
 from .._pipeline.planning import class_names_for, plan_load
 from .._pipeline.selection import Selection, current_selection
 from .._runtime.application import registered, registered_conversions
@@ -35,15 +38,22 @@ from .._scope import LOAD_LOCK, in_vanilla_block
 from ..context import LoadContext
 from ..errors import HfPatchError, PackWarning
 from ..plan import Plan
-from ..settings import strict_from_env
+from ..settings import lock_from_env, strict_from_env
+
+#: What ``enable(lock=...)`` takes: a lock file, ``None`` for ``HF_PATCH_LOCK``'s, ``False`` for none.
+LockChoice = str | os.PathLike[str] | Literal[False] | None
 
 
 class Session:
-    """The packs one ``enable()`` selected, and the loads made with them."""
+    """The packs one ``enable()`` selected, and the loads made with them.
 
-    def __init__(self, selection: Selection, *, strict: bool) -> None:
+    ``lock``: every plan is checked against it (``Lock.check_packs`` / ``check_plan``).
+    """
+
+    def __init__(self, selection: Selection, *, strict: bool, lock: Lock | None = None) -> None:
         self.selection = selection
         self.strict = strict
+        self.lock = lock
         self.packs = PackSet(selection.packs, guard=HOOK_GUARD)
         self._warned: set[str] = set()
         self._local = threading.local()
@@ -89,11 +99,15 @@ class Session:
         them for the load only, see ``Frame.fusion``), planned as if registered directly.
 
         Raises:
+            LockError: a lock is in force, and the packs or the plan differ from it (raised
+                before the load builds anything or reads a weight).
             PackError: strict mode, and a pack failed or was skipped.
             PatchConflictError: two packs tie on a target.
         """
+        if self.lock is not None:
+            self.lock.check_packs(self.selection)
         self.report(self.selection.problems)
-        return plan_load(
+        plan = plan_load(
             context,
             self.packs,
             priority_offsets=self.selection.spec.priority_offsets,
@@ -103,6 +117,9 @@ class Session:
             report=self.report,
             selection=self.selection.spec,
         )
+        if self.lock is not None:
+            self.lock.check_plan(plan)
+        return plan
 
     @contextmanager
     def applied(
@@ -244,13 +261,37 @@ def current_session() -> Session | None:
 
 def live_session() -> Session | None:
     """The session a load here uses now (``current_session``): ``None`` when there is none, it
-    selects no pack, or inside ``scope.vanilla()``."""
+    selects no pack (and its lock, if any, locks none), or inside ``scope.vanilla()``."""
     session = current_session()
-    if session is None or not session.selection.packs or in_vanilla_block():
+    if session is None or in_vanilla_block():
+        return None
+    if not session.selection.packs and (session.lock is None or not session.lock.packs):
         return None
     return session
 
 
-def new_session(packs: str | Iterable[str] | None = None, strict: bool | None = None) -> Session:
+def lock_for(lock: LockChoice) -> Lock | None:
+    """The lock ``enable(lock=...)`` asks for: ``None`` reads ``HF_PATCH_LOCK``, ``False`` is none.
+
+    Raises:
+        LockError: the lock file cannot be read or is not a lock.
+    """
+    if lock is None:
+        lock = lock_from_env()
+    if lock is None or lock is False:
+        return None
+    if lock is True:
+        raise TypeError("lock=True names no file: pass the lock file, None (HF_PATCH_LOCK) or False")
+    return Lock.read(lock)
+
+
+def new_session(
+    packs: str | Iterable[str] | None = None, strict: bool | None = None, lock: LockChoice = None
+) -> Session:
     """Discover and select packs as ``enable()`` would, without enabling anything."""
-    return Session(current_selection(packs), strict=strict_from_env() if strict is None else strict)
+    locked = lock_for(lock)
+    return Session(
+        current_selection(packs, locked=locked is not None),
+        strict=strict_from_env() if strict is None else strict,
+        lock=locked,
+    )

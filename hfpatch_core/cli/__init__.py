@@ -2,7 +2,7 @@
 
 ``console`` is the console script (``hfpatch run`` goes straight to ``launch``, which imports
 almost nothing); ``parser`` parses and dispatches the others: ``listing`` (list),
-``explain``, ``check`` (with ``drift``, the drift record), ``verify``, ``demo``, ``scaffold``
+``explain``, ``check`` (with ``drift``, the drift record), ``lock``, ``verify``, ``demo``, ``scaffold``
 (new).  Each computes a value and then shows it through ``output``.
 
 Exit codes: 0 success; 1 a check found problems; 2 bad input (arguments,

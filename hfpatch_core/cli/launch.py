@@ -38,15 +38,24 @@ def launch(command: Sequence[str]) -> NoReturn:
     environment's too.
 
     Fails here, once, rather than in every child: on a malformed ``HF_PATCH_PACKS``,
-    ``HF_PATCH_STRICT`` or ``HF_PATCH_LOG``, on a pack name that is not installed (package metadata is read
-    only when the choice names a pack: it costs tens of milliseconds), on a missing
+    ``HF_PATCH_STRICT``, ``HF_PATCH_AUTOLOAD`` or ``HF_PATCH_LOG``, on a missing
+    ``HF_PATCH_LOCK`` file, on a pack name that is not installed (package metadata is
+    read only when the choice names a pack: it costs tens of milliseconds), on a missing
     start-up hook or command.
 
     Raises:
         LaunchError: the command cannot be started; nothing was run.
     """
     from ..errors import HfPatchError
-    from ..settings import AUTORUN_ENV, PACKS_ENV, log_level_from_env, strict_from_env
+    from ..settings import (
+        AUTORUN_ENV,
+        LOCK_ENV,
+        PACKS_ENV,
+        autoload_from_env,
+        lock_from_env,
+        log_level_from_env,
+        strict_from_env,
+    )
 
     command = list(command)
     if command[:1] == ["--"]:
@@ -63,7 +72,11 @@ def launch(command: Sequence[str]) -> NoReturn:
             if parse_selection(choice).named:
                 current_selection()
         strict_from_env()
+        autoload_from_env()
         log_level_from_env()
+        lock = lock_from_env()
+        if lock is not None and not os.path.isfile(lock):
+            raise LaunchError(f"{LOCK_ENV}={lock!r} names no file; write it with `hfpatch lock -o {lock}`, or unset it")
     except (HfPatchError, ValueError) as exc:  # a bad choice, a pack installed twice, a bad variable
         raise LaunchError(str(exc)) from None
     environment = {**os.environ, AUTORUN_ENV: "1"}

@@ -1,4 +1,5 @@
-"""``hfpatch list``: installed packs, enabled or not and why, and the conflicts between them."""
+"""``hfpatch list``: installed packs, enabled or not and why, which distribution required each, and the
+conflicts between them."""
 
 from __future__ import annotations
 
@@ -11,15 +12,16 @@ from .output import print_json, table
 
 
 def cmd_list(args: argparse.Namespace) -> int:
-    from .._pipeline.discovery import discover
-    from .._pipeline.selection import installed_transformers_version, parse_selection, select
-    from ..settings import PACKS_ENV, packs_from_env
+    from .._pipeline.discovery import discover, required_by
+    from .._pipeline.selection import installed_transformers_version, select, spec_from_env
+    from ..settings import PACKS_ENV, lock_from_env
 
     discovery = discover()
     version = installed_transformers_version()
-    selection = select(parse_selection(packs_from_env()), discovery, version)
+    selection = select(spec_from_env(locked=lock_from_env() is not None), discovery, version)
     infos = [*discovery.packs.values(), *(info for infos in discovery.duplicates.values() for info in infos)]
     infos.sort(key=lambda info: (info.name, info.distribution))
+    requirers = required_by(info.distribution for info in infos)
     # a conflict needs two packs: with one enabled, list reads metadata only (no torch, no pack imported)
     conflicts = conflicts_of(selection) if len(selection.packs) > 1 and not args.no_conflicts else None
     rows: list[dict[str, Any]] = [
@@ -27,6 +29,7 @@ def cmd_list(args: argparse.Namespace) -> int:
             "name": info.name,
             "distribution": info.distribution,
             "version": info.version,
+            "required_by": list(requirers.get(info.distribution, ())),
             "enabled": selection.status.get(info.name) == "enabled",
             "status": selection.status.get(info.name, ""),
             "transformers": info.transformers_range or "any",
@@ -68,10 +71,18 @@ def cmd_list(args: argparse.Namespace) -> int:
     print(
         table(
             [
-                [r["name"], r["distribution"], r["version"], r["status"], r["transformers"], r["description"]]
+                [
+                    r["name"],
+                    r["distribution"],
+                    r["version"],
+                    ", ".join(r["required_by"]) or "-",
+                    r["status"],
+                    r["transformers"],
+                    r["description"],
+                ]
                 for r in rows
             ],
-            ["pack", "distribution", "version", "status", "transformers", "description"],
+            ["pack", "distribution", "version", "required by", "status", "transformers", "description"],
         )
     )
     if conflicts is not None and conflicts.conflicts:

@@ -10,6 +10,7 @@ import sys
 import warnings
 from collections.abc import Callable, Sequence
 
+from ..settings import LOCK_FILE
 from . import EXIT_BROKEN_PIPE, EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE
 from .output import UsageError, show_warning, without_progress_bars
 
@@ -129,6 +130,36 @@ def build_parser() -> argparse.ArgumentParser:
     )
     verifying.set_defaults(handler=_lazy("verify", "cmd_verify"))
 
+    locking = commands.add_parser(
+        "lock",
+        help="write the packs and plans of this environment to a lock file, or check the environment against one",
+        description="Write the selected packs (name, distribution, version, a hash of their installed files) and the "
+        "plan of every model type they target. With HF_PATCH_LOCK=FILE every load compares its packs and plan "
+        "with FILE before reading a weight, and raises LockError on a difference.",
+    )
+    locking.add_argument(
+        "-o", "--output", default=LOCK_FILE, metavar="FILE", help=f"the lock file to write (default: {LOCK_FILE})"
+    )
+    locking.add_argument(
+        "--check",
+        metavar="FILE",
+        help="compare this environment with the lock FILE instead of writing one: exit 0 if it matches, "
+        "1 with the differences",
+    )
+    locking.add_argument(
+        "--model-type",
+        action="append",
+        metavar="TYPE",
+        help="also lock this model type's plan (repeatable); those the packs target are always locked",
+    )
+    locking.add_argument(
+        "--model",
+        action="append",
+        metavar="DIR",
+        help="lock its model type's plan as this checkpoint's config makes it, not the default config (repeatable)",
+    )
+    locking.set_defaults(handler=_lazy("lock", "cmd_lock"))
+
     demo = commands.add_parser("demo", help="load a tiny model with and without packs and compare")
     demo.add_argument("--model", help="a local checkpoint directory (default: a tiny random Qwen2-MoE)")
     demo.add_argument(
@@ -168,7 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 #: The commands that load models: transformers' progress bars are off while they run.
-_LOADING_COMMANDS = frozenset({"verify", "demo", "explain"})
+_LOADING_COMMANDS = frozenset({"verify", "demo", "explain", "lock"})
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -31,8 +31,9 @@ def install_pack(
     """Install a pack written as module source into directory ``site`` as a real distribution.
 
     Writes ``<module>.py`` and a ``*.dist-info`` whose ``hfpatch.packs`` entry point is
-    ``name``, then puts ``site`` first on ``sys.path``: discovery finds the pack
-    through ``importlib.metadata`` exactly as it finds a pip-installed one.  Quicker
+    ``name`` and whose ``RECORD`` lists the files with their hashes, as pip's does, then
+    puts ``site`` first on ``sys.path``: discovery finds the pack through
+    ``importlib.metadata`` exactly as it finds a pip-installed one.  Quicker
     than ``install_wheel`` (no build), for rival or helper packs a test defines
     inline, e.g. one that wins a class of the pack under test.
 
@@ -82,11 +83,27 @@ def install_pack(
     ]
     (dist_info / "METADATA").write_text("\n".join(metadata) + "\n")
     (dist_info / "entry_points.txt").write_text(f"[hfpatch.packs]\n{name} = {entry_point or module}\n")
-    (dist_info / "RECORD").write_text("")
+    installed = [module_file] if source is not None else []
+    _write_record(site, dist_info, [*installed, dist_info / "METADATA", dist_info / "entry_points.txt"])
     if str(site) not in sys.path:
         sys.path.insert(0, str(site))
     importlib.invalidate_caches()
     return dist_info
+
+
+def _write_record(site: Path, dist_info: Path, files: Sequence[Path]) -> None:
+    """The ``RECORD`` pip writes: each file with its sha256 and size, and ``RECORD`` itself
+    unhashed (what a lock hashes a pack by)."""
+    import base64
+    import hashlib
+
+    lines = []
+    for path in files:
+        content = path.read_bytes()
+        digest = base64.urlsafe_b64encode(hashlib.sha256(content).digest()).rstrip(b"=").decode()
+        lines.append(f"{path.relative_to(site).as_posix()},sha256={digest},{len(content)}")
+    lines.append(f"{dist_info.name}/RECORD,,")
+    (dist_info / "RECORD").write_text("\n".join(lines) + "\n")
 
 
 def install_wheel(project: str | Path, site: str | Path, *, timeout: float = 120) -> Path:

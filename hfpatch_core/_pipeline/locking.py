@@ -1,0 +1,460 @@
+"""The lock: which packs (by the content of their files) and which plans a run may use.
+
+``hfpatch lock`` writes a ``Lock`` (JSON: readable, and no TOML writer to depend on);
+``HF_PATCH_LOCK`` / ``enable(lock=...)`` make every load compare the packs it would use
+(``Lock.check_packs``) and its plan (``Lock.check_plan``) with it before any weight is
+read.  A pack is hashed over the files its distribution's ``RECORD`` lists, once per
+process: after that only the files' ``stat`` is read, so an edit made while the process
+runs is still seen.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import hashlib
+import json
+import os
+import threading
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+from ..conversion import describe_transform
+from ..errors import LockError
+from ..plan import Plan
+from ..settings import PACKS_ENV
+from .discovery import PackInfo
+from .selection import Selection
+
+#: The format written in ``hfpatch_lock``; a reader refuses any other.
+FORMAT = 1
+
+#: Files of a ``*.dist-info`` that say how, not what, was installed: the same wheel installed
+#: by pip or uv, from an index or a path, is the same pack.
+_INSTALL_RECORDS = frozenset({"RECORD", "INSTALLER", "REQUESTED", "direct_url.json"})
+
+_Stat = tuple[int, int, int] | None
+
+
+def _stat(path: Path) -> _Stat:
+    try:
+        result = os.stat(path)
+    except OSError:
+        return None
+    return (result.st_mtime_ns, result.st_size, result.st_ino)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Installed:
+    """A distribution's files as its ``RECORD`` lists them: ``(relative path, absolute path, recorded hash)``."""
+
+    files: tuple[tuple[str, Path, str], ...]
+
+
+def _dist_info(info: PackInfo) -> Path | None:
+    dist = getattr(info.entry_point, "dist", None)
+    path = getattr(dist, "_path", None)  # importlib_metadata's PathDistribution: its *.dist-info
+    return Path(path) if path is not None else None
+
+
+def _read_record(dist_info: Path) -> _Installed:
+    site = dist_info.parent
+    files = []
+    try:
+        with open(dist_info / "RECORD", newline="", encoding="utf-8") as handle:
+            rows = list(csv.reader(handle))
+    except OSError:
+        rows = []
+    for row in rows:
+        if not row or not row[0]:
+            continue
+        relative = row[0].replace("\\", "/")
+        parts = relative.split("/")
+        # __pycache__ is written by whoever imports first; scripts outside the site carry their
+        # interpreter's path in the shebang: neither is the pack's content
+        if "__pycache__" in parts or relative.endswith(".pyc") or parts[0] == ".." or os.path.isabs(relative):
+            continue
+        if len(parts) == 2 and parts[0] == dist_info.name and parts[1] in _INSTALL_RECORDS:
+            continue
+        files.append((relative, site / relative, row[1] if len(row) > 1 else ""))
+    return _Installed(tuple(sorted(files)))
+
+
+def _file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    try:
+        with open(path, "rb") as handle:
+            for block in iter(lambda: handle.read(1 << 20), b""):
+                digest.update(block)
+    except OSError:
+        return "missing"
+    return digest.hexdigest()
+
+
+#: dist-info path -> (RECORD's stat, its files); dist-info path -> (the files' stats, digest)
+_records: dict[str, tuple[_Stat, _Installed]] = {}
+_digests: dict[str, tuple[tuple[_Stat, ...], str]] = {}
+_cache_lock = threading.Lock()
+
+
+def _installed(dist_info: Path) -> _Installed:
+    key = str(dist_info)
+    record_stat = _stat(dist_info / "RECORD")
+    cached = _records.get(key)
+    if cached is not None and cached[0] == record_stat:
+        return cached[1]
+    installed = _read_record(dist_info)
+    _records[key] = (record_stat, installed)
+    return installed
+
+
+def pack_digest(info: PackInfo) -> str:
+    """The sha256 over the content of every file pack ``info``'s distribution installed (its
+    ``RECORD``, without ``__pycache__``, scripts and the installer's own records), or ``""``
+    when the distribution is not a directory on the path (nothing to hash).
+
+    Computed once per process; later calls only ``stat`` the files, and hash again the
+    distribution whose files changed.
+    """
+    dist_info = _dist_info(info)
+    if dist_info is None:
+        return ""
+    with _cache_lock:
+        installed = _installed(dist_info)
+        stats = tuple(_stat(path) for _, path, _ in installed.files)
+        key = str(dist_info)
+        cached = _digests.get(key)
+        if cached is not None and cached[0] == stats:
+            return cached[1]
+        digest = hashlib.sha256()
+        for relative, path, _ in installed.files:
+            digest.update(f"{relative}\0{_file_sha256(path)}\n".encode())
+        value = digest.hexdigest()
+        _digests[key] = (stats, value)
+        return value
+
+
+def edited_files(info: PackInfo) -> list[str]:
+    """The files of pack ``info`` whose content no longer matches the hash its ``RECORD`` holds."""
+    import base64
+
+    dist_info = _dist_info(info)
+    if dist_info is None:
+        return []
+    edited = []
+    for relative, path, recorded in _installed(dist_info).files:
+        algorithm, _, expected = recorded.partition("=")
+        if algorithm != "sha256" or not expected:
+            continue
+        actual = _file_sha256(path)
+        if actual == "missing":
+            edited.append(f"{relative} (missing)")
+            continue
+        encoded = base64.urlsafe_b64encode(bytes.fromhex(actual)).rstrip(b"=").decode()
+        if encoded != expected:
+            edited.append(relative)
+    return edited
+
+
+# --- the lock's values ----------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class LockedPack:
+    """One selected pack as the lock holds it."""
+
+    name: str
+    distribution: str
+    version: str
+    sha256: str
+    priority_offset: int = 0
+
+    @classmethod
+    def of(cls, info: PackInfo, offset: int = 0) -> LockedPack:
+        """``info`` as installed now."""
+        return cls(info.name, info.distribution, info.version, pack_digest(info), offset)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "distribution": self.distribution,
+            "version": self.version,
+            "sha256": self.sha256,
+            "priority_offset": self.priority_offset,
+        }
+
+
+def _claim_line(claim: Any) -> str:
+    overwrite = ", overwrite" if claim.patch.overwrite else ""
+    return f"{claim.target} -> {claim.patch.replacement_name} [{claim.label}, priority {claim.priority}{overwrite}]"
+
+
+@dataclasses.dataclass(frozen=True)
+class LockedPlan:
+    """One model type's plan as the lock holds it.
+
+    Attributes:
+        model_type: the model type.
+        source: what it was planned from: the model type (its default config) or a
+            checkpoint directory (``hfpatch lock --model DIR``).
+        model_class: the class planned for.
+        fingerprint: ``Plan.fingerprint``.
+        claims: the winning claims, one line each (target, replacement, pack, priority).
+        replaced: for each class of the model type replaced, the replacement and its pack.
+        converters: for each conversion key registered, its composed list, one line each.
+    """
+
+    model_type: str
+    source: str
+    model_class: str
+    fingerprint: str
+    claims: tuple[str, ...] = ()
+    replaced: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    converters: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
+
+    @classmethod
+    def of(cls, plan: Plan, source: str = "") -> LockedPlan:
+        """``plan`` as the lock records it (``source``: see the attribute; default the model type)."""
+        context = plan.context
+        model_type = (context.model_type if context is not None else None) or ""
+        return cls(
+            model_type=model_type,
+            source=source or model_type,
+            model_class=context.model_class_name if context is not None else "",
+            fingerprint=plan.fingerprint,
+            claims=tuple(_claim_line(claim) for claim in plan.entries),
+            replaced={
+                name: f"{claim.patch.replacement_name} [{claim.label}]" for name, claim in sorted(plan.replaced.items())
+            },
+            converters={
+                key: tuple(f"{describe_transform(entry.transform)} [{entry.origin}]" for entry in entries)
+                for key, entries in sorted(plan.conversions.lists.items())
+            },
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "from": self.source,
+            "model_class": self.model_class,
+            "fingerprint": self.fingerprint,
+            "claims": list(self.claims),
+            "replaced": dict(self.replaced),
+            "converters": {key: list(lines) for key, lines in self.converters.items()},
+        }
+
+    def differences(self, now: LockedPlan) -> list[str]:
+        """What ``now`` (the same model type's plan made now) changes, one phrase each."""
+        where = f"model type {self.model_type!r}"
+        found = []
+        for name in sorted({*self.replaced, *now.replaced}):
+            was, is_ = self.replaced.get(name), now.replaced.get(name)
+            if was != is_:
+                found.append(f"{where}: {name} is replaced by {is_ or 'nothing'} (locked: {was or 'not replaced'})")
+        for key in sorted({*self.converters, *now.converters}):
+            was_list, is_list = self.converters.get(key, ()), now.converters.get(key, ())
+            if was_list != is_list:
+                now_text, was_text = list(is_list) or "none", list(was_list) or "none"
+                found.append(f"{where}: the conversions for {key!r} are {now_text} (locked: {was_text})")
+        if not found:
+            added = [claim for claim in now.claims if claim not in self.claims]
+            removed = [claim for claim in self.claims if claim not in now.claims]
+            found += [f"{where}: claim {claim} is new" for claim in added]
+            found += [f"{where}: locked claim {claim} is gone" for claim in removed]
+        if not found:
+            found.append(f"{where}: plan {now.fingerprint} (locked: {self.fingerprint})")
+        return found
+
+
+@dataclasses.dataclass(frozen=True)
+class Lock:
+    """What ``hfpatch lock`` wrote: the selection, its packs and the plans of the model types they target.
+
+    Attributes:
+        path: the file it was read from (or is written to).
+        selection: the ``HF_PATCH_PACKS`` value it was written with (``"all"`` when unset).
+        transformers: the transformers version it was written with (shown, not compared:
+            a plan that changes with it is).
+        packs: the selected packs, by name.
+        plans: the plan of each model type, by model type.
+    """
+
+    path: str
+    selection: str
+    transformers: str
+    packs: Mapping[str, LockedPack]
+    plans: Mapping[str, LockedPlan]
+
+    # --- file ---------------------------------------------------------------------------
+    def to_json(self) -> dict[str, Any]:
+        import importlib_metadata
+
+        try:
+            version = importlib_metadata.version("hfpatch-core")
+        except importlib_metadata.PackageNotFoundError:  # a source tree on the path
+            version = "unknown"
+        return {
+            "hfpatch_lock": FORMAT,
+            "written_by": f"hfpatch-core {version}",
+            "transformers": self.transformers,
+            "selection": self.selection,
+            "packs": {name: pack.to_json() for name, pack in sorted(self.packs.items())},
+            "plans": {model_type: plan.to_json() for model_type, plan in sorted(self.plans.items())},
+        }
+
+    def write(self) -> None:
+        """Write the lock to ``path`` (sorted: the same environment writes the same bytes)."""
+        Path(self.path).write_text(json.dumps(self.to_json(), indent=2) + "\n", encoding="utf-8")
+
+    @classmethod
+    def read(cls, path: str | os.PathLike[str]) -> Lock:
+        """Read the lock file at ``path``.
+
+        Raises:
+            LockError: the file cannot be read or is not a lock ``hfpatch lock`` wrote.
+        """
+        shown = os.fspath(path)
+        try:
+            data = json.loads(Path(shown).read_text(encoding="utf-8"))
+        except OSError as exc:
+            raise LockError(
+                f"hfpatch lock {shown!r} cannot be read ({exc.strerror or exc}); write it with "
+                f"`hfpatch lock -o {shown}`, or point HF_PATCH_LOCK / enable(lock=...) at the lock file.",
+                lock=shown,
+            ) from None
+        except ValueError as exc:
+            raise LockError(
+                f"hfpatch lock {shown!r} is not JSON ({exc}); write it again with `hfpatch lock -o {shown}`.",
+                lock=shown,
+            ) from None
+        if not isinstance(data, dict) or data.get("hfpatch_lock") != FORMAT:
+            raise LockError(
+                f"{shown!r} is not an hfpatch lock of format {FORMAT} (its 'hfpatch_lock' is "
+                f"{data.get('hfpatch_lock') if isinstance(data, dict) else None!r}); write it again with "
+                f"`hfpatch lock -o {shown}`.",
+                lock=shown,
+            )
+        try:
+            packs = {
+                name: LockedPack(
+                    name,
+                    str(pack["distribution"]),
+                    str(pack["version"]),
+                    str(pack["sha256"]),
+                    int(pack.get("priority_offset", 0)),
+                )
+                for name, pack in dict(data["packs"]).items()
+            }
+            plans = {
+                model_type: LockedPlan(
+                    model_type,
+                    str(plan.get("from", model_type)),
+                    str(plan.get("model_class", "")),
+                    str(plan["fingerprint"]),
+                    tuple(map(str, plan.get("claims", ()))),
+                    {str(k): str(v) for k, v in dict(plan.get("replaced", {})).items()},
+                    {str(k): tuple(map(str, v)) for k, v in dict(plan.get("converters", {})).items()},
+                )
+                for model_type, plan in dict(data["plans"]).items()
+            }
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise LockError(
+                f"hfpatch lock {shown!r} is malformed ({type(exc).__name__}: {exc}); write it again with "
+                f"`hfpatch lock -o {shown}`.",
+                lock=shown,
+            ) from None
+        return cls(shown, str(data.get("selection", "all")), str(data.get("transformers", "")), packs, plans)
+
+    # --- comparing ----------------------------------------------------------------------
+    def pack_changes(self, selection: Selection) -> list[str]:
+        """How the packs ``selection`` runs differ from the locked ones, one phrase each naming the pack."""
+        found = []
+        selected = selection.packs
+        offsets = selection.spec.priority_offsets
+        for name in sorted({*self.packs, *selected}):
+            locked, info = self.packs.get(name), selected.get(name)
+            if info is None and locked is not None:
+                why = selection.status.get(name)
+                if selection.spec.unset_none:
+                    why = f"{selection.spec.unset_none} selects no pack; set {PACKS_ENV}={self.selection!r}"
+                found.append(
+                    f"pack {name!r} ({locked.distribution} {locked.version}) is locked but "
+                    + (f"not selected ({why})" if why else "not installed")
+                )
+                continue
+            assert info is not None
+            if locked is None:
+                found.append(
+                    f"pack {name!r} ({info.distribution} {info.version}) was added: it is selected "
+                    f"({selection.spec.quoted}) but not in the lock"
+                )
+                continue
+            if info.distribution != locked.distribution:
+                found.append(f"pack {name!r} now comes from {info.distribution} (locked: {locked.distribution})")
+            elif info.version != locked.version:
+                found.append(
+                    f"pack {name!r} ({info.distribution}) is version {info.version} (locked: {locked.version})"
+                )
+            elif pack_digest(info) != locked.sha256:
+                edited = edited_files(info)
+                detail = (
+                    f"edited since installed: {', '.join(edited)}"
+                    if edited
+                    else "reinstalled from other sources or edited with its RECORD"
+                )
+                found.append(
+                    f"pack {name!r} ({info.distribution} {info.version}) has files that differ from the locked ones "
+                    f"({detail})"
+                )
+            offset = offsets.get(name, 0)
+            if offset != locked.priority_offset:
+                found.append(f"pack {name!r} has priority offset {offset:+d} (locked: {locked.priority_offset:+d})")
+        return found
+
+    def plan_changes(self, plan: Plan, source: str = "") -> list[str]:
+        """How ``plan`` differs from the locked plan of its model type, one phrase each; a model
+        type the lock has no plan for differs when the plan replaces or converts anything."""
+        now = LockedPlan.of(plan, source)
+        locked = self.plans.get(now.model_type)
+        if locked is None:
+            if not plan.entries and not plan.conversions:
+                return []
+            what = ", ".join([*now.claims, *(f"conversions for {key!r}" for key in now.converters)])
+            return [f"model type {now.model_type or '?'!r} has no plan in the lock, and the packs would apply {what}"]
+        if locked.fingerprint == now.fingerprint:
+            return []
+        return locked.differences(now)
+
+    def error(self, changes: Iterable[str], *, model_types: Iterable[str] = ()) -> LockError:
+        """The ``LockError`` for ``changes``, with how to fix it."""
+        changes = tuple(changes)
+        missing = [f"--model-type {t}" for t in model_types if t and t not in self.plans]
+        again = f"hfpatch lock -o {self.path}" + "".join(f" {option}" for option in missing)
+        selection = f"{PACKS_ENV}={self.selection!r}"
+        return LockError(
+            f"the packs or plan of this load differ from the lock {self.path!r}: "
+            + "; ".join(changes)
+            + f". If the change is meant, write the lock again (`{again}`, with {selection} as it was written) and "
+            "ship it; otherwise restore the locked environment (pip install the locked versions, uninstall or "
+            f"leave out with {PACKS_ENV} the packs not locked). `hfpatch lock --check {self.path}` lists every "
+            "difference.",
+            lock=self.path,
+            changes=changes,
+        )
+
+    def check_packs(self, selection: Selection) -> None:
+        """Raise ``LockError`` when the packs ``selection`` runs differ from the locked ones."""
+        changes = self.pack_changes(selection)
+        if changes:
+            raise self.error(changes)
+
+    def check_plan(self, plan: Plan) -> None:
+        """Raise ``LockError`` when ``plan`` differs from the locked plan of its model type."""
+        changes = self.plan_changes(plan)
+        if changes:
+            model_type = plan.context.model_type if plan.context is not None else None
+            raise self.error(changes, model_types=[model_type or ""])
+
+
+def read_lock(path: str | os.PathLike[str]) -> Lock:
+    """``Lock.read``: the lock file at ``path``."""
+    return Lock.read(path)

@@ -1,0 +1,226 @@
+"""``hfpatch lock``, ``HF_PATCH_LOCK`` / ``enable(lock=...)``, ``HF_PATCH_AUTOLOAD`` and ``hfpatch list``'s
+required-by column, on packs installed as real distributions."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+from transformers import LlamaForCausalLM
+
+import hfpatch_core
+from conftest import tiny_llama_config
+from hfpatch_core.cli import main
+from hfpatch_core.plan import plan_of
+from hfpatch_core.testing import install_pack
+from packs import MLP_PACK, PackSpec, mlp_pack, write_pack
+
+#: A pack whose plan follows a variable, not its files: the plan changes with nothing reinstalled.
+SWITCHING_PACK = """
+    import os
+    from hfpatch_core import Patch, hookimpl
+    from transformers.models.llama.modeling_llama import LlamaMLP
+
+    class FirstMLP(LlamaMLP):
+        pass
+
+    class SecondMLP(LlamaMLP):
+        pass
+
+    @hookimpl
+    def provide_patches(context):
+        if context.model_type != "llama":
+            return []
+        return [Patch("LlamaMLP", SecondMLP if os.environ.get("SWITCHING_PACK_SECOND") else FirstMLP)]
+"""
+
+
+def load() -> LlamaForCausalLM:
+    return LlamaForCausalLM._from_config(tiny_llama_config())
+
+
+def write_lock(path: Path, *arguments: str) -> dict:
+    assert main(["lock", "-o", str(path), *arguments]) == 0
+    return json.loads(path.read_text())
+
+
+@pytest.fixture
+def locked(install, monkeypatch, tmp_path) -> tuple[Path, Path]:
+    """Pack ``mlp`` installed and selected, and its lock: (site, lock file)."""
+    site = install(PackSpec("mlp", MLP_PACK))
+    monkeypatch.setenv("HF_PATCH_PACKS", "mlp")
+    lock = tmp_path / "hfpatch.lock"
+    write_lock(lock)
+    return site, lock
+
+
+def test_the_lock_holds_the_packs_and_plans_and_a_load_that_matches_passes(locked, capsys) -> None:
+    _, lock = locked
+    data = json.loads(lock.read_text())
+    assert data["selection"] == "mlp"
+    pack = data["packs"]["mlp"]
+    assert (pack["distribution"], pack["version"], len(pack["sha256"])) == ("hfpatch-pack-mlp", "1.0.0", 64)
+    plan = data["plans"]["llama"]
+    assert plan["replaced"] == {"LlamaMLP": "hfpatch_test_pack_mlp.PackMLP [mlp==1.0.0]"}
+    with hfpatch_core.enabled(lock=lock):
+        model = load()
+    assert type(model.model.layers[0].mlp).__name__ == "PackMLP"
+    assert plan_of(model).fingerprint == plan["fingerprint"]
+    capsys.readouterr()
+    assert main(["lock", "--check", str(lock)]) == 0
+    assert "matches" in capsys.readouterr().out
+
+
+def _added(site: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    write_pack(site.with_name(site.name + "-more"), PackSpec("extra", mlp_pack("ExtraMLP", priority=1)))
+    monkeypatch.setenv("HF_PATCH_PACKS", "all")
+
+
+def _removed(site: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    shutil.rmtree(next(site.glob("hfpatch_pack_mlp-*.dist-info")))
+
+
+def _upgraded(site: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    shutil.rmtree(next(site.glob("hfpatch_pack_mlp-*.dist-info")))
+    write_pack(site, PackSpec("mlp", MLP_PACK, version="1.1.0"))
+
+
+def _edited(site: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    with open(site / "hfpatch_test_pack_mlp.py", "a") as handle:
+        handle.write("# edited in place\n")
+
+
+@pytest.mark.parametrize(
+    ("change", "expected"),
+    [
+        (_added, "pack 'extra' (hfpatch-pack-extra 1.0.0) was added"),
+        (_removed, "pack 'mlp' (hfpatch-pack-mlp 1.0.0) is locked but not installed"),
+        (_upgraded, "pack 'mlp' (hfpatch-pack-mlp) is version 1.1.0 (locked: 1.0.0)"),
+        (_edited, "edited since installed: hfpatch_test_pack_mlp.py"),
+    ],
+    ids=["added", "removed", "upgraded", "edited"],
+)
+def test_a_changed_pack_fails_the_load_before_it_builds(locked, monkeypatch, change, expected) -> None:
+    site, lock = locked
+    if change is _removed:
+        monkeypatch.setenv("HF_PATCH_PACKS", "none")
+    change(site, monkeypatch)
+    with hfpatch_core.enabled(lock=lock), pytest.raises(hfpatch_core.LockError) as caught:
+        load()
+    assert expected in str(caught.value)
+    assert f"hfpatch lock -o {lock}" in str(caught.value)
+    assert isinstance(caught.value, hfpatch_core.ConfigurationError)
+    # the same difference without a model: hfpatch lock --check
+    assert main(["lock", "--check", str(lock)]) == 1
+
+
+def test_an_edit_made_after_the_first_locked_load_is_seen(locked) -> None:
+    site, lock = locked
+    with hfpatch_core.enabled(lock=lock):
+        load()  # hashed here, once
+        _edited(site, pytest.MonkeyPatch())
+        with pytest.raises(hfpatch_core.LockError, match="edited since installed"):
+            load()
+
+
+def test_a_different_plan_with_the_same_packs_fails_the_load(install, monkeypatch, tmp_path) -> None:
+    install(PackSpec("switching", SWITCHING_PACK))
+    monkeypatch.setenv("HF_PATCH_PACKS", "switching")
+    lock = tmp_path / "hfpatch.lock"
+    write_lock(lock)
+    monkeypatch.setenv("SWITCHING_PACK_SECOND", "1")
+    monkeypatch.setenv("HF_PATCH_LOCK", str(lock))
+    hfpatch_core.enable()
+    with pytest.raises(hfpatch_core.LockError) as caught:
+        load()
+    assert (
+        "model type 'llama': LlamaMLP is replaced by hfpatch_test_pack_switching.SecondMLP [switching==1.0.0] "
+        "(locked: hfpatch_test_pack_switching.FirstMLP [switching==1.0.0])"
+    ) in str(caught.value)
+    assert main(["lock", "--check", str(lock)]) == 1
+
+
+def test_a_model_type_the_lock_has_no_plan_for_fails_only_when_patched(install, monkeypatch, tmp_path) -> None:
+    install(PackSpec("mlp", MLP_PACK))
+    monkeypatch.setenv("HF_PATCH_PACKS", "mlp")
+    lock = tmp_path / "hfpatch.lock"
+    data = write_lock(lock)
+    del data["plans"]["llama"]
+    lock.write_text(json.dumps(data))
+    with hfpatch_core.enabled(lock=lock), pytest.raises(hfpatch_core.LockError) as caught:
+        load()
+    assert "model type 'llama' has no plan in the lock" in str(caught.value)
+    assert "--model-type llama" in str(caught.value)
+
+
+def test_lock_check_exit_codes_and_a_missing_lock(locked, install, monkeypatch, capsys, tmp_path) -> None:
+    site, lock = locked
+    assert main(["lock", "--check", str(lock)]) == 0
+    _added(site, monkeypatch)
+    capsys.readouterr()
+    assert main(["lock", "--check", str(lock)]) == 1
+    out = capsys.readouterr().out
+    assert "differs" in out and "  - pack 'extra'" in out
+    assert main(["lock", "--check", str(tmp_path / "absent.lock")]) == 2
+    assert "cannot be read" in capsys.readouterr().err
+    with pytest.raises(hfpatch_core.LockError, match="cannot be read"):
+        hfpatch_core.enable(lock=tmp_path / "absent.lock")
+
+
+def test_under_a_lock_an_unset_selection_means_no_pack(locked, monkeypatch) -> None:
+    _, lock = locked
+    monkeypatch.delenv("HF_PATCH_PACKS")
+    with hfpatch_core.enabled(lock=lock) as selection:
+        assert not selection.packs
+        assert selection.status["mlp"] == "disabled: HF_PATCH_PACKS unset under a lock (HF_PATCH_LOCK)"
+        with pytest.raises(hfpatch_core.LockError, match="set HF_PATCH_PACKS='mlp'"):
+            load()
+
+
+def test_autoload_off_makes_an_unset_selection_mean_no_pack(install, monkeypatch) -> None:
+    install(PackSpec("mlp", MLP_PACK))
+    with hfpatch_core.enabled() as selection:
+        assert "mlp" in selection.packs  # the documented default: every installed pack
+    monkeypatch.setenv("HF_PATCH_AUTOLOAD", "0")
+    with hfpatch_core.enabled() as selection:
+        assert not selection.packs
+        assert selection.status["mlp"] == "disabled: HF_PATCH_PACKS unset and HF_PATCH_AUTOLOAD=0"
+        assert type(load().model.layers[0].mlp).__name__ == "LlamaMLP"
+    monkeypatch.setenv("HF_PATCH_PACKS", "mlp")
+    with hfpatch_core.enabled() as selection:
+        assert list(selection.packs) == ["mlp"]
+    monkeypatch.setenv("HF_PATCH_AUTOLOAD", "maybe")
+    with pytest.raises(ValueError, match="HF_PATCH_AUTOLOAD='maybe' is not a boolean"):
+        hfpatch_core.enable()
+
+
+def test_list_shows_which_distribution_required_each_pack(install, capsys, tmp_path) -> None:
+    site = install(PackSpec("mlp", MLP_PACK), PackSpec("other", mlp_pack("OtherMLP")))
+    for name, requires in [
+        ("my-app", ["hfpatch-pack-mlp>=1"]),
+        ("trainer-kit", ["Hfpatch_Pack_MLP; extra == 'fast'", "hfpatch-pack-other; python_version < '3'"]),
+    ]:
+        dist_info = site / f"{name.replace('-', '_')}-1.0.dist-info"
+        dist_info.mkdir()
+        lines = [f"Name: {name}", "Version: 1.0", "Provides-Extra: fast", *(f"Requires-Dist: {r}" for r in requires)]
+        (dist_info / "METADATA").write_text("Metadata-Version: 2.1\n" + "\n".join(lines) + "\n")
+    assert main(["list", "--json", "--no-conflicts"]) == 0
+    rows = {row["name"]: row for row in json.loads(capsys.readouterr().out)["packs"]}
+    assert rows["mlp"]["required_by"] == ["my-app", "trainer-kit[fast]"]
+    assert rows["other"]["required_by"] == []
+    assert main(["list", "--no-conflicts"]) == 0
+    table = capsys.readouterr().out.splitlines()
+    assert "required by" in table[0]
+    assert any(line.startswith("mlp ") and "my-app, trainer-kit[fast]" in line for line in table)
+    assert any(line.startswith("other ") and " - " in line for line in table)
+
+
+def test_install_pack_records_its_files_as_pip_does(tmp_path) -> None:
+    dist_info = install_pack(tmp_path / "site", "recorded", MLP_PACK)
+    record = (dist_info / "RECORD").read_text().splitlines()
+    assert record[0].startswith("hfpatch_test_pack_recorded.py,sha256=")
+    assert record[-1] == f"{dist_info.name}/RECORD,,"
+    sys.modules.pop("hfpatch_test_pack_recorded", None)

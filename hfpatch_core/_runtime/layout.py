@@ -25,6 +25,7 @@ from ..authoring.peft import declares_packed_modules, watch_peft
 from ..conversion import source_patterns_of, target_patterns_of
 from ..errors import PackWarning, WeightLayoutError
 from ..plan import BUILTIN, Plan, plan_of
+from . import provenance
 from .state_dicts import guard_loading, reversible_conversions
 
 #: The attribute of a patched model holding the unbound ``save_pretrained`` it shadows.
@@ -231,7 +232,11 @@ def _guarded_save_pretrained(self: Any, *args: Any, **kwargs: Any) -> Any:
     peft = getattr(self, "_hf_peft_config_loaded", False)
     if plan is not None and kwargs.get("save_original_format", True) and not peft:
         verify_save_layout(self, plan)
-    return type(self).save_pretrained(self, *args, **kwargs)
+    result = type(self).save_pretrained(self, *args, **kwargs)
+    directory = args[0] if args else kwargs.get("save_directory")
+    if plan is not None and directory is not None and kwargs.get("is_main_process", True):
+        provenance.write(directory, plan)
+    return result
 
 
 class SaveGuard:

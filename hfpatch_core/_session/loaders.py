@@ -25,11 +25,11 @@ import torch.nn as nn
 from transformers import PreTrainedModel, modeling_utils
 
 from .._pipeline.selection import Selection
-from .._runtime import application, recorders
+from .._runtime import application, provenance, recorders
 from .._runtime.frames import Loader, blame, unwind_entered_contexts
 from .._runtime.layout import secure
 from .._runtime.parallel_plans import add_declared_plans
-from .._scope import LOAD_LOCK
+from .._scope import LOAD_LOCK, in_vanilla_block
 from ..errors import HfPatchError
 from ..plan import PLAN_ATTRIBUTE, Plan
 from ..settings import log_level_from_env
@@ -103,7 +103,25 @@ def _managed(cls: type, load: Callable[[], Any], code: types.CodeType, *, loadin
             secure(model, plan, info)
         log.restore(model if isinstance(model, nn.Module) else None)
     attach(model, plan)
+    if all(outer.loader is None for outer in session.frames()):  # a root load (its frame is gone)
+        _compare_provenance(model, plan)
     return result
+
+
+def _compare_provenance(model: object, plan: Plan) -> None:
+    """Log how this load's packs differ from those a checkpoint saved from a patched model records."""
+    source = getattr(getattr(model, "config", None), "_name_or_path", None)
+    recorded = provenance.read(source) if isinstance(source, str) and source else None
+    if recorded is None:
+        return
+    differences = provenance.differences(recorded, plan)
+    if differences:
+        logger.warning(
+            "hfpatch: %s was saved from a model patched otherwise (%s): %s",
+            source,
+            provenance.FILE_NAME,
+            "; ".join(differences),
+        )
 
 
 def _apply_patches(mapping: Mapping[str, type] | None = None) -> AbstractContextManager[None]:
@@ -154,7 +172,10 @@ def _wrap_from_pretrained(original: classmethod) -> classmethod:
     def from_pretrained(cls: type, *args: Any, **kwargs: Any) -> Any:
         if live_session() is None:
             with LOAD_LOCK:  # a vanilla load: not while another thread's replacements are installed
-                return function(cls, *args, **kwargs)
+                loaded = function(cls, *args, **kwargs)
+            if current_session() is not None and not in_vanilla_block():  # enabled, selecting no pack
+                _compare_provenance(loaded[0] if kwargs.get("output_loading_info") else loaded, Plan(context=None))
+            return loaded
         wanted = bool(kwargs.pop("output_loading_info", False))
         result = _managed(
             cls,

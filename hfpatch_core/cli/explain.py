@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import sys
 from collections.abc import Iterable, Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -18,6 +19,7 @@ from .._pipeline.model_types import (
 )
 from .._pipeline.planning import module_classes, plan_load
 from .._pipeline.resolution import find_replacement
+from .._runtime import provenance
 from .._session.session import Session
 from ..context import LoadContext
 from ..conversion import describe_transform
@@ -46,6 +48,8 @@ class Explanation:
     classes: tuple[ClassReport, ...]
     unused: tuple[Claim, ...]
     warnings: tuple[str, ...]
+    #: what a checkpoint saved from a patched model records (``provenance``), or ``None``
+    provenance: Mapping[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -99,6 +103,7 @@ class Explanation:
                 for claim, reason in self.plan.conversions.lost
             ],
             "warnings": list(self.warnings),
+            "provenance": dict(self.provenance) if self.provenance is not None else None,
         }
 
 
@@ -190,6 +195,7 @@ def explain(model: str, session: Session, *, registered: Mapping[str, type] | No
         classes=classes,
         unused=unused,
         warnings=tuple(nesting_warnings(instance, plan)),
+        provenance=provenance.read(model) if Path(model).is_dir() else None,
     )
 
 
@@ -219,6 +225,12 @@ def cmd_explain(args: argparse.Namespace) -> int:
             ]
         )
     print(table(rows, ["class", "count", "replaced by"]))
+    if explanation.provenance is not None:
+        recorded = explanation.provenance
+        made = ", ".join(f"{p.get('name')} {p.get('version')}" for p in recorded.get("packs", [])) or "no pack"
+        print(f"\nSaved from a model patched by {made} (plan {recorded.get('fingerprint')}; {provenance.FILE_NAME})")
+        for difference in provenance.differences(recorded, plan):
+            print(f"  differs now: {difference}")
     lost = [(report.name, text) for report in explanation.classes for text in report.lost]
     if lost:
         print("\nClaims that lost or are shadowed:")

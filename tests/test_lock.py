@@ -224,3 +224,65 @@ def test_install_pack_records_its_files_as_pip_does(tmp_path) -> None:
     assert record[0].startswith("hfpatch_test_pack_recorded.py,sha256=")
     assert record[-1] == f"{dist_info.name}/RECORD,,"
     sys.modules.pop("hfpatch_test_pack_recorded", None)
+
+
+RANK_SCRIPT = """
+import json, os, sys
+import torch.distributed as dist
+import hfpatch_core
+from transformers import AutoModelForCausalLM
+
+checkpoint, lock, out = sys.argv[1:4]
+rank = int(os.environ["RANK"])
+try:
+    hfpatch_core.enable(lock=lock)
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, tp_plan="auto")
+    result = {"error": None, "mlp": type(model.model.layers[0].mlp).__name__}
+except Exception as exc:
+    result = {"error": f"{type(exc).__name__}: {exc}"}
+with open(os.path.join(out, f"rank{rank}.json"), "w") as handle:
+    json.dump(result, handle)
+if dist.is_initialized():
+    dist.destroy_process_group()
+"""
+
+
+def test_every_torchrun_rank_checks_the_lock_alike(locked, tmp_path) -> None:
+    """Under ``torchrun --nproc_per_node 2`` (gloo) with ``tp_plan="auto"``: both ranks load under the
+    lock, then, with a pack file edited, both raise the same LockError before building."""
+    import os
+    import subprocess
+
+    from hfpatch_core.testing import tiny_checkpoint
+
+    site, lock = locked
+    checkpoint = tiny_checkpoint("llama", tmp_path / "llama")
+    script = tmp_path / "rank.py"
+    script.write_text(RANK_SCRIPT)
+    environment = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(site), *sys.path]),
+        "HF_PATCH_PACKS": "mlp",
+        "USE_HUB_KERNELS": "0",
+        "OMP_NUM_THREADS": "1",
+    }
+
+    def ranks(name: str) -> list[dict]:
+        out = tmp_path / name
+        out.mkdir()
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+        done = subprocess.run(
+            [*command, str(script), str(checkpoint), str(lock), str(out)],
+            env=environment,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert done.returncode == 0, done.stderr[-4000:]
+        return [json.loads((out / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+
+    assert ranks("matching") == [{"error": None, "mlp": "PackMLP"}] * 2
+    _edited(site, pytest.MonkeyPatch())
+    edited = ranks("edited")
+    assert edited[0] == edited[1] and edited[0]["error"].startswith("LockError: ")
+    assert "edited since installed: hfpatch_test_pack_mlp.py" in edited[0]["error"]

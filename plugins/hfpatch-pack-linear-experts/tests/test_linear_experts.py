@@ -10,14 +10,22 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn as nn
-from hfpatch_pack_linear_experts import PRIORITY, ExpertLinears, LinearExperts, discover, provide_patches
+from hfpatch_pack_linear_experts import (
+    PRIORITY,
+    ExpertLinears,
+    ExpertsSlicing,
+    LinearExperts,
+    SplitExperts,
+    discover,
+    provide_patches,
+)
 from hfpatch_pack_linear_experts.experts import is_declared_experts
-from transformers import AutoModelForCausalLM, GptOssConfig
+from transformers import AutoModelForCausalLM
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 import hfpatch_core
-from conftest import CASES, PACK, PAD, VOCAB
-from hfpatch_core import LoadContext, Refusal
+from conftest import CASES, PACK, PAD, STORED_3D, VOCAB
+from hfpatch_core import LoadContext
 from hfpatch_core.testing import (
     FP32_TOLERANCES,
     assert_pack_equivalent,
@@ -34,6 +42,8 @@ EXPECTED = {
     "olmoe": ("gate_proj", "up_proj", "down_proj"),
     "deepseek_v3": ("gate_proj", "up_proj", "down_proj"),
     "nemotron_h": (None, "up_proj", "down_proj"),
+    "gpt_oss": ("gate_proj", "up_proj", "down_proj"),
+    "granitemoe": ("gate_proj", "up_proj", "down_proj"),
 }
 
 
@@ -91,7 +101,7 @@ def test_training_matches_vanilla(checkpoints: dict[str, Path], name: str) -> No
     assert report.steps == 5 and report.max_loss_diff is not None and report.max_loss_diff <= FP32_TOLERANCES.loss
 
 
-@pytest.mark.parametrize("name", ["mixtral", "deepseek_v3", "nemotron_h"])
+@pytest.mark.parametrize("name", ["mixtral", "deepseek_v3", "nemotron_h", "gpt_oss"])
 def test_dynamic_int8_reaches_every_expert_linear(checkpoints: dict[str, Path], name: str) -> None:
     from torch.ao.nn.quantized.dynamic import Linear as DynamicQuantizedLinear
     from torch.ao.quantization import quantize_dynamic
@@ -137,30 +147,44 @@ def test_composes_with_qwen_moe_which_wins_its_families(checkpoints: dict[str, P
     assert experts_of(mixtral)
 
 
-def gpt_oss_config() -> GptOssConfig:
-    return GptOssConfig(
-        hidden_size=32,
-        intermediate_size=16,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        num_local_experts=4,
-        num_experts_per_tok=2,
-        vocab_size=VOCAB,
-        pad_token_id=PAD,
-    )
+@pytest.mark.parametrize("name", [name for name in STORED_3D if name in CASES])
+def test_3d_checkpoints_are_split_at_load_and_saved_3d(checkpoints: dict[str, Path], name: str, tmp_path: Path) -> None:
+    """A checkpoint storing the experts 3-D loads into the per-expert linears (nothing missing or unexpected)
+    and saves back the source's tensors, names and bytes (gpt_oss: transposed, interleaved, biased;
+    granitemoe: under the checkpoint's own name, renamed by transformers)."""
+    from safetensors.torch import load_file
+
+    source = load_file(str(checkpoints[name] / "model.safetensors"))
+    assert any(value.dim() == 3 for value in source.values()), "the source stores its experts 3-D"
+    with hfpatch_core.enabled(packs=PACK):
+        model, info = AutoModelForCausalLM.from_pretrained(checkpoints[name], output_loading_info=True)
+    assert experts_of(model) and not any(info.values()), info
+    assert all(parameter.dim() <= 2 for parameter in model.parameters()), "a 3-D parameter is left"
+    model.save_pretrained(tmp_path)
+    saved = load_file(str(tmp_path / "model.safetensors"))
+    assert sorted(saved) == sorted(source)
+    for key, value in source.items():
+        assert torch.equal(saved[key], value), key
 
 
-def test_a_family_with_3d_checkpoints_is_refused_with_the_reason() -> None:
-    """gpt_oss stores its (transposed, interleaved, biased) experts 3-D: refused, visibly."""
-    config = gpt_oss_config()
-    context = LoadContext("gpt_oss", "GptOssForCausalLM", config=config)
-    [refusal] = provide_patches(context)
-    assert isinstance(refusal, Refusal) and refusal.target == "GptOssExperts"
-    assert "stacks no per-expert tensors" in refusal.reason
-    found = discover(config, "gpt_oss", "GptOssForCausalLM")
-    assert found.candidates == () and "stacks no per-expert tensors" in found.refused["GptOssExperts"]
+@pytest.mark.parametrize("halves", [None, "concatenated", "interleaved"])
+@pytest.mark.parametrize("transposed", [False, True])
+def test_split_and_stack_are_exact_inverses(halves: str | None, transposed: bool) -> None:
+    """Each expert's slice (rows = out) is cut as the layout says, and stacking gives the tensor back."""
+    tensor = torch.randn(3, 6, 10)  # 3 experts; gate/up rows 2 x 3, or [in, out] when transposed
+    parts = ["experts.*.gate_proj.weight", "experts.*.up_proj.weight"][: 2 if halves else 1]
+    split = SplitExperts(ExpertsSlicing(transposed, halves))
+    pieces = split.convert({"experts.gate_up_proj": [tensor]}, ["experts.gate_up_proj"], parts)
+    assert len(pieces) == 3 * len(parts)
+    for expert in range(3):
+        rows = tensor[expert].t() if transposed else tensor[expert]
+        first = pieces[parts[0].replace("*", str(expert))]
+        expected = rows if halves is None else rows[0::2] if halves == "interleaved" else rows[: rows.shape[0] // 2]
+        assert torch.equal(first, expected)
+    stacked_parts = {pattern: [pieces[pattern.replace("*", str(e))] for e in range(3)] for pattern in parts}
+    back = split.reverse_op.convert(stacked_parts, parts, ["experts.gate_up_proj"])
+    assert torch.equal(back["experts.gate_up_proj"], tensor)
+    assert isinstance(split.reverse_op.reverse_op, SplitExperts)
 
 
 def test_no_config_no_patch() -> None:

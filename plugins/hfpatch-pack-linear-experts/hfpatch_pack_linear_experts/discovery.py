@@ -229,6 +229,10 @@ def _parameter_problem(module: nn.Module, layout: Layout) -> str | None:
     return None
 
 
+#: transformers' operations that only realign a stacked or 3-D experts tensor for its kernels (5.3's
+#: gpt_oss, ernie4_5_moe, solar_open): nothing to reproduce for per-expert modules.
+_REALIGNING = frozenset({"Force16BytesAlignment"})
+
 _STACKED = re.compile(r"experts\.\*\.(?P<name>\w+)\.weight$")
 
 
@@ -266,7 +270,11 @@ def per_expert_names(model_type: str, layout: Layout) -> tuple[tuple[str, ...], 
         sources = source_patterns_of(transform)
         for parameter in (first, "down_proj"):
             if len(targets) == 1 and targets[0].endswith(f"experts.{parameter}") and parameter not in found:
-                extra = [op for op in transform.operations if not isinstance(op, MergeModulelist | Concatenate)]
+                extra = [
+                    op
+                    for op in transform.operations
+                    if not isinstance(op, MergeModulelist | Concatenate) and type(op).__name__ not in _REALIGNING
+                ]
                 if extra:
                     return (
                         f"transformers' conversion for {model_type} builds {parameter} with "
@@ -290,10 +298,6 @@ def per_expert_names(model_type: str, layout: Layout) -> tuple[tuple[str, ...], 
         return f"transformers' conversion for {model_type} stacks {list(ups)} into {first}: not one tensor per part"
     gate, up = (ups[0], ups[1]) if layout.has_gate else (DEFAULT_NAMES[0], ups[0])
     return tuple(written), (gate, up, downs[0])
-
-
-#: transformers' operations that leave a 3-D experts tensor as it is (5.3 realigns gpt_oss's for its kernels)
-_REALIGNING = frozenset({"Force16BytesAlignment"})
 
 
 def _renamings_apply_after_converters_on_save() -> bool:

@@ -97,26 +97,63 @@ def test_training_matches_vanilla(checkpoints: dict[str, Path], name: str) -> No
     assert report.steps == 5 and report.max_loss_diff is not None and report.max_loss_diff <= FP32_TOLERANCES.loss
 
 
-@pytest.mark.parametrize("name", ["mixtral", "deepseek_v3", "nemotron_h", "gpt_oss"])
-def test_dynamic_int8_reaches_every_expert_linear(checkpoints: dict[str, Path], name: str) -> None:
-    from torch.ao.nn.quantized.dynamic import Linear as DynamicQuantizedLinear
+def _dynamic_int8(model: nn.Module) -> None:
     from torch.ao.quantization import quantize_dynamic
 
-    reference = load_model(checkpoints[name], PACK)
-    model = load_model(checkpoints[name], PACK)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # torch deprecates torch.ao.quantization
         quantize_dynamic(model, {nn.Linear}, dtype=torch.qint8, inplace=True)
+
+
+def _torchao_int8_weight_only(model: nn.Module) -> None:
+    from torchao.quantization import Int8WeightOnlyConfig, quantize_
+
+    quantize_(model, Int8WeightOnlyConfig())
+
+
+def _is_quantized(module: nn.Module) -> bool:
+    """torch.ao swaps the module for its dynamic int8 Linear; torchao keeps nn.Linear with a quantized weight."""
+    from torch.ao.nn.quantized.dynamic import Linear as DynamicQuantizedLinear
+
+    if type(module) is DynamicQuantizedLinear:
+        return True
+    weight = getattr(module, "weight", None)
+    return type(module) is nn.Linear and type(weight).__module__.startswith("torchao")
+
+
+QUANTIZERS = {"dynamic_int8": _dynamic_int8, "torchao_int8_weight_only": _torchao_int8_weight_only}
+#: families of every shape: w1/w3/w2 names, shared experts and sigmoid routing, no gate, 3-D checkpoints
+#: (transposed, interleaved, biased), a family qwen-moe also covers
+QUANTIZED_FAMILIES = ["mixtral", "deepseek_v3", "nemotron_h", "gpt_oss", "qwen2_moe"]
+
+
+@pytest.mark.parametrize("name", QUANTIZED_FAMILIES)
+@pytest.mark.parametrize("quantizer", list(QUANTIZERS))
+def test_quantizers_reach_every_expert_linear(checkpoints: dict[str, Path], name: str, quantizer: str) -> None:
+    """Every projection of every expert of every MoE layer is quantized (none left in floating point),
+    the forward runs the quantized experts, and the logits stay close to the unquantized model's."""
+    if quantizer == "torchao_int8_weight_only":
+        pytest.importorskip("torchao", reason="torchao is a pack-test library (.venv/pack-test-libraries)")
+    reference = load_model(checkpoints[name], PACK)
+    model = load_model(checkpoints[name], PACK)
+    layers = experts_of(model)
+    expected_count = sum(experts.num_experts * (3 if experts.layout.has_gate else 2) for _, experts in layers)
+    QUANTIZERS[quantizer](model)
+    layers = experts_of(model)
     calls: list[int] = []
-    for _, experts in experts_of(model):
-        assert list(experts.parameters()) == [] or all("norm" in n for n, _ in experts.named_parameters()), (
-            "an expert weight is left in floating point"
+    quantized = 0
+    for path, experts in layers:
+        left = [n for n, p in experts.named_parameters() if n.endswith("weight") and "norm" not in n]
+        assert all(type(p).__module__.startswith("torchao") for n, p in experts.named_parameters() if n in left), (
+            f"{path}: an expert weight is left in floating point"
         )
         for expert in experts:
             for projection in expert.projections():
                 if projection is not None:
-                    assert type(projection) is DynamicQuantizedLinear
+                    assert _is_quantized(projection), (path, type(projection), type(projection.weight))
+                    quantized += 1
                     projection.register_forward_hook(lambda module, args, output: calls.append(output.shape[0]))
+    assert quantized == expected_count > 0
     ids, mask = padded_batch(VOCAB, pad_token_id=PAD, seed=4)
     expected, actual = logits_of(reference, ids, mask), logits_of(model, ids, mask)
     assert sum(calls) > 0, "the forward runs the quantized experts"

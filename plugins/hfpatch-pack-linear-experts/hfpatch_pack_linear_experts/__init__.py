@@ -12,8 +12,8 @@ conversion mapping names the per-expert checkpoint tensors (``gate_proj``, mixtr
 Converters: per-expert checkpoints load unchanged into the per-expert modules (the
 converter ``replaces`` transformers' stacking ``MergeModulelist`` converters, so no stacked
 copy is made), and save unchanged: what vanilla transformers writes.  Families whose
-checkpoints store the experts 3-D (no stacking converter) are refused for now: transformers'
-loader cannot split one checkpoint tensor into per-expert targets (a ``*`` target).
+checkpoints store the experts 3-D (no stacking converter) get one converter per 3-D tensor
+(``conversion``): split into the per-expert modules at load, stacked back on save.
 
 A class whose eager forward is not the per-expert loop, or whose layout the pack cannot
 convert exactly, is refused: no patch, and a ``Refusal`` with the reason (``hfpatch explain`` / ``check``).
@@ -86,17 +86,18 @@ def provide_patches(context: LoadContext) -> list[Patch | Refusal]:
 @hfpatch_core.hookimpl
 def provide_converters(context: LoadContext) -> list[Converter]:
     """Per experts class: remove transformers' stacking of the per-expert tensors, which then load
-    unchanged into the per-expert modules (no stacked copy is made), and save unchanged; tied to the
-    classes' patches, so that a class another pack wins keeps transformers' stacking."""
+    unchanged into the per-expert modules (no stacked copy is made), and save unchanged; or, for
+    checkpoints storing the experts 3-D, split each 3-D tensor at load and stack it back on save.
+    Tied to the classes' patches, so that a class another pack wins keeps transformers' conversion."""
     model_type = context.model_type or ""
     converters: list[Converter] = []
     removals: dict[tuple[str, ...], list[str]] = {}
     for candidate in discovery_for(context).candidates:
         target = candidate.original.__name__
         if candidate.stored_3d:
-            transforms = [
+            transforms = tuple(
                 t for path in candidate.paths for t in split_converters(path, _split_parameters(candidate.layout))
-            ]
+            )
             converters.append(
                 Converter(
                     model_type, transforms, replaces=candidate.stacking, priority=PRIORITY, patch_targets=(target,)

@@ -75,7 +75,7 @@ class SplitExperts(ConversionOps):
     @torch.no_grad()
     def convert(
         self, input_dict: dict[str, Any], source_patterns: list[str], target_patterns: list[str], **kwargs: Any
-    ) -> dict[str, torch.Tensor]:
+    ) -> dict[str, Any]:
         tensor = _single(input_dict, "SplitExperts")
         parts = 2 if self.slicing.halves else 1
         if len(target_patterns) != parts or tensor.dim() < 2:
@@ -119,7 +119,7 @@ class StackExperts(ConversionOps):
     @torch.no_grad()
     def convert(
         self, input_dict: dict[str, Any], source_patterns: list[str], target_patterns: list[str], **kwargs: Any
-    ) -> dict[str, torch.Tensor]:
+    ) -> dict[str, Any]:
         if len(target_patterns) != 1:
             raise ValueError(f"StackExperts writes one 3-D tensor, got targets {target_patterns}")
         # the parts in the converter's order (gate, then up), whatever order the dict holds them in

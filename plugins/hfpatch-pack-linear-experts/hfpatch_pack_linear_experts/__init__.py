@@ -12,8 +12,8 @@ conversion mapping names the per-expert checkpoint tensors (``gate_proj``, mixtr
 Converters: per-expert checkpoints load unchanged into the per-expert modules (the
 converter ``replaces`` transformers' stacking ``MergeModulelist`` converters, so no stacked
 copy is made), and save unchanged: what vanilla transformers writes.  Families whose
-checkpoints store the experts 3-D (no stacking converter) are refused for now: transformers'
-loader cannot split one checkpoint tensor into per-expert targets (a ``*`` target).
+checkpoints store the experts 3-D (no stacking converter) get one converter per 3-D tensor
+(``conversion``): split into the per-expert modules at load, stacked back on save.
 
 A class whose eager forward is not the per-expert loop, or whose layout the pack cannot
 convert exactly, is refused: no patch, and a ``Refusal`` with the reason (``hfpatch explain`` / ``check``).
@@ -27,6 +27,7 @@ from __future__ import annotations
 import hfpatch_core
 from hfpatch_core import Converter, LoadContext, Patch, Refusal
 
+from .conversion import ExpertsSlicing, SplitExperts, SplitExpertsConverter, StackExperts, split_converters
 from .discovery import Candidate, Discovery, discover, per_expert_names
 from .experts import DEFAULT_NAMES, ExpertLinears, Layout, LinearExperts, linear_experts_class
 
@@ -39,8 +40,12 @@ __all__ = [
     "Candidate",
     "Discovery",
     "ExpertLinears",
+    "ExpertsSlicing",
     "Layout",
     "LinearExperts",
+    "SplitExperts",
+    "SplitExpertsConverter",
+    "StackExperts",
     "__version__",
     "discover",
     "discovery_for",
@@ -48,6 +53,7 @@ __all__ = [
     "per_expert_names",
     "provide_converters",
     "provide_patches",
+    "split_converters",
 ]
 
 PACK = "linear-experts"
@@ -80,14 +86,38 @@ def provide_patches(context: LoadContext) -> list[Patch | Refusal]:
 @hfpatch_core.hookimpl
 def provide_converters(context: LoadContext) -> list[Converter]:
     """Per experts class: remove transformers' stacking of the per-expert tensors, which then load
-    unchanged into the per-expert modules (no stacked copy is made), and save unchanged; tied to the
-    classes' patches, so that a class another pack wins keeps transformers' stacking."""
+    unchanged into the per-expert modules (no stacked copy is made), and save unchanged; or, for
+    checkpoints storing the experts 3-D, split each 3-D tensor at load and stack it back on save.
+    Tied to the classes' patches, so that a class another pack wins keeps transformers' conversion."""
     model_type = context.model_type or ""
     converters: list[Converter] = []
     removals: dict[tuple[str, ...], list[str]] = {}
     for candidate in discovery_for(context).candidates:
         target = candidate.original.__name__
-        removals.setdefault(candidate.stacking, []).append(target)
+        if candidate.stored_3d:
+            transforms = tuple(
+                t for path in candidate.paths for t in split_converters(path, _split_parameters(candidate.layout))
+            )
+            converters.append(
+                Converter(
+                    model_type, transforms, replaces=candidate.stacking, priority=PRIORITY, patch_targets=(target,)
+                )
+            )
+        else:
+            removals.setdefault(candidate.stacking, []).append(target)
     for patterns, targets in removals.items():
         converters.append(Converter(model_type, (), replaces=patterns, priority=PRIORITY, patch_targets=tuple(targets)))
     return converters
+
+
+def _split_parameters(layout: Layout) -> dict[str, tuple[tuple[str, ...], ExpertsSlicing]]:
+    """Per 3-D parameter of ``layout``: the per-expert tensors it is cut into, and how (``split_converters``)."""
+    gate, up, down = layout.names
+    halves = "concatenated" if layout.is_concatenated else "interleaved"
+    first = ("gate_up_proj", (gate, up), halves) if gate is not None else ("up_proj", (up,), None)
+    parameters: dict[str, tuple[tuple[str, ...], ExpertsSlicing]] = {}
+    for name, modules, cut in (first, ("down_proj", (down,), None)):
+        parameters[name] = (tuple(f"{m}.weight" for m in modules), ExpertsSlicing(layout.is_transposed, cut))
+        if layout.has_bias:
+            parameters[f"{name}_bias"] = (tuple(f"{m}.bias" for m in modules), ExpertsSlicing(False, cut))
+    return parameters

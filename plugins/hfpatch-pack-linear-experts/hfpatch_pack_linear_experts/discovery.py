@@ -60,15 +60,21 @@ class Candidate:
         replacement: its per-expert drop-in.
         paths: the attribute path of its modules in the experts' parent (``"mlp.experts"``),
             what the converters' patterns start with.
-        stacking: the source patterns, as written, of transformers' converters that stack
-            this class's per-expert checkpoint tensors (removed for the load: the tensors
-            load unchanged); empty when the checkpoint stores the experts 3-D.
+        stacking: the source patterns, as written, of transformers' converters that this
+            pack's converters make obsolete for the load: those that stack this class's
+            per-expert checkpoint tensors (the tensors load unchanged), or, for a
+            checkpoint storing the experts 3-D, those that only realign its 3-D tensors
+            (5.3's ``Force16BytesAlignment``).
+        stored_3d: the checkpoint stores the experts 3-D: the pack's converters split each
+            3-D tensor into the per-expert modules at load and stack them back on save
+            (``conversion.split_converters``).
     """
 
     original: type[nn.Module]
     replacement: type[LinearExperts]
     paths: tuple[str, ...]
     stacking: tuple[str, ...]
+    stored_3d: bool = False
 
     @property
     def layout(self) -> Layout:
@@ -178,6 +184,12 @@ def _decide(cls: type[nn.Module], found: list[tuple[str, nn.Module]], model_type
             return f"{path}: {problem}"
     paths = tuple(dict.fromkeys(_attribute_path(path) for path, _ in found))
     names = per_expert_names(model_type, base)
+    stored_3d = names is None
+    if names is None:
+        realigning = stored_3d_conversion(model_type, base)
+        if isinstance(realigning, str):
+            return realigning
+        names = realigning, DEFAULT_NAMES
     if isinstance(names, str):
         return names
     stacking, chosen = names
@@ -185,7 +197,7 @@ def _decide(cls: type[nn.Module], found: list[tuple[str, nn.Module]], model_type
     probe = _probe(cls, found[0][1], layout)
     if isinstance(probe, str):
         return probe
-    return Candidate(cls, linear_experts_class(cls, probe), paths, stacking)
+    return Candidate(cls, linear_experts_class(cls, probe), paths, stacking, stored_3d)
 
 
 def moe_default_gate() -> Any:
@@ -217,6 +229,10 @@ def _parameter_problem(module: nn.Module, layout: Layout) -> str | None:
     return None
 
 
+#: transformers' operations that only realign a stacked or 3-D experts tensor for its kernels (5.3's
+#: gpt_oss, ernie4_5_moe, solar_open): nothing to reproduce for per-expert modules.
+_REALIGNING = frozenset({"Force16BytesAlignment"})
+
 _STACKED = re.compile(r"experts\.\*\.(?P<name>\w+)\.weight$")
 
 
@@ -224,14 +240,14 @@ def _unescape(pattern: str) -> str:
     return pattern.replace("\\", "")
 
 
-def per_expert_names(model_type: str, layout: Layout) -> tuple[tuple[str, ...], tuple[str, str, str]] | str:
+def per_expert_names(model_type: str, layout: Layout) -> tuple[tuple[str, ...], tuple[str, str, str]] | str | None:
     """``(stacking source patterns, (gate, up, down) names)`` for ``model_type``'s experts, from transformers'
     conversion mapping: the first source pattern of each stacking converter (what ``replaces`` names), and
     the per-expert names its source patterns give (``DEFAULT_NAMES[0]`` for the gate of an ungated class).
 
-    Returns a reason (a string) when the mapping stacks nothing (3-D checkpoints), or stacks the
-    experts in a way a per-expert layout cannot load unchanged (another operation than stacking
-    and concatenating).
+    Returns ``None`` when the mapping stacks nothing (the checkpoints store the experts 3-D), and a
+    reason (a string) when it stacks the experts in a way a per-expert layout cannot load unchanged
+    (another operation than stacking and concatenating, or one projection but not the other).
     """
     from transformers.conversion_mapping import get_checkpoint_conversion_mapping
     from transformers.core_model_loading import Concatenate, MergeModulelist, WeightConverter
@@ -254,7 +270,11 @@ def per_expert_names(model_type: str, layout: Layout) -> tuple[tuple[str, ...], 
         sources = source_patterns_of(transform)
         for parameter in (first, "down_proj"):
             if len(targets) == 1 and targets[0].endswith(f"experts.{parameter}") and parameter not in found:
-                extra = [op for op in transform.operations if not isinstance(op, MergeModulelist | Concatenate)]
+                extra = [
+                    op
+                    for op in transform.operations
+                    if not isinstance(op, MergeModulelist | Concatenate) and type(op).__name__ not in _REALIGNING
+                ]
                 if extra:
                     return (
                         f"transformers' conversion for {model_type} builds {parameter} with "
@@ -270,11 +290,7 @@ def per_expert_names(model_type: str, layout: Layout) -> tuple[tuple[str, ...], 
                 found[parameter] = tuple(names)
                 written.append(sources[0])  # one pattern names the whole built-in converter
     if not found:
-        return (
-            f"transformers' conversion mapping for {model_type} stacks no per-expert tensors into {first}: its "
-            "checkpoints store the experts 3-D, and transformers' loader cannot split one checkpoint tensor into "
-            "per-expert modules (a '*' target), so they would load as missing weights"
-        )
+        return None
     if set(found) != {first, "down_proj"}:
         return f"transformers' conversion for {model_type} stacks {sorted(found)} but not both {first} and down_proj"
     ups, downs = found[first], found["down_proj"]
@@ -282,6 +298,56 @@ def per_expert_names(model_type: str, layout: Layout) -> tuple[tuple[str, ...], 
         return f"transformers' conversion for {model_type} stacks {list(ups)} into {first}: not one tensor per part"
     gate, up = (ups[0], ups[1]) if layout.has_gate else (DEFAULT_NAMES[0], ups[0])
     return tuple(written), (gate, up, downs[0])
+
+
+def _renamings_apply_after_converters_on_save() -> bool:
+    """Whether the installed ``save_pretrained`` runs a converter's reverse before the renamings' reverse.
+
+    transformers 5.3 renames a key first, then converts it: a per-expert key is never the
+    name a renaming of the 3-D tensor knows, so the stacked tensor would keep the model's name.
+    """
+    import inspect
+
+    from transformers import core_model_loading
+
+    return "reverse" in inspect.signature(core_model_loading.rename_source_key).parameters
+
+
+def stored_3d_conversion(model_type: str, layout: Layout) -> tuple[str, ...] | str:
+    """For experts whose checkpoints are 3-D: the source patterns of transformers' converters the split makes
+    obsolete (they only realign the tensor), or why the split cannot reproduce transformers' conversion."""
+    from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+    from transformers.core_model_loading import WeightConverter, WeightRenaming
+
+    from hfpatch_core.authoring import source_patterns_of, target_patterns_of
+
+    try:
+        transforms = get_checkpoint_conversion_mapping(model_type) or []
+    except Exception:
+        transforms = []
+    names = {f"experts.{parameter}" for parameter in layout.parameters}
+    obsolete: list[str] = []
+    for transform in transforms:
+        targets = [re.sub(r"\(\?.+?\)|\$$", "", _unescape(t)) for t in target_patterns_of(transform)]
+        hit = sorted(name for name in names for target in targets if target.endswith(name))
+        if not hit:
+            continue
+        if isinstance(transform, WeightConverter):
+            operations = [type(op).__name__ for op in transform.operations]
+            if not set(operations) <= _REALIGNING:
+                return (
+                    f"transformers' conversion for {model_type} builds the 3-D experts tensor(s) {hit} with "
+                    f"{operations}; splitting it into per-expert modules would not load what vanilla loads"
+                )
+            obsolete.append(source_patterns_of(transform)[0])
+        elif isinstance(transform, WeightRenaming) and not _renamings_apply_after_converters_on_save():
+            return (
+                f"its checkpoints store the experts 3-D under another name ({source_patterns_of(transform)} -> {hit}), "
+                "and this transformers release reverses renamings before converters on save: split into per-expert "
+                "modules, they would be saved under the model's name, not the checkpoint's (later releases "
+                "reverse converters first)"
+            )
+    return tuple(obsolete)
 
 
 # --- the probe ----------------------------------------------------------------------------

@@ -9,9 +9,12 @@ from typing import Any
 import pytest
 import torch
 import transformers
+from hfpatch_pack_linear_experts.experts import is_declared_experts
 from transformers import (
     AutoModelForCausalLM,
     DeepseekV3Config,
+    GptOssConfig,
+    GraniteMoeConfig,
     MixtralConfig,
     NemotronHConfig,
     OlmoeConfig,
@@ -19,6 +22,8 @@ from transformers import (
     Qwen2MoeConfig,
 )
 from transformers.models.deepseek_v3 import modeling_deepseek_v3  # noqa: F401  (recorders captured at start)
+from transformers.models.gpt_oss import modeling_gpt_oss  # noqa: F401
+from transformers.models.granitemoe import modeling_granitemoe
 from transformers.models.mixtral import modeling_mixtral  # noqa: F401
 from transformers.models.nemotron_h import modeling_nemotron_h  # noqa: F401
 from transformers.models.olmoe import modeling_olmoe  # noqa: F401
@@ -109,13 +114,35 @@ def nemotron_h() -> PretrainedConfig:
     )
 
 
+def gpt_oss() -> PretrainedConfig:
+    # checkpoints store the experts 3-D: transposed [E, in, out], gate/up interleaved, with biases,
+    # a custom clamped gate; split at load, stacked back on save
+    return GptOssConfig(
+        **{**_COMMON, "intermediate_size": 16},
+        head_dim=8,
+        num_local_experts=4,
+    )
+
+
+def granitemoe() -> PretrainedConfig:
+    # 3-D checkpoints under another name (input_linear / output_linear, renamed by transformers)
+    return GraniteMoeConfig(**{**_COMMON, "intermediate_size": 16}, num_local_experts=4)
+
+
+#: The families whose checkpoints store the experts 3-D.
+STORED_3D = ("gpt_oss", "granitemoe")
+
 CASES: dict[str, Callable[[], PretrainedConfig]] = {
     "mixtral": mixtral,
     "qwen2_moe": qwen2_moe,
     "olmoe": olmoe,
     "deepseek_v3": deepseek_v3,
     "nemotron_h": nemotron_h,
+    "gpt_oss": gpt_oss,
 }
+# transformers 5.3 declares granitemoe's experts without use_experts_implementation: not this pack's there
+if any(isinstance(value, type) and is_declared_experts(value) for value in vars(modeling_granitemoe).values()):
+    CASES["granitemoe"] = granitemoe
 
 
 @pytest.fixture(scope="session")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
 import re
 import warnings
 from pathlib import Path
@@ -10,14 +9,19 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn as nn
-from hfpatch_pack_linear_experts import PRIORITY, ExpertLinears, LinearExperts, discover, provide_patches
-from hfpatch_pack_linear_experts.experts import is_declared_experts
-from transformers import AutoModelForCausalLM, GptOssConfig
-from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+from hfpatch_pack_linear_experts import (
+    PRIORITY,
+    ExpertLinears,
+    ExpertsSlicing,
+    LinearExperts,
+    SplitExperts,
+    provide_patches,
+)
+from transformers import AutoModelForCausalLM
 
 import hfpatch_core
-from conftest import CASES, PACK, PAD, VOCAB
-from hfpatch_core import LoadContext, Refusal
+from conftest import CASES, PACK, PAD, STORED_3D, VOCAB
+from hfpatch_core import LoadContext
 from hfpatch_core.testing import (
     FP32_TOLERANCES,
     assert_pack_equivalent,
@@ -34,6 +38,8 @@ EXPECTED = {
     "olmoe": ("gate_proj", "up_proj", "down_proj"),
     "deepseek_v3": ("gate_proj", "up_proj", "down_proj"),
     "nemotron_h": (None, "up_proj", "down_proj"),
+    "gpt_oss": ("gate_proj", "up_proj", "down_proj"),
+    "granitemoe": ("gate_proj", "up_proj", "down_proj"),
 }
 
 
@@ -91,26 +97,63 @@ def test_training_matches_vanilla(checkpoints: dict[str, Path], name: str) -> No
     assert report.steps == 5 and report.max_loss_diff is not None and report.max_loss_diff <= FP32_TOLERANCES.loss
 
 
-@pytest.mark.parametrize("name", ["mixtral", "deepseek_v3", "nemotron_h"])
-def test_dynamic_int8_reaches_every_expert_linear(checkpoints: dict[str, Path], name: str) -> None:
-    from torch.ao.nn.quantized.dynamic import Linear as DynamicQuantizedLinear
+def _dynamic_int8(model: nn.Module) -> None:
     from torch.ao.quantization import quantize_dynamic
 
-    reference = load_model(checkpoints[name], PACK)
-    model = load_model(checkpoints[name], PACK)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # torch deprecates torch.ao.quantization
         quantize_dynamic(model, {nn.Linear}, dtype=torch.qint8, inplace=True)
+
+
+def _torchao_int8_weight_only(model: nn.Module) -> None:
+    from torchao.quantization import Int8WeightOnlyConfig, quantize_
+
+    quantize_(model, Int8WeightOnlyConfig())
+
+
+def _is_quantized(module: nn.Module) -> bool:
+    """torch.ao swaps the module for its dynamic int8 Linear; torchao keeps nn.Linear with a quantized weight."""
+    from torch.ao.nn.quantized.dynamic import Linear as DynamicQuantizedLinear
+
+    if type(module) is DynamicQuantizedLinear:
+        return True
+    weight = getattr(module, "weight", None)
+    return type(module) is nn.Linear and type(weight).__module__.startswith("torchao")
+
+
+QUANTIZERS = {"dynamic_int8": _dynamic_int8, "torchao_int8_weight_only": _torchao_int8_weight_only}
+#: families of every shape: w1/w3/w2 names, shared experts and sigmoid routing, no gate, 3-D checkpoints
+#: (transposed, interleaved, biased), a family qwen-moe also covers
+QUANTIZED_FAMILIES = ["mixtral", "deepseek_v3", "nemotron_h", "gpt_oss", "qwen2_moe"]
+
+
+@pytest.mark.parametrize("name", QUANTIZED_FAMILIES)
+@pytest.mark.parametrize("quantizer", list(QUANTIZERS))
+def test_quantizers_reach_every_expert_linear(checkpoints: dict[str, Path], name: str, quantizer: str) -> None:
+    """Every projection of every expert of every MoE layer is quantized (none left in floating point),
+    the forward runs the quantized experts, and the logits stay close to the unquantized model's."""
+    if quantizer == "torchao_int8_weight_only":
+        pytest.importorskip("torchao", reason="torchao is a pack-test library (.venv/pack-test-libraries)")
+    reference = load_model(checkpoints[name], PACK)
+    model = load_model(checkpoints[name], PACK)
+    layers = experts_of(model)
+    expected_count = sum(experts.num_experts * (3 if experts.layout.has_gate else 2) for _, experts in layers)
+    QUANTIZERS[quantizer](model)
+    layers = experts_of(model)
     calls: list[int] = []
-    for _, experts in experts_of(model):
-        assert list(experts.parameters()) == [] or all("norm" in n for n, _ in experts.named_parameters()), (
-            "an expert weight is left in floating point"
+    quantized = 0
+    for path, experts in layers:
+        left = [n for n, p in experts.named_parameters() if n.endswith("weight") and "norm" not in n]
+        assert all(type(p).__module__.startswith("torchao") for n, p in experts.named_parameters() if n in left), (
+            f"{path}: an expert weight is left in floating point"
         )
         for expert in experts:
             for projection in expert.projections():
                 if projection is not None:
-                    assert type(projection) is DynamicQuantizedLinear
+                    assert _is_quantized(projection), (path, type(projection), type(projection.weight))
+                    quantized += 1
                     projection.register_forward_hook(lambda module, args, output: calls.append(output.shape[0]))
+    assert quantized == expected_count > 0
     ids, mask = padded_batch(VOCAB, pad_token_id=PAD, seed=4)
     expected, actual = logits_of(reference, ids, mask), logits_of(model, ids, mask)
     assert sum(calls) > 0, "the forward runs the quantized experts"
@@ -137,73 +180,45 @@ def test_composes_with_qwen_moe_which_wins_its_families(checkpoints: dict[str, P
     assert experts_of(mixtral)
 
 
-def gpt_oss_config() -> GptOssConfig:
-    return GptOssConfig(
-        hidden_size=32,
-        intermediate_size=16,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        num_local_experts=4,
-        num_experts_per_tok=2,
-        vocab_size=VOCAB,
-        pad_token_id=PAD,
-    )
+@pytest.mark.parametrize("name", [name for name in STORED_3D if name in CASES])
+def test_3d_checkpoints_are_split_at_load_and_saved_3d(checkpoints: dict[str, Path], name: str, tmp_path: Path) -> None:
+    """A checkpoint storing the experts 3-D loads into the per-expert linears (nothing missing or unexpected)
+    and saves back the source's tensors, names and bytes (gpt_oss: transposed, interleaved, biased;
+    granitemoe: under the checkpoint's own name, renamed by transformers)."""
+    from safetensors.torch import load_file
+
+    source = load_file(str(checkpoints[name] / "model.safetensors"))
+    assert any(value.dim() == 3 for value in source.values()), "the source stores its experts 3-D"
+    with hfpatch_core.enabled(packs=PACK):
+        model, info = AutoModelForCausalLM.from_pretrained(checkpoints[name], output_loading_info=True)
+    assert experts_of(model) and not any(info.values()), info
+    assert all(parameter.dim() <= 2 for parameter in model.parameters()), "a 3-D parameter is left"
+    model.save_pretrained(tmp_path)
+    saved = load_file(str(tmp_path / "model.safetensors"))
+    assert sorted(saved) == sorted(source)
+    for key, value in source.items():
+        assert torch.equal(saved[key], value), key
 
 
-def test_a_family_with_3d_checkpoints_is_refused_with_the_reason() -> None:
-    """gpt_oss stores its (transposed, interleaved, biased) experts 3-D: refused, visibly."""
-    config = gpt_oss_config()
-    context = LoadContext("gpt_oss", "GptOssForCausalLM", config=config)
-    [refusal] = provide_patches(context)
-    assert isinstance(refusal, Refusal) and refusal.target == "GptOssExperts"
-    assert "stacks no per-expert tensors" in refusal.reason
-    found = discover(config, "gpt_oss", "GptOssForCausalLM")
-    assert found.candidates == () and "stacks no per-expert tensors" in found.refused["GptOssExperts"]
+@pytest.mark.parametrize("halves", [None, "concatenated", "interleaved"])
+@pytest.mark.parametrize("transposed", [False, True])
+def test_split_and_stack_are_exact_inverses(halves: str | None, transposed: bool) -> None:
+    """Each expert's slice (rows = out) is cut as the layout says, and stacking gives the tensor back."""
+    tensor = torch.randn(3, 6, 10)  # 3 experts; gate/up rows 2 x 3, or [in, out] when transposed
+    parts = ["experts.*.gate_proj.weight", "experts.*.up_proj.weight"][: 2 if halves else 1]
+    split = SplitExperts(ExpertsSlicing(transposed, halves))
+    pieces = split.convert({"experts.gate_up_proj": [tensor]}, ["experts.gate_up_proj"], parts)
+    assert len(pieces) == 3 * len(parts)
+    for expert in range(3):
+        rows = tensor[expert].t() if transposed else tensor[expert]
+        first = pieces[parts[0].replace("*", str(expert))]
+        expected = rows if halves is None else rows[0::2] if halves == "interleaved" else rows[: rows.shape[0] // 2]
+        assert torch.equal(first, expected)
+    stacked_parts = {pattern: [pieces[pattern.replace("*", str(e))] for e in range(3)] for pattern in parts}
+    back = split.reverse_op.convert(stacked_parts, parts, ["experts.gate_up_proj"])
+    assert torch.equal(back["experts.gate_up_proj"], tensor)
+    assert isinstance(split.reverse_op.reverse_op, SplitExperts)
 
 
 def test_no_config_no_patch() -> None:
     assert provide_patches(LoadContext("mixtral", "MixtralForCausalLM")) == []
-
-
-def _moe_model_types() -> list[str]:
-    found = []
-    for model_type in sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES):
-        try:
-            module = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
-        except Exception:
-            continue
-        if any(isinstance(value, type) and is_declared_experts(value) for value in vars(module).values()):
-            found.append(model_type)
-    return found
-
-
-def test_every_moe_model_type_is_claimed_or_refused_with_a_reason() -> None:
-    """Each experts class of every causal-LM MoE model type whose tiny config builds: replaced, or a reason."""
-    from hfpatch_core.testing.checkpoints import tiny_config
-
-    types = _moe_model_types()
-    assert {"mixtral", "qwen2_moe", "olmoe", "deepseek_v3"} <= set(types), types
-    unbuilt, checked = [], 0
-    for model_type in types:
-        try:
-            config = tiny_config(model_type)
-            with torch.device("meta"), warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                model = AutoModelForCausalLM.from_config(config)
-        except Exception:
-            unbuilt.append(model_type)
-            continue
-        classes = {type(m).__name__ for m in model.modules() if is_declared_experts(type(m))}
-        found = discover(config, model_type, type(model).__name__)
-        claimed = {candidate.original.__name__ for candidate in found.candidates}
-        if type(model).__name__ in found.refused:  # the pack could not build it directly: refused as a whole
-            assert "does not build on the meta device" in found.refused[type(model).__name__]
-            checked += len(classes)
-            continue
-        assert classes == claimed | set(found.refused), (model_type, classes, claimed, found.refused)
-        assert all(reason.strip() for reason in found.refused.values())
-        checked += len(classes)
-    # 38 classes on 5.25.0 (24 types on 5.3.0); most types' shrunk configs build: those that do not are listed
-    assert checked and len(unbuilt) < len(types) / 2, (checked, unbuilt)

@@ -1,0 +1,185 @@
+"""Loading checkpoints that store the experts 3-D into per-expert ``nn.Linear`` modules, and saving them back.
+
+Families such as gpt_oss, granitemoe or aria store each experts tensor as one
+``[experts, ...]`` tensor (``mlp.experts.gate_up_proj``), which is what their experts
+class holds, so transformers' conversion mapping has nothing to stack.  Here, one
+converter per 3-D tensor splits it at load into one tensor per expert and projection
+(``mlp.experts.<e>.gate_proj.weight`` and ``up_proj``, the gate/up halves cut as the
+class cuts them: concatenated or interleaved, transposed or not), and its reverse stacks
+them back on save, so that ``save_pretrained`` writes the tensor vanilla writes, under
+the name vanilla writes (transformers' renamings of the 3-D tensor apply around it).
+
+transformers' loader collects a converter's inputs under the *first* target key of the
+renamed checkpoint key, which must be a parameter of the model; with a ``*`` target
+(``experts.*.gate_proj.weight``: one per expert) it is not, and the tensor would be
+dropped as unexpected.  ``SplitExpertsConverter`` names expert 0's key instead; the
+operation then names every expert's.  Its reverse (a transformers-style stacking, with
+``experts.*`` sources) is what transformers' own ``save_pretrained`` runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+from transformers.core_model_loading import ConversionOps, WeightConverter
+
+__all__ = ["ExpertsSlicing", "SplitExperts", "SplitExpertsConverter", "StackExperts", "split_converters"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertsSlicing:
+    """How one 3-D experts tensor maps to its per-expert tensors.
+
+    Attributes:
+        transposed: each expert's matrix is stored ``[in, out]`` (an ``nn.Linear`` weight is ``[out, in]``).
+        halves: ``"concatenated"`` (``[gate; up]`` rows), ``"interleaved"`` (gate, up, gate, ...) or
+            ``None`` (one projection per tensor).
+    """
+
+    transposed: bool = False
+    halves: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.halves not in (None, "concatenated", "interleaved"):
+            raise ValueError(
+                f"ExpertsSlicing.halves must be None, 'concatenated' or 'interleaved', got {self.halves!r}"
+            )
+
+
+def _single(input_dict: dict[str, Any], what: str) -> torch.Tensor:
+    if len(input_dict) != 1:
+        raise ValueError(f"{what} takes one 3-D experts tensor, got {sorted(input_dict)}")
+    value = next(iter(input_dict.values()))
+    tensor = value[0] if isinstance(value, list) else value
+    if not isinstance(tensor, torch.Tensor):
+        raise ValueError(f"{what} takes a tensor, got {type(tensor).__name__}")
+    return tensor
+
+
+class SplitExperts(ConversionOps):
+    """A 3-D ``[experts, ...]`` tensor into one tensor per expert and part (the targets, ``*`` the expert).
+
+    The targets are the per-expert patterns in the converter's order (gate then up for a
+    gate/up tensor); each expert's slice is transposed if stored ``[in, out]`` and cut in
+    halves as the class cuts it.  Reverse: ``StackExperts``.
+    """
+
+    def __init__(self, slicing: ExpertsSlicing) -> None:
+        self.slicing = slicing
+
+    def __repr__(self) -> str:
+        return f"SplitExperts({self.slicing})"
+
+    @torch.no_grad()
+    def convert(
+        self, input_dict: dict[str, Any], source_patterns: list[str], target_patterns: list[str], **kwargs: Any
+    ) -> dict[str, Any]:
+        tensor = _single(input_dict, "SplitExperts")
+        parts = 2 if self.slicing.halves else 1
+        if len(target_patterns) != parts or tensor.dim() < 2:
+            raise ValueError(
+                f"SplitExperts({self.slicing}) cuts a [experts, ...] tensor into {parts} part(s) per expert, "
+                f"got a {tuple(tensor.shape)} tensor for targets {target_patterns}"
+            )
+        result: dict[str, torch.Tensor] = {}
+        for expert in range(tensor.shape[0]):
+            value = tensor[expert]
+            if self.slicing.transposed and value.dim() == 2:
+                value = value.t()
+            if self.slicing.halves == "concatenated":
+                pieces: tuple[torch.Tensor, ...] = tuple(value.chunk(2, dim=0))
+            elif self.slicing.halves == "interleaved":
+                pieces = (value[0::2], value[1::2])
+            else:
+                pieces = (value,)
+            for pattern, piece in zip(target_patterns, pieces, strict=True):
+                result[pattern.replace("*", str(expert), 1)] = piece.contiguous()
+        return result
+
+    @property
+    def reverse_op(self) -> ConversionOps:
+        return StackExperts(self.slicing)
+
+
+class StackExperts(ConversionOps):
+    """Per-expert tensors (the sources, ``*`` the expert, in expert order) back into the 3-D tensor.
+
+    What ``save_pretrained`` runs to write the checkpoint's layout: the parts of each
+    expert joined as the class joins them, transposed back, stacked.  Reverse: ``SplitExperts``.
+    """
+
+    def __init__(self, slicing: ExpertsSlicing) -> None:
+        self.slicing = slicing
+
+    def __repr__(self) -> str:
+        return f"StackExperts({self.slicing})"
+
+    @torch.no_grad()
+    def convert(
+        self, input_dict: dict[str, Any], source_patterns: list[str], target_patterns: list[str], **kwargs: Any
+    ) -> dict[str, Any]:
+        if len(target_patterns) != 1:
+            raise ValueError(f"StackExperts writes one 3-D tensor, got targets {target_patterns}")
+        # the parts in the converter's order (gate, then up), whatever order the dict holds them in
+        lists = [input_dict.pop(pattern) for pattern in source_patterns if pattern in input_dict]
+        lists = [value if isinstance(value, list) else [value] for value in lists]
+        if len(lists) != (2 if self.slicing.halves else 1) or input_dict or len({len(v) for v in lists}) != 1:
+            raise ValueError(
+                f"StackExperts({self.slicing}) needs every expert's {source_patterns}, got "
+                f"{[len(v) for v in lists]} tensor(s) per part and {sorted(input_dict)} left over"
+            )
+        experts = []
+        for pieces in zip(*lists, strict=True):
+            if self.slicing.halves == "concatenated":
+                value = torch.cat(pieces, dim=0)
+            elif self.slicing.halves == "interleaved":
+                value = torch.stack(pieces, dim=1).flatten(0, 1)
+            else:
+                (value,) = pieces
+            if self.slicing.transposed and value.dim() == 2:
+                value = value.t()
+            experts.append(value)
+        return {target_patterns[0]: torch.stack(experts, dim=0).contiguous()}
+
+    @property
+    def reverse_op(self) -> ConversionOps:
+        return SplitExperts(self.slicing)
+
+
+class SplitExpertsConverter(WeightConverter):
+    """A ``WeightConverter`` whose ``*`` targets load: the renamed key is expert 0's, a parameter of the model.
+
+    transformers collects a converter's input under the first target pattern with the
+    source's prefix; ``experts.*.gate_proj.weight`` is no parameter, so the key is named
+    ``experts.0.gate_proj.weight`` instead, and the operation names all of them.  The
+    reverse (``experts.*`` sources, one 3-D target) needs no change: transformers' own
+    stacking converters have that shape.
+    """
+
+    def rename_source_key(self, source_key: str) -> tuple[str, str | None]:
+        renamed, pattern = super().rename_source_key(source_key)
+        if pattern is not None and len(self.source_patterns) == 1 and "*" in self.target_patterns[0]:
+            renamed = renamed.replace("*", "0", 1)
+        return renamed, pattern
+
+
+def split_converters(
+    path: str, parameters: dict[str, tuple[tuple[str, ...], ExpertsSlicing]]
+) -> list[SplitExpertsConverter]:
+    """One converter per 3-D tensor of the experts at ``path`` (``"mlp.experts"``).
+
+    Args:
+        path: the experts module's attribute path under its decoder layer, as the
+            checkpoint's keys end (after transformers' renamings).
+        parameters: per 3-D parameter name (``"gate_up_proj"``), the per-expert suffixes
+            it is cut into, in order (``("gate_proj.weight", "up_proj.weight")``), and how.
+    """
+    converters = []
+    for name, (suffixes, slicing) in parameters.items():
+        # a name boundary, not an anchor: transformers drops lookarounds when it reverses the pattern
+        source = f"{path}.{name}(?!\\w)"
+        targets = [f"{path}.*.{suffix}" for suffix in suffixes]
+        converters.append(SplitExpertsConverter(source, targets, operations=[SplitExperts(slicing)]))
+    return converters

@@ -30,7 +30,7 @@ import hfpatch_core
 from hfpatch_core import Converter, LoadContext, Patch, Refusal
 from hfpatch_core.authoring import SizedConcatenate
 
-from .detection import KINDS, Detection, Site, detect, model_class_for
+from .detection import Detection, Site, detect, model_class_for
 from .modules import FusedDense, fused_class
 
 __version__ = "0.1.0"
@@ -81,7 +81,7 @@ class Fusion:
         """``SizedConcatenate`` of the parts into the fused tensor, per site, for weights and biases."""
         transforms = []
         for site in self.sites:
-            fused, parts = KINDS[site.kind]
+            fused, parts = site.fused, site.parts
             for suffix in ("weight", "bias") if site.bias else ("weight",):
                 # operations= by keyword: the third positional field differs between 5.3 and later
                 transforms.append(
@@ -127,8 +127,7 @@ def _builtin_conversion_problems(model_type: str | None, detection: Detection) -
     for transform in (each for each in builtin or () if isinstance(each, WeightConverter)):
         targets = [str(pattern) for pattern in getattr(transform, "target_patterns", None) or ()]
         for name in detection.originals:
-            for kind in detection.kinds(name):
-                parts = KINDS[kind][1]
+            for parts in detection.groups(name).values():
                 named = [part for part in parts for target in targets if re.search(rf"(?<!\w){part}(?!\w)", target)]
                 if named:
                     problems.setdefault(
@@ -197,7 +196,7 @@ def fusions_for(context: LoadContext) -> list[Fusion]:
         return []
     refused = _builtin_conversion_problems(context.model_type, detection)
     fusions = [
-        Fusion(original, fused_class(original, detection.kinds(name)), detection.classes()[name])
+        Fusion(original, fused_class(original, detection.groups(name)), detection.classes()[name])
         for name, original in detection.originals.items()
         if name not in refused
     ]

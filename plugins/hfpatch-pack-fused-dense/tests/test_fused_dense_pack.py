@@ -591,16 +591,18 @@ def test_hfpatch_check_covers_the_sample_model_types(capsys: pytest.CaptureFixtu
 
 
 def test_a_candidate_the_pack_leaves_alone_is_a_refusal_with_its_reason() -> None:
-    """xglm's attention serves as a cross-attention too: its projections may read different
-    inputs, so the pack refuses it, and says why in the plan, explain and check."""
+    """whisper's attention serves as a cross-attention too: q reads another input than k/v, and
+    of k/v only v has a bias, so neither the whole fusion nor k/v's can be made exactly; the
+    pack refuses it, and says why in the plan, explain and check."""
     from hfpatch_core import Refusal
     from hfpatch_core.testing import tiny_config
 
-    config = tiny_config("xglm")
-    context = LoadContext("xglm", "XGLMForCausalLM", config)
+    config = tiny_config("whisper")
+    context = LoadContext("whisper", "WhisperForCausalLM", config)
     offered = hfpatch_pack_fused_dense.provide_patches(context)
     refused = {item.target: item.reason for item in offered if isinstance(item, Refusal)}
-    assert refused and refused == hfpatch_pack_fused_dense.refusals(config, "XGLMForCausalLM")
+    assert refused and refused == hfpatch_pack_fused_dense.refusals(config, "WhisperForCausalLM")
+    assert "different inputs" in refused["WhisperAttention"] and "have a bias" in refused["WhisperAttention"]
     assert all(reason.strip() for reason in refused.values())
     claimed = {item.target for item in offered if not isinstance(item, Refusal)}
     assert not claimed & set(refused)

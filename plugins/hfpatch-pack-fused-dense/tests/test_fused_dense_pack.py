@@ -389,17 +389,6 @@ def test_converters_follow_the_detected_sizes(case: Case) -> None:
     assert transforms == expected
 
 
-def test_a_sub_model_is_left_to_the_outer_load() -> None:
-    """The outer load builds the whole model on the meta device and claims the text model's
-    classes with converters keyed by the outer model type, which every release applies; the
-    sub-model's own hook call returns nothing, so nothing is claimed twice."""
-    config = CASES["llama"].config
-    parent = LoadContext(model_type="llava", model_class_name="LlavaForConditionalGeneration")
-    nested = LoadContext(model_type="llama", model_class_name="LlamaModel", config=config, parent=parent)
-    assert hfpatch_pack_fused_dense.provide_patches(nested) == []
-    assert hfpatch_pack_fused_dense.provide_converters(nested) == []
-
-
 def test_the_fused_projections_declare_their_sharding() -> None:
     """Column-parallel fused projections; FSDP2 and expert parallelism as the model's plan says."""
     config = CASES["qwen2_moe"].config

@@ -30,7 +30,7 @@ import hfpatch_core
 from hfpatch_core import Converter, LoadContext, Patch, Refusal
 from hfpatch_core.authoring import SizedConcatenate
 
-from .detection import KINDS, Detection, Site, detect, model_class_for
+from .detection import Detection, Site, detect, model_class_for
 from .modules import FusedDense, fused_class
 
 __version__ = "0.1.0"
@@ -38,9 +38,11 @@ __version__ = "0.1.0"
 __all__ = [
     "PRIORITY",
     "SAMPLE_MODEL_TYPES",
+    "SCOPED_SUB_MODELS",
     "FusedDense",
     "Fusion",
     "__version__",
+    "converter_key",
     "detection_for",
     "fusions_for",
     "provide_converters",
@@ -81,7 +83,7 @@ class Fusion:
         """``SizedConcatenate`` of the parts into the fused tensor, per site, for weights and biases."""
         transforms = []
         for site in self.sites:
-            fused, parts = KINDS[site.kind]
+            fused, parts = site.fused, site.parts
             for suffix in ("weight", "bias") if site.bias else ("weight",):
                 # operations= by keyword: the third positional field differs between 5.3 and later
                 transforms.append(
@@ -127,8 +129,7 @@ def _builtin_conversion_problems(model_type: str | None, detection: Detection) -
     for transform in (each for each in builtin or () if isinstance(each, WeightConverter)):
         targets = [str(pattern) for pattern in getattr(transform, "target_patterns", None) or ()]
         for name in detection.originals:
-            for kind in detection.kinds(name):
-                parts = KINDS[kind][1]
+            for parts in detection.groups(name).values():
                 named = [part for part in parts for target in targets if re.search(rf"(?<!\w){part}(?!\w)", target)]
                 if named:
                     problems.setdefault(
@@ -157,7 +158,11 @@ def refusals(config: Any, model_class_name: str | None = None) -> dict[str, str]
         detection = detection_for(config, model_class_name)
     except Exception as exc:  # any model may fail to build on the meta device in its own way
         return {type(config).__name__: f"cannot build the model on the meta device ({type(exc).__name__}: {exc})"}
-    composite = {name: COMPOSITE.format(name=name) for name in detection.originals} if _composite(config) else {}
+    composite = (
+        {name: COMPOSITE.format(name=name) for name in detection.originals}
+        if _composite(config) and not SCOPED_SUB_MODELS
+        else {}
+    )
     return {
         **detection.rejected,
         **_builtin_conversion_problems(getattr(config, "model_type", None), detection),
@@ -165,8 +170,23 @@ def refusals(config: Any, model_class_name: str | None = None) -> dict[str, str]
     }
 
 
-#: Why the classes of a composite model are left alone (measured with ``hfpatch verify
-#: fused-dense --all-model-types`` on 5.25: gemma3, got_ocr2, mllama, ... lost the fused weights).
+def _scoped_sub_models() -> bool:
+    """Whether the installed transformers converts each sub-model's weights with that sub-model's
+    own list, scoped to its prefix (5.25: ``conversion_mapping.extract_weight_conversions_for_model``);
+    5.3 reads the root model type's list only."""
+    try:
+        from transformers import conversion_mapping
+    except ImportError:  # a release without conversion lists
+        return False
+    return hasattr(conversion_mapping, "extract_weight_conversions_for_model")
+
+
+#: Whether a composite model's sub-models are claimed in their own loads (see ``fusions_for``).
+SCOPED_SUB_MODELS = _scoped_sub_models()
+
+#: Why the classes of a composite model are left alone where transformers reads the root model
+#: type's list only (5.3): a converter keyed by the outer model type, unscoped, would also match
+#: another sub-model's tensors of the same names (gemma3's text and vision attentions).
 COMPOSITE = (
     "a composite model: its {name} sits in a sub-model (the text or vision model) whose weights "
     "transformers converts with that sub-model's own conversion lists, which the pack's converters, "
@@ -180,26 +200,65 @@ def _composite(config: Any) -> bool:
     return text is not config or bool(getattr(config, "sub_configs", None))
 
 
+def _own_classes(detection: Detection, model_class: type | None) -> set[str]:
+    """The fusable classes of ``detection`` defined in ``model_class``'s modeling module.
+
+    A composite model builds its sub-models (``AutoModel.from_config(config.text_config)``)
+    in loads of their own, whose classes come from their own modeling modules: each load
+    claims the classes of its own module, with converters in its own list (see ``fusions_for``).
+    """
+    module = getattr(model_class, "__module__", None)
+    return {name for name, original in detection.originals.items() if original.__module__ == module}
+
+
+def converter_key(context: LoadContext) -> str:
+    """The conversion list a load's converters join: its model type, or for a sub-model whose class
+    has a list of its own in transformers (``SiglipVisionModel``), that class name, which
+    transformers looks up first."""
+    model_type = context.model_type or ""
+    if context.parent is None or not context.model_class_name:
+        return model_type
+    try:
+        from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+
+        own = get_checkpoint_conversion_mapping(context.model_class_name)
+    except Exception:  # a release without the table
+        own = None
+    return context.model_class_name if own is not None else model_type
+
+
 def fusions_for(context: LoadContext) -> list[Fusion]:
     """What the pack replaces for one load, in target-name order; empty when it has nothing to do.
 
-    Nothing without a config (the sizes are unknown), for a sub-model (the outer load
-    built the whole model on the meta device and claimed its classes already), and where
-    the model cannot be built on the meta device.
+    Nothing without a config (the sizes are unknown), nor where the model cannot be built
+    on the meta device.  A composite model (an image-text model) builds each sub-model in
+    a load of its own: where transformers converts a sub-model's weights with that
+    sub-model's own list, scoped to its prefix (5.25), each load claims the classes of its
+    own modeling module, the outer load those of the outer model's, with converters whose
+    patterns are relative to the sub-model (``converter_key`` names the list).  Where it
+    reads the root model type's list only (5.3) a composite model is left alone (its
+    sub-models' tensors of one name would meet in one unscoped list), and a sub-model's
+    load returns nothing.
     """
-    if context.config is None or context.model_type is None or context.parent is not None:
+    if context.config is None or context.model_type is None:
+        return []
+    composite = context.parent is not None or _composite(context.config)
+    if composite and not SCOPED_SUB_MODELS:
         return []
     try:
         detection = detection_for(context.config, context.model_class_name)
     except Exception:  # refusals() gives the reason; the model loads as in transformers
         return []
-    if _composite(context.config):
-        return []
+    own = (
+        _own_classes(detection, model_class_for(context.config, context.model_class_name))
+        if composite
+        else set(detection.originals)
+    )
     refused = _builtin_conversion_problems(context.model_type, detection)
     fusions = [
-        Fusion(original, fused_class(original, detection.kinds(name)), detection.classes()[name])
+        Fusion(original, fused_class(original, detection.groups(name)), detection.classes()[name])
         for name, original in detection.originals.items()
-        if name not in refused
+        if name not in refused and name in own
     ]
     return sorted(fusions, key=lambda fusion: fusion.original.__name__)
 
@@ -233,5 +292,5 @@ def provide_converters(context: LoadContext) -> list[Converter]:
     when another pack wins one class (qwen-moe on the MoE attention, or any pack
     replacing the MLP), only that class's converter is left out with it.
     """
-    model_type = context.model_type or ""
-    return [fusion.converter(model_type) for fusion in fusions_for(context)]
+    key = converter_key(context)
+    return [fusion.converter(key) for fusion in fusions_for(context)]

@@ -27,10 +27,11 @@ repeated loads of one model pay for the build once.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import re
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Literal
 
 import torch.nn as nn
@@ -60,6 +61,12 @@ class Site:
         class_name: the module's class name (the patch target).
         sizes: the output sizes of the fused parts, in fused order: ``(q, k, v)`` or ``(gate, up)``.
         bias: whether the fused parts have a bias.
+        parts: the parts fused, in row order: the kind's parts, or the subset of them that
+            the forward provably gives one input (``("k_proj", "v_proj")`` in a
+            cross-attention, where ``q_proj`` reads another input and stays itself);
+            default: all the kind's parts.
+        fused: the fused child's name (``qkv_proj``, ``gate_up_proj``; ``kv_proj`` for
+            ``k_proj`` / ``v_proj``); default: the kind's.
     """
 
     path: str
@@ -67,6 +74,14 @@ class Site:
     class_name: str
     sizes: tuple[int, ...]
     bias: bool
+    parts: tuple[str, ...] = ()
+    fused: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.parts:
+            object.__setattr__(self, "parts", KINDS[self.kind][1])
+        if not self.fused:
+            object.__setattr__(self, "fused", fused_name(self.kind, self.parts))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,6 +110,39 @@ class Detection:
         """The kinds fused in ``class_name``, in ``KINDS`` order."""
         present = {site.kind for site in self.sites if site.class_name == class_name}
         return tuple(kind for kind in KINDS if kind in present)
+
+    def groups(self, class_name: str) -> dict[str, tuple[str, ...]]:
+        """Fused child name -> the parts it stands for, in ``class_name``, in ``KINDS`` order."""
+        found = {site.kind: (site.fused, site.parts) for site in self.sites if site.class_name == class_name}
+        return dict(found[kind] for kind in KINDS if kind in found)
+
+
+def fused_name(kind: Kind, parts: Sequence[str]) -> str:
+    """The fused child's name: the kind's (``qkv_proj``) for all its parts, else their stems joined (``kv_proj``)."""
+    fused, every = KINDS[kind]
+    if tuple(parts) == every:
+        return fused
+    return "".join(part.removesuffix("_proj") for part in parts) + "_proj"
+
+
+def fused_parts(cls: type, kind: Kind) -> tuple[tuple[str, ...], str | None]:
+    """The parts of ``kind`` that ``cls.forward`` provably gives one input, and the reason when not all.
+
+    All the kind's parts where ``same_input`` proves it; otherwise the largest subset (of
+    two or more, in row order, the first found) that it proves (partial fusion: a
+    cross-attention's ``k_proj`` / ``v_proj`` on ``current_states``, ``q_proj`` on
+    ``hidden_states``); ``()`` with the reason where no two parts share a proven input.
+    The parts left out stay the module's own ``nn.Linear``s, untouched.
+    """
+    every = KINDS[kind][1]
+    problem = same_input(cls, every)
+    if problem is None:
+        return every, None
+    for size in range(len(every) - 1, 1, -1):
+        for subset in itertools.combinations(every, size):
+            if same_input(cls, subset) is None:
+                return subset, problem
+    return (), problem
 
 
 def relative(path: str) -> str:
@@ -126,8 +174,7 @@ def _regex(pattern: str) -> re.Pattern[str]:
     return re.compile(body + r"(?!\w)" if re.search(r"[a-zA-Z0-9]$", body) else body)
 
 
-def _module_problem(module: nn.Module, kind: Kind, counts: Mapping[int, int]) -> str | None:
-    fused, parts = KINDS[kind]
+def _module_problem(module: nn.Module, fused: str, parts: Sequence[str], counts: Mapping[int, int]) -> str | None:
     if fused in module._modules or fused in module._parameters or fused in vars(module):
         return f"already has a {fused!r}"
     problem = fusable_parts(module, parts)
@@ -155,6 +202,7 @@ def inspect_model(model: nn.Module, prefix: str = "") -> Detection:
     rejected: dict[str, str] = {}
     classes: dict[str, type] = {}
     instances: dict[tuple[str, Kind], list[tuple[str, tuple[int, ...], bool]]] = {}
+    chosen: dict[tuple[str, Kind], tuple[str, ...]] = {}
     paths: dict[tuple[str, Kind], set[str]] = {}
     modules = dict(model.named_modules())
     names = {type(module).__name__ for module in modules.values()}
@@ -172,11 +220,15 @@ def inspect_model(model: nn.Module, prefix: str = "") -> Detection:
             rejected.setdefault(name, f"{path or '<model>'}: {problem}")
             continue
         for kind in kinds:
-            parts = KINDS[kind][1]
-            problem = _module_problem(module, kind, counts) or same_input(cls, parts)
+            parts, unproven = fused_parts(cls, kind)
+            problem = _module_problem(module, fused_name(kind, parts), parts, counts) if parts else unproven
+            if problem is not None and parts and unproven:
+                # the partial fusion failed too: say why neither could be made
+                problem = f"{unproven}; and fusing only {'/'.join(parts)}: {problem}"
             if problem is not None:
                 rejected.setdefault(name, f"{path or '<model>'}: {problem}")
                 continue
+            chosen[(name, kind)] = parts
             linears: list[nn.Linear] = [getattr(module, part) for part in parts]
             sizes = tuple(linear.out_features for linear in linears)
             instances.setdefault((name, kind), []).append((where, sizes, linears[0].bias is not None))
@@ -189,12 +241,13 @@ def inspect_model(model: nn.Module, prefix: str = "") -> Detection:
         by_pattern: dict[str, set[tuple[tuple[int, ...], bool]]] = {}
         for where, sizes, bias in found:
             by_pattern.setdefault(relative(where), set()).add((sizes, bias))
+        parts = chosen[(name, kind)]
         short = [
-            Site(relative(where) if len(by_pattern[relative(where)]) == 1 else where, kind, name, sizes, bias)
+            Site(relative(where) if len(by_pattern[relative(where)]) == 1 else where, kind, name, sizes, bias, parts)
             for where, sizes, bias in found
         ]
         # the whole paths where a short pattern would also match another module's tensors
-        whole = [Site(where, kind, name, sizes, bias) for where, sizes, bias in found]
+        whole = [Site(where, kind, name, sizes, bias, parts) for where, sizes, bias in found]
         collision: str | None = None
         for candidate in (short, whole):
             unique = list(dict.fromkeys(candidate))
@@ -237,7 +290,7 @@ def _builder_problem(path: str, name: str, modules: Mapping[str, nn.Module]) -> 
 
 def _pattern_problem(site: Site, keys: Iterable[str], paths: set[str]) -> str | None:
     """Why ``site``'s converter patterns would convert other tensors than the parts of the modules at ``paths``."""
-    fused, parts = KINDS[site.kind]
+    fused, parts = site.fused, site.parts
     for name in (*parts, fused):
         pattern = f"{site.path}.{name}.weight"
         regex = _regex(pattern)

@@ -18,16 +18,12 @@ that input; the others take their slice of it.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import ClassVar
 
 import torch.nn as nn
 
 from hfpatch_core.authoring.views import fused_views_class
-
-from .detection import KINDS, Kind
-
-_PREFIX: dict[Kind, str] = {"attention": "QKV", "mlp": "GateUp"}
 
 
 class FusedDense:
@@ -51,20 +47,22 @@ class FusedDense:
     hfpatch_ep_plan: ClassVar[dict[str, str]] = {}
 
 
-def class_name(original: type, kinds: Sequence[Kind]) -> str:
-    """``FusedQKVLlamaAttention``, ``FusedGateUpLlamaMLP``, ``FusedQKVGateUp<Original>``."""
-    return f"Fused{''.join(_PREFIX[kind] for kind in kinds)}{original.__name__}"
+def class_name(original: type, groups: Mapping[str, Sequence[str]]) -> str:
+    """``FusedQKVLlamaAttention``, ``FusedGateUpLlamaMLP``, ``FusedQKVGateUp<Original>``; ``FusedKV<Original>``
+    where only ``k_proj`` / ``v_proj`` are fused (the parts' stems, capitalised, in order)."""
+    stems = "".join(part.removesuffix("_proj").capitalize() for parts in groups.values() for part in parts)
+    return f"Fused{stems}{original.__name__}"
 
 
-def fused_class(original: type[nn.Module], kinds: Sequence[Kind]) -> type[nn.Module]:
-    """The replacement of ``original`` fusing ``kinds`` (in ``KINDS`` order), built once and published here."""
-    ordered = [kind for kind in KINDS if kind in kinds]
-    groups = {KINDS[kind][0]: KINDS[kind][1] for kind in ordered}
+def fused_class(original: type[nn.Module], groups: Mapping[str, Sequence[str]]) -> type[nn.Module]:
+    """The replacement of ``original`` fusing ``groups`` (fused name -> parts, in ``KINDS`` order), built once
+    and published here (``Detection.groups`` gives them)."""
+    frozen = {fused: tuple(parts) for fused, parts in groups.items()}
     return fused_views_class(
         original,
-        groups,
+        frozen,
         module=__name__,
-        name=class_name(original, ordered),
+        name=class_name(original, frozen),
         mixins=(FusedDense,),
-        namespace={"hfpatch_tp_plan": dict.fromkeys(groups, "colwise")},
+        namespace={"hfpatch_tp_plan": dict.fromkeys(frozen, "colwise")},
     )

@@ -10,11 +10,13 @@ import pytest
 import torch
 import torch.nn as nn
 from hfpatch_pack_fused_dense import detection_for, refusals
-from hfpatch_pack_fused_dense.detection import KINDS, Detection, inspect_model, relative
+from hfpatch_pack_fused_dense.detection import KINDS, Detection, fused_parts, inspect_model, relative
+from hfpatch_pack_fused_dense.modules import fused_class
 from transformers import AutoConfig, Qwen2Config
 
 from conftest import CASES, Case, expected_sites
 from hfpatch_core.authoring.calls import same_input
+from hfpatch_core.authoring.packing import PackedPart
 from hfpatch_core.authoring.views import fusable_parts
 
 
@@ -96,19 +98,46 @@ def test_a_norm_over_all_heads_is_fused_too() -> None:
     ]
 
 
-def test_refuses_a_cross_attention() -> None:
-    """whisper's decoder attention reads ``key_value_states`` for k/v where it cross-attends."""
+def test_a_cross_attention_fuses_only_k_and_v() -> None:
+    """bart's attention gives ``q_proj`` ``hidden_states`` and ``k_proj`` / ``v_proj`` ``current_states``
+    (the encoder's output where it cross-attends): only k and v provably share an input, so
+    they are fused into ``kv_proj`` and ``q_proj`` stays the module's own ``nn.Linear``."""
+    layer = _meta_layer("bart", "BartDecoderLayer", d_model=32, decoder_attention_heads=4, encoder_attention_heads=4)
+    detection = inspect_model(layer)
+    assert dict(detection.rejected) == {}
+    assert sorted((site.path, site.parts, site.fused, site.sizes) for site in detection.sites) == [
+        ("encoder_attn", ("k_proj", "v_proj"), "kv_proj", (32, 32)),
+        ("self_attn", ("k_proj", "v_proj"), "kv_proj", (32, 32)),
+    ]
+    assert detection.groups("BartAttention") == {"kv_proj": ("k_proj", "v_proj")}
+    assert fused_parts(type(layer.self_attn), "attention") == (
+        ("k_proj", "v_proj"),
+        same_input(type(layer.self_attn), QKV),
+    )
+    fused = fused_class(type(layer.self_attn), detection.groups("BartAttention"))
+    assert fused.__name__ == "FusedKVBartAttention"
+    with torch.device("meta"):
+        attention = fused(32, 4, is_decoder=True, config=layer.self_attn.config, layer_idx=0)
+    assert type(attention.q_proj) is nn.Linear and isinstance(attention.k_proj, PackedPart)
+    # vanilla's order, the fused projection just before its first part: PEFT's seeded draws match
+    vanilla = [name for name, _ in layer.self_attn.named_children()]
+    first = vanilla.index("k_proj")
+    assert [name for name, _ in attention.named_children()] == [*vanilla[:first], "kv_proj", *vanilla[first:]]
+
+
+def test_refuses_a_cross_attention_whose_shared_parts_differ_in_bias() -> None:
+    """whisper's attention reads ``current_states`` for k/v like bart's, but only v has a bias:
+    neither the whole fusion (different inputs) nor k/v's (one bias) can be made."""
     layer = _meta_layer("whisper", "WhisperDecoderLayer", d_model=32, decoder_attention_heads=4)
     detection = inspect_model(layer)
     assert detection.sites == ()
-    # the first problem found: k_proj has no bias where q_proj and v_proj have one
-    assert dict(detection.rejected) == {
-        "WhisperAttention": "self_attn: only ['q_proj', 'v_proj'] of ['q_proj', 'k_proj', 'v_proj'] have a bias: "
-        "the fused projection would add one to the others"
-    }
     reason = same_input(type(layer.self_attn), QKV)
     assert reason is not None
     assert "gives the parts different inputs: q_proj(hidden_states), k_proj(current_states)" in reason
+    assert dict(detection.rejected) == {
+        "WhisperAttention": f"self_attn: {reason}; and fusing only k_proj/v_proj: only ['v_proj'] of "
+        "['k_proj', 'v_proj'] have a bias: the fused projection would add one to the others"
+    }
 
 
 def test_finds_nothing_in_an_already_fused_layer() -> None:

@@ -389,17 +389,6 @@ def test_converters_follow_the_detected_sizes(case: Case) -> None:
     assert transforms == expected
 
 
-def test_a_sub_model_is_left_to_the_outer_load() -> None:
-    """The outer load builds the whole model on the meta device and claims the text model's
-    classes with converters keyed by the outer model type, which every release applies; the
-    sub-model's own hook call returns nothing, so nothing is claimed twice."""
-    config = CASES["llama"].config
-    parent = LoadContext(model_type="llava", model_class_name="LlavaForConditionalGeneration")
-    nested = LoadContext(model_type="llama", model_class_name="LlamaModel", config=config, parent=parent)
-    assert hfpatch_pack_fused_dense.provide_patches(nested) == []
-    assert hfpatch_pack_fused_dense.provide_converters(nested) == []
-
-
 def test_the_fused_projections_declare_their_sharding() -> None:
     """Column-parallel fused projections; FSDP2 and expert parallelism as the model's plan says."""
     config = CASES["qwen2_moe"].config
@@ -591,16 +580,18 @@ def test_hfpatch_check_covers_the_sample_model_types(capsys: pytest.CaptureFixtu
 
 
 def test_a_candidate_the_pack_leaves_alone_is_a_refusal_with_its_reason() -> None:
-    """xglm's attention serves as a cross-attention too: its projections may read different
-    inputs, so the pack refuses it, and says why in the plan, explain and check."""
+    """whisper's attention serves as a cross-attention too: q reads another input than k/v, and
+    of k/v only v has a bias, so neither the whole fusion nor k/v's can be made exactly; the
+    pack refuses it, and says why in the plan, explain and check."""
     from hfpatch_core import Refusal
     from hfpatch_core.testing import tiny_config
 
-    config = tiny_config("xglm")
-    context = LoadContext("xglm", "XGLMForCausalLM", config)
+    config = tiny_config("whisper")
+    context = LoadContext("whisper", "WhisperForCausalLM", config)
     offered = hfpatch_pack_fused_dense.provide_patches(context)
     refused = {item.target: item.reason for item in offered if isinstance(item, Refusal)}
-    assert refused and refused == hfpatch_pack_fused_dense.refusals(config, "XGLMForCausalLM")
+    assert refused and refused == hfpatch_pack_fused_dense.refusals(config, "WhisperForCausalLM")
+    assert "different inputs" in refused["WhisperAttention"] and "have a bias" in refused["WhisperAttention"]
     assert all(reason.strip() for reason in refused.values())
     claimed = {item.target for item in offered if not isinstance(item, Refusal)}
     assert not claimed & set(refused)

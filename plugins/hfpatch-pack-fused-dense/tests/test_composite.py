@@ -1,0 +1,81 @@
+"""Composite models: each sub-model's load claims the classes of its own modeling module.
+
+A composite model (an image-text model) builds its text and vision models in loads of
+their own (``AutoModel.from_config(config.text_config)``).  Where transformers converts a
+sub-model's weights with that sub-model's own list, scoped to its prefix (5.25), the pack
+claims each sub-model's classes in that sub-model's load, with converters relative to it,
+in the sub-model's model type's list (or its class's, where transformers keeps one by
+class name); the outer load claims the outer modeling module's classes.  Where transformers
+reads the root model type's list only (5.3), a composite model is refused with the reason.
+"""
+
+from __future__ import annotations
+
+import hfpatch_pack_fused_dense
+import pytest
+from hfpatch_pack_fused_dense import SCOPED_SUB_MODELS, converter_key, refusals
+
+from conftest import CASES, PACK
+from hfpatch_core import LoadContext, Refusal
+from hfpatch_core.testing import assert_pack_equivalent, tiny_checkpoint, tiny_config
+
+scoped = pytest.mark.skipif(
+    not SCOPED_SUB_MODELS, reason="this transformers release reads the root model type's conversion list only"
+)
+
+
+@scoped
+@pytest.mark.parametrize(
+    ("model_type", "replaced"),
+    [
+        # the text model (gemma3_text) and the vision tower (SiglipVisionModel: a list kept by class name)
+        ("gemma3", ["Gemma3Attention", "Gemma3MLP", "SiglipAttention"]),
+        # a qwen2 text model inside another family's composite
+        ("got_ocr2", ["Qwen2Attention", "Qwen2MLP"]),
+    ],
+)
+def test_a_composite_model_is_exact_in_every_sub_model(model_type: str, replaced: list[str]) -> None:
+    report = assert_pack_equivalent(PACK, tiny_checkpoint(model_type), expected_replacements=replaced)
+    assert report.round_trip and report.generation_match
+    assert report.max_abs_diff is not None and report.max_abs_diff <= 1e-5
+
+
+@scoped
+def test_a_sub_model_claims_its_own_classes_in_its_own_list() -> None:
+    """A nested load (the text model of a composite) claims its classes with converters relative to
+    it, keyed by its model type; a sub-model whose class has its own list in transformers is keyed
+    by that class name, which transformers looks up first."""
+    config = CASES["llama"].config
+    parent = LoadContext(model_type="llava", model_class_name="LlavaForConditionalGeneration")
+    nested = LoadContext(model_type="llama", model_class_name="LlamaModel", config=config, parent=parent)
+    patches = hfpatch_pack_fused_dense.provide_patches(nested)
+    assert sorted(p.target for p in patches) == ["LlamaAttention", "LlamaMLP"]
+    converters = hfpatch_pack_fused_dense.provide_converters(nested)
+    assert {c.key for c in converters} == {"llama"} == {converter_key(nested)}
+    patterns = {pattern for c in converters for t in c.transforms for pattern in t.source_patterns}
+    assert "self_attn.q_proj.weight" in patterns and "mlp.gate_proj.weight" in patterns
+    vision = LoadContext("siglip_vision_model", "SiglipVisionModel", tiny_config("gemma3").vision_config, parent=parent)
+    assert converter_key(vision) == "SiglipVisionModel"
+
+
+@scoped
+def test_the_outer_load_claims_only_its_own_modeling_module() -> None:
+    """gemma3's outer load claims gemma3's classes; siglip's attention is left to the vision tower's load."""
+    config = tiny_config("gemma3")
+    outer = LoadContext("gemma3", "Gemma3ForConditionalGeneration", config)
+    claimed = {p.target for p in hfpatch_pack_fused_dense.provide_patches(outer) if not isinstance(p, Refusal)}
+    assert claimed == {"Gemma3Attention", "Gemma3MLP"}
+    assert refusals(config, "Gemma3ForConditionalGeneration") == {}
+
+
+@pytest.mark.skipif(SCOPED_SUB_MODELS, reason="this transformers release converts each sub-model with its own list")
+def test_a_composite_model_is_refused_where_one_list_serves_the_whole_model() -> None:
+    config = tiny_config("gemma3")
+    outer = LoadContext("gemma3", "Gemma3ForConditionalGeneration", config)
+    offered = hfpatch_pack_fused_dense.provide_patches(outer)
+    assert offered and all(isinstance(p, Refusal) and "a composite model" in p.reason for p in offered)
+    config = CASES["llama"].config
+    parent = LoadContext(model_type="llava", model_class_name="LlavaForConditionalGeneration")
+    nested = LoadContext(model_type="llama", model_class_name="LlamaModel", config=config, parent=parent)
+    assert hfpatch_pack_fused_dense.provide_patches(nested) == []
+    assert hfpatch_pack_fused_dense.provide_converters(nested) == []

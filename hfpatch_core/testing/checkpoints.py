@@ -141,6 +141,9 @@ _OVERRIDES: Mapping[str, Mapping[str, Any] | Callable[[Any], Mapping[str, Any]]]
     ),
     # up to 5.3, the forward reads the rotary embedding that only use_mem_rope builds
     "zamba2": {"use_mem_rope": True},
+    # with query/key heads half the value heads' size, the cached recurrent state has the wrong shape
+    # ("matC_old has wrong shape"): the same size runs
+    "xlstm": {"qk_dim_factor": 1.0},
     # the forward refuses to run without a language (the default config names none)
     "xmod": {"default_language": "en_XX"},
 }
@@ -331,8 +334,8 @@ def _follow_heads(values: dict[str, Any], current: Mapping[str, Any], names: set
             # (other heads, linear attention's or Mamba's, keep their own counts)
             if name.endswith("attention_heads") and value == old_heads:
                 values[name] = heads
-            elif name.endswith("key_value_heads") and value == old_kv and _is_int(kv):
-                values[name] = kv
+            elif name.endswith("key_value_heads") and _is_int(kv) and value >= min(kv, old_kv or kv):
+                values[name] = kv  # (at most as many as the query heads it serves)
             elif "index" in name and value > heads:
                 values[name] = max(1, heads // kv) if _is_int(kv) and kv else 1
         elif name.endswith("head_dim") and _is_int(head_dim) and value == old_head_dim != head_dim:
@@ -611,6 +614,27 @@ def _config_for(model_class: Any, config: Any) -> Any:
     return next((sub for sub in inner if isinstance(sub, wanted)), config)
 
 
+def _built_from(config: Any) -> tuple[type[nn.Module], Any, bool]:
+    """The class ``tiny_checkpoint`` builds for ``config``, the config it builds it from, and whether
+    the checkpoint keeps the composite config (a text-only causal LM of a composite model type).
+
+    A composite model whose full model needs a library that is not installed (gemma3n's vision
+    tower needs timm and PIL) gives its text model's causal LM, saved with its text config alone:
+    a checkpoint of the text model, which loads without the library."""
+    from .._scope import vanilla
+
+    model_class = _causal_lm_class(config)
+    own = _config_for(model_class, config)
+    text = _text_config(config)
+    if own is config and text is not None and text is not config:
+        try:
+            with vanilla(), torch.device("meta"):
+                model_class(own)
+        except ImportError:
+            return _causal_lm_class(text), text, False
+    return model_class, own, own is not config and text is own
+
+
 #: The most parameters a tiny checkpoint of a model type has (what ``check_tiny_checkpoint`` holds it to).
 TINY_PARAMETERS = 20_000_000
 
@@ -622,9 +646,9 @@ def parameter_count(config: Any) -> int:
     """The parameters of the causal LM ``tiny_checkpoint`` builds from ``config``, counted on the meta device."""
     from .._scope import vanilla
 
-    model_class = _causal_lm_class(config)
+    model_class, own, _ = _built_from(config)
     with vanilla(), torch.device("meta"):
-        model = model_class(_config_for(model_class, config))
+        model = model_class(own)
     return sum(parameter.numel() for parameter in model.parameters())
 
 
@@ -718,11 +742,10 @@ def tiny_checkpoint(
     try:
         with vanilla():
             torch.manual_seed(seed)
-            model_class = _causal_lm_class(config)
-            own = _config_for(model_class, config)
+            model_class, own, composite = _built_from(config)
             model: Any = model_class(own)
             model.save_pretrained(target)
-            if own is not config and _text_config(config) is own:
+            if composite:
                 # the checkpoint keeps the composite config, as a released one does: a load reads
                 # the text config out of it
                 config.save_pretrained(target)

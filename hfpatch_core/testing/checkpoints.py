@@ -91,6 +91,15 @@ _ALL_SPARSE: Mapping[str, int] = {
     "expert_interval": 1,
 }
 
+#: A QSA token indexer of a tiny qwen4_exp model (one key head, as the config requires).
+_QSA_INDEXER: Mapping[str, int] = {
+    "indexer_n_heads": 4,
+    "indexer_kv_heads": 1,
+    "indexer_head_dim": 16,
+    "indexer_budget": 64,
+    "indexer_compress_ratio": 16,
+}
+
 #: Per-type settings where no generic rule works; each says why.  A callable gets the default
 #: config and returns the settings (where they differ between transformers releases).
 _OVERRIDES: Mapping[str, Mapping[str, Any] | Callable[[Any], Mapping[str, Any]]] = {
@@ -144,6 +153,9 @@ _OVERRIDES: Mapping[str, Mapping[str, Any] | Callable[[Any], Mapping[str, Any]]]
     # with query/key heads half the value heads' size, the cached recurrent state has the wrong shape
     # ("matC_old has wrong shape"): the same size runs
     "xlstm": {"qk_dim_factor": 1.0},
+    # the default config has indexed attention layers but no indexer (its sizes are None): a small one
+    "qwen4_exp_text": _QSA_INDEXER,
+    "qwen4_exp": {"text_config": _QSA_INDEXER},
     # the forward refuses to run without a language (the default config names none)
     "xmod": {"default_language": "en_XX"},
 }

@@ -100,6 +100,17 @@ _QSA_INDEXER: Mapping[str, int] = {
     "indexer_compress_ratio": 16,
 }
 
+#: The latent attention of dots3_note's sliding-window layers, as small as SHRINK makes the others.
+_SLIDING_LATENT_ATTENTION: Mapping[str, int] = {
+    "swa_num_attention_heads": 4,
+    "swa_num_key_value_heads": 4,
+    "swa_q_lora_rank": 32,
+    "swa_kv_lora_rank": 16,
+    "swa_head_dim": 16,
+    "swa_qk_nope_head_dim": 8,
+    "swa_v_head_dim": 16,
+}
+
 #: Per-type settings where no generic rule works; each says why.  A callable gets the default
 #: config and returns the settings (where they differ between transformers releases).
 _OVERRIDES: Mapping[str, Mapping[str, Any] | Callable[[Any], Mapping[str, Any]]] = {
@@ -153,6 +164,9 @@ _OVERRIDES: Mapping[str, Mapping[str, Any] | Callable[[Any], Mapping[str, Any]]]
     # with query/key heads half the value heads' size, the cached recurrent state has the wrong shape
     # ("matC_old has wrong shape"): the same size runs
     "xlstm": {"qk_dim_factor": 1.0},
+    # the sliding-window layers take their sizes from swa_* arguments (not fields: no rule sees them)
+    "dots3_note_text": _SLIDING_LATENT_ATTENTION,
+    "dots3_note": {"text_config": _SLIDING_LATENT_ATTENTION},
     # the default config has indexed attention layers but no indexer (its sizes are None): a small one
     "qwen4_exp_text": _QSA_INDEXER,
     "qwen4_exp": {"text_config": _QSA_INDEXER},
@@ -228,22 +242,24 @@ def _init_fields(cls: type) -> set[str]:
 
 
 def _read(config: Any, name: str) -> Any:
-    # per-layer configs (gemma4) raise on a global read of a per-layer field: that field is left as it is
+    # per-layer configs (gemma4, dots3_note) raise on a global read of a per-layer field: the global value
+    # as stored, where there is one
     try:
         return getattr(config, name, None)
     except Exception:
-        return None
+        return vars(config).get(name)
 
 
 def _is_int(value: Any) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _shrunk(config: Any, overrides: Mapping[str, Any]) -> Any:
+def _shrunk(config: Any, overrides: Mapping[str, Any], text_hidden: int | None = None) -> Any:
     """``config`` built anew with its sizes (and its sub-configs') shrunk, then ``overrides``.
 
     Built anew, not edited, so that the fields a config derives from its sizes follow
-    them; a sub-config keeps what its parent chose for it (``to_diff_dict``)."""
+    them; a sub-config keeps what its parent chose for it (``to_diff_dict``).  ``text_hidden``:
+    the hidden size of the text model next to this sub-config, which its outputs project to."""
     from transformers import PretrainedConfig
 
     cls = type(config)
@@ -264,12 +280,15 @@ def _shrunk(config: Any, overrides: Mapping[str, Any]) -> Any:
     for name in [name for name in values if name in derived and _is_int(values[name])]:
         del values[name]
     own = dict(overrides)
+    text = _text_config(config)
+    beside = _read(text, "hidden_size") if text is not None and text is not config else None
     for name, value in current.items():
         if isinstance(value, PretrainedConfig):
             inner = own.pop(name, None)
             if not isinstance(inner, PretrainedConfig):
                 # (an override names a sub-config's model type for the parent to build it by: not a field)
-                inner = _shrunk(value, {key: v for key, v in (inner or {}).items() if key != "model_type"})
+                fixes = {key: v for key, v in (inner or {}).items() if key != "model_type"}
+                inner = _shrunk(value, fixes, beside if value is not text else None)
             # before configs were dataclasses (5.3), some composite configs take a sub-config as a dict only
             # (only what differs from the sub-config's defaults: dbrx's sub-configs refuse the base fields)
             values[name] = inner if dataclasses.is_dataclass(cls) else inner.to_diff_dict()
@@ -282,6 +301,12 @@ def _shrunk(config: Any, overrides: Mapping[str, Any]) -> Any:
         # MLA expands its latent keys to every head: as many key/value heads as heads
         values["num_key_value_heads"] = _size(values, current, "num_attention_heads")
     _follow_hidden(values, current, names)
+    if _is_int(text_hidden) and text_hidden >= 256:
+        # an encoder's (vision, audio) output projected to the text model's width (dots3_note's
+        # adapter_out_dim, qwen2_vl's out_hidden_size): the shrunk text width
+        for name in names:
+            if "out" in name and current.get(name) == text_hidden and not _changed(values, current, name):
+                values[name] = SHRINK["hidden_size"]
     _follow_vocabulary(values, current, names)
     _latent_attention(values, current, names)
     _head_dim(values, current, names)

@@ -111,6 +111,13 @@ _SLIDING_LATENT_ATTENTION: Mapping[str, int] = {
     "swa_v_head_dim": 16,
 }
 
+#: A musicgen config: its sub-configs (which 5.3 requires) and one codebook.
+_MUSICGEN: Mapping[str, Any] = {
+    "text_encoder": {"model_type": "t5"},
+    "audio_encoder": {"model_type": "encodec"},
+    "decoder": {"num_codebooks": 1},
+}
+
 #: Per-type settings where no generic rule works; each says why.  A callable gets the default
 #: config and returns the settings (where they differ between transformers releases).
 _OVERRIDES: Mapping[str, Mapping[str, Any] | Callable[[Any], Mapping[str, Any]]] = {
@@ -155,10 +162,8 @@ _OVERRIDES: Mapping[str, Mapping[str, Any] | Callable[[Any], Mapping[str, Any]]]
     },
     # the causal LM is the decoder, whose input ids hold one row per codebook (a batch of text token
     # rows is one codebook each); up to 5.3, the config has no default sub-configs
-    **dict.fromkeys(
-        ("musicgen", "musicgen_melody"),
-        {"text_encoder": {"model_type": "t5"}, "audio_encoder": {"model_type": "encodec"}, "decoder": {"num_codebooks": 1}},
-    ),
+    "musicgen": _MUSICGEN,
+    "musicgen_melody": _MUSICGEN,
     # up to 5.3, the forward reads the rotary embedding that only use_mem_rope builds
     "zamba2": {"use_mem_rope": True},
     # with query/key heads half the value heads' size, the cached recurrent state has the wrong shape
@@ -586,7 +591,9 @@ def _layers(values: dict[str, Any], current: Mapping[str, Any], names: set[str])
         elif value is None and "indices" in name and any(part in name for part in ("attn", "attention")):
             # no attention layer by default (bamba): the forward needs one for its mask
             values[name] = [new - 1]
-        elif _is_int(value) and name.endswith("_layers") and name not in _LAYER_COUNTS and not _changed(values, current, name):
+        elif _is_int(value) and name.endswith("_layers") and name not in _LAYER_COUNTS:
+            if _changed(values, current, name):
+                continue
             if "shared" in name and 0 < value < old:
                 # layers that reuse the key/values of an earlier layer of their kind (gemma3n): after
                 # one layer of each kind, where the new count leaves room

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import copy
 import dataclasses
 import inspect
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, TypeGuard
 
@@ -90,8 +91,36 @@ _ALL_SPARSE: Mapping[str, int] = {
     "expert_interval": 1,
 }
 
-#: Per-type settings where no generic rule works; each says why.
-_OVERRIDES: Mapping[str, Mapping[str, Any]] = {
+#: A QSA token indexer of a tiny qwen4_exp model (one key head, as the config requires).
+_QSA_INDEXER: Mapping[str, int] = {
+    "indexer_n_heads": 4,
+    "indexer_kv_heads": 1,
+    "indexer_head_dim": 16,
+    "indexer_budget": 64,
+    "indexer_compress_ratio": 16,
+}
+
+#: The latent attention of dots3_note's sliding-window layers, as small as SHRINK makes the others.
+_SLIDING_LATENT_ATTENTION: Mapping[str, int] = {
+    "swa_num_attention_heads": 4,
+    "swa_num_key_value_heads": 4,
+    "swa_q_lora_rank": 32,
+    "swa_kv_lora_rank": 16,
+    "swa_head_dim": 16,
+    "swa_qk_nope_head_dim": 8,
+    "swa_v_head_dim": 16,
+}
+
+#: A musicgen config: its sub-configs (which 5.3 requires) and one codebook.
+_MUSICGEN: Mapping[str, Any] = {
+    "text_encoder": {"model_type": "t5"},
+    "audio_encoder": {"model_type": "encodec"},
+    "decoder": {"num_codebooks": 1},
+}
+
+#: Per-type settings where no generic rule works; each says why.  A callable gets the default
+#: config and returns the settings (where they differ between transformers releases).
+_OVERRIDES: Mapping[str, Mapping[str, Any] | Callable[[Any], Mapping[str, Any]]] = {
     # the default config leaves layer_types None, which the model indexes per layer
     "lfm2_moe": {"layer_types": ["conv", "full_attention"]},
     # the default config leaves the expert counts None (every real checkpoint sets them)
@@ -104,6 +133,50 @@ _OVERRIDES: Mapping[str, Mapping[str, Any]] = {
     # its causal LM requires a decoder (the default config is an encoder), and the axial position
     # embedding dims must add up to the hidden size (their defaults add up to 256)
     "reformer": {"is_decoder": True, "axial_pos_embds_dim": [32, 32]},
+    # the default config has no attention layer (every layer Mamba), and the forward needs one for its
+    # mask; the kinds are named "mamba"/"attention" up to 5.x, "linear_attention"/"full_attention" after
+    "granitemoehybrid": lambda defaults: {
+        "layer_types": ["mamba", "attention"]
+        if "mamba" in (getattr(defaults, "layers_block_type", None) or ["mamba"])
+        else ["linear_attention", "full_attention"]
+    },
+    # the default config has no rope parameters, which the model reads per layer type
+    "cohere_compass_text": {"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 10000.0}}},
+    # the default config is invalid: an assistant's text model has no per-layer inputs
+    "gemma4_assistant": {"text_config": {"hidden_size_per_layer_input": 0, "vocab_size_per_layer_input": 0}},
+    # the model reads attn_config.rope_theta, which the default attention config does not set, and
+    # clamps the projections to clip_qkv (None: "clamp: at least one of min or max must not be None");
+    # up to 5.3 its router reads ffn_hidden_size as the hidden size (as large in released checkpoints)
+    "dbrx": {"attn_config": {"rope_theta": 10000.0, "clip_qkv": 8.0}, "ffn_config": {"ffn_hidden_size": 64}},
+    # the cache of transformers 5.25 reads num_hidden_layers, which BltConfig has not (its layers are
+    # counted per part): without a cache, the forward runs
+    "blt": {"use_cache": False},
+    # the shared transformer block of a zamba model is tied across its hybrid layers, which needs two:
+    # the first three layers are mamba, mamba, hybrid, and every later one hybrid with period 1
+    "zamba": lambda defaults: {
+        "num_hidden_layers": 4,
+        "attn_layer_period": 1,
+        "attn_layer_offset": 0,
+        "use_mamba_kernels": False,  # transformers 5.3 requires the CUDA kernels unless told not to use them
+        **({"layers_block_type": None} if "layers_block_type" in _init_fields(type(defaults)) else {}),
+    },
+    # the causal LM is the decoder, whose input ids hold one row per codebook (a batch of text token
+    # rows is one codebook each); up to 5.3, the config has no default sub-configs
+    "musicgen": _MUSICGEN,
+    "musicgen_melody": _MUSICGEN,
+    # up to 5.3, the forward reads the rotary embedding that only use_mem_rope builds
+    "zamba2": {"use_mem_rope": True},
+    # with query/key heads half the value heads' size, the cached recurrent state has the wrong shape
+    # ("matC_old has wrong shape"): the same size runs
+    "xlstm": {"qk_dim_factor": 1.0},
+    # the sliding-window layers take their sizes from swa_* arguments (not fields: no rule sees them)
+    "dots3_note_text": _SLIDING_LATENT_ATTENTION,
+    "dots3_note": {"text_config": _SLIDING_LATENT_ATTENTION},
+    # the default config has indexed attention layers but no indexer (its sizes are None): a small one
+    "qwen4_exp_text": _QSA_INDEXER,
+    "qwen4_exp": {"text_config": _QSA_INDEXER},
+    # the forward refuses to run without a language (the default config names none)
+    "xmod": {"default_language": "en_XX"},
 }
 
 #: The folder that holds the checkpoints ``tiny_checkpoint`` saves without a directory: one per
@@ -147,9 +220,17 @@ def tiny_config(model_type: str, **overrides: Any) -> Any:
     unknown = unknown_model_type(model_type)
     if unknown is not None:
         raise TinyCheckpointError(unknown)
-    defaults = AutoConfig.for_model(model_type)
     try:
-        return _shrunk(defaults, {**_OVERRIDES.get(model_type, {}), **overrides})
+        try:
+            defaults = AutoConfig.for_model(model_type)
+        except Exception:
+            # a default config that does not validate (gemma4_assistant): built with the override
+            fixed = _OVERRIDES.get(model_type)
+            if not isinstance(fixed, Mapping):
+                raise
+            defaults = AutoConfig.for_model(model_type, **copy.deepcopy(dict(fixed)))  # (5.3 pops from it)
+        fixes = _OVERRIDES.get(model_type, {})
+        return _shrunk(defaults, {**(fixes(defaults) if callable(fixes) else fixes), **overrides})
     except Exception as exc:
         raise TinyCheckpointError(
             f"the shrunk default {model_type!r} config is invalid ({type(exc).__name__}: {exc}); "
@@ -166,22 +247,24 @@ def _init_fields(cls: type) -> set[str]:
 
 
 def _read(config: Any, name: str) -> Any:
-    # per-layer configs (gemma4) raise on a global read of a per-layer field: that field is left as it is
+    # per-layer configs (gemma4, dots3_note) raise on a global read of a per-layer field: the global value
+    # as stored, where there is one
     try:
         return getattr(config, name, None)
     except Exception:
-        return None
+        return vars(config).get(name)
 
 
 def _is_int(value: Any) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _shrunk(config: Any, overrides: Mapping[str, Any]) -> Any:
+def _shrunk(config: Any, overrides: Mapping[str, Any], text_hidden: int | None = None) -> Any:
     """``config`` built anew with its sizes (and its sub-configs') shrunk, then ``overrides``.
 
     Built anew, not edited, so that the fields a config derives from its sizes follow
-    them; a sub-config keeps what its parent chose for it (``to_diff_dict``)."""
+    them; a sub-config keeps what its parent chose for it (``to_diff_dict``).  ``text_hidden``:
+    the hidden size of the text model next to this sub-config, which its outputs project to."""
     from transformers import PretrainedConfig
 
     cls = type(config)
@@ -196,13 +279,24 @@ def _shrunk(config: Any, overrides: Mapping[str, Any]) -> Any:
         for name, value in chosen.items()
         if name in names and not isinstance(value, dict) and name not in ("transformers_version", "architectures")
     }
+    # sizes the config derives from others (default None: zamba's attention_hidden_size = 2 x hidden)
+    # are derived anew from the shrunk ones, unless a rule below sets them
+    derived = _derived(cls)
+    for name in [name for name in values if name in derived and _is_int(values[name])]:
+        del values[name]
     own = dict(overrides)
+    text = _text_config(config)
+    beside = _read(text, "hidden_size") if text is not None and text is not config else None
     for name, value in current.items():
         if isinstance(value, PretrainedConfig):
             inner = own.pop(name, None)
-            inner = inner if isinstance(inner, PretrainedConfig) else _shrunk(value, inner or {})
+            if not isinstance(inner, PretrainedConfig):
+                # (an override names a sub-config's model type for the parent to build it by: not a field)
+                fixes = {key: v for key, v in (inner or {}).items() if key != "model_type"}
+                inner = _shrunk(value, fixes, beside if value is not text else None)
             # before configs were dataclasses (5.3), some composite configs take a sub-config as a dict only
-            values[name] = inner if dataclasses.is_dataclass(cls) else inner.to_dict()
+            # (only what differs from the sub-config's defaults: dbrx's sub-configs refuse the base fields)
+            values[name] = inner if dataclasses.is_dataclass(cls) else inner.to_diff_dict()
     for name, small in SHRINK.items():
         value = current.get(name) if name in names else None
         if _is_int(value) and value > small:
@@ -212,8 +306,16 @@ def _shrunk(config: Any, overrides: Mapping[str, Any]) -> Any:
         # MLA expands its latent keys to every head: as many key/value heads as heads
         values["num_key_value_heads"] = _size(values, current, "num_attention_heads")
     _follow_hidden(values, current, names)
+    if _is_int(text_hidden) and text_hidden >= 256:
+        # an encoder's (vision, audio) output projected to the text model's width (dots3_note's
+        # adapter_out_dim, qwen2_vl's out_hidden_size): the shrunk text width
+        for name in names:
+            if "out" in name and current.get(name) == text_hidden and not _changed(values, current, name):
+                values[name] = SHRINK["hidden_size"]
+    _follow_vocabulary(values, current, names)
     _latent_attention(values, current, names)
     _head_dim(values, current, names)
+    _follow_heads(values, current, names, derived)
     _state_space(values, current, names)
     _experts(values, current, names)
     _layers(values, current, names)
@@ -238,6 +340,52 @@ def _follow_hidden(values: dict[str, Any], current: Mapping[str, Any], names: se
             values["num_key_value_heads"] = heads
 
 
+def _follow_vocabulary(values: dict[str, Any], current: Mapping[str, Any], names: set[str]) -> None:
+    """Other vocabulary sizes (``unpadded_vocab_size``, hashed byte-group vocabularies) at most the
+    shrunk one: an unpadded vocabulary larger than the padded one gives a negative size."""
+    old, new = current.get("vocab_size"), values.get("vocab_size")
+    if not (_is_int(old) and _is_int(new)):
+        return
+    for name in names:
+        if "vocab" in name and name not in SHRINK and _is_int(current.get(name)) and current[name] > new:
+            values[name] = new
+
+
+def _derived(cls: type) -> set[str]:
+    """The fields of a config class whose default is ``None``: the config derives them from others."""
+    if dataclasses.is_dataclass(cls):
+        return {field.name for field in dataclasses.fields(cls) if field.init and field.default is None}
+    parameters = inspect.signature(cls.__init__).parameters.values()  # type: ignore[misc]
+    return {p.name for p in parameters if p.default is None}
+
+
+def _follow_heads(values: dict[str, Any], current: Mapping[str, Any], names: set[str], derived: set[str]) -> None:
+    """Other attention head counts and head dims follow the attention's: equal to the old head count (or
+    key/value head count, or head dim) they take the new one; an indexer's heads, larger than the new
+    head count, the query heads of one key/value head (it scores with at most those); hidden sizes of
+    other parts shrink.
+    A field the config derives (``derived``: default ``None``) is left for it to derive."""
+    heads, kv = _size(values, current, "num_attention_heads"), _size(values, current, "num_key_value_heads")
+    old_heads, old_kv = current.get("num_attention_heads"), current.get("num_key_value_heads")
+    head_dim, old_head_dim = values.get("head_dim"), current.get("head_dim")
+    for name in names:
+        value = current.get(name)
+        if name in SHRINK or name in derived or not _is_int(value) or _changed(values, current, name):
+            continue
+        if name.endswith("heads") and _is_int(heads) and _is_int(old_heads) and old_heads != heads:
+            # (other heads, linear attention's or Mamba's, keep their own counts)
+            if name.endswith("attention_heads") and value == old_heads:
+                values[name] = heads
+            elif name.endswith("key_value_heads") and _is_int(kv) and value >= min(kv, old_kv or kv):
+                values[name] = kv  # (at most as many as the query heads it serves)
+            elif "index" in name and value > heads:
+                values[name] = max(1, heads // kv) if _is_int(kv) and kv else 1
+        elif name.endswith("head_dim") and _is_int(head_dim) and value == old_head_dim != head_dim:
+            values[name] = head_dim
+        elif "hidden_size" in name and value >= 256:
+            values[name] = SHRINK["hidden_size"]
+
+
 def _state_space(values: dict[str, Any], current: Mapping[str, Any], names: set[str]) -> None:
     """Mamba layers: heads x head dim = expand x hidden, with a small state."""
     hidden = _size(values, current, "hidden_size")
@@ -252,11 +400,18 @@ def _state_space(values: dict[str, Any], current: Mapping[str, Any], names: set[
             continue
         values[head_dim] = 16
         values[heads] = max(1, int(factor * hidden) // 16)
+        if "mamba_d_ssm" in names and _is_int(current.get("mamba_d_ssm")):
+            values["mamba_d_ssm"] = values[heads] * 16  # the state-space width, set apart (falcon_h1)
         if state in names and _is_int(current.get(state)) and current[state] > 16:
             values[state] = 16
         groups = next((g for g in ("mamba_n_groups", "n_groups") if g in names), None)
         if groups is not None and _is_int(current.get(groups)) and values[heads] % current[groups]:
             values[groups] = 1
+
+
+def _changed(values: Mapping[str, Any], current: Mapping[str, Any], name: str) -> bool:
+    """Whether a rule (or ``SHRINK``) already set ``name``."""
+    return name in values and values[name] != current.get(name)
 
 
 def _size(values: Mapping[str, Any], current: Mapping[str, Any], name: str) -> Any:
@@ -336,11 +491,26 @@ def _experts(values: dict[str, Any], current: Mapping[str, Any], names: set[str]
         values["num_experts_per_tok"] = min(2, experts)  # None: the default routes nowhere
 
 
+#: The most layer kinds a tiny model keeps one layer each of (more than the shrunk layer count).
+_MOST_KINDS = 4
+
+
+def _is_pattern(value: Any, count: int) -> bool:
+    """Whether ``value`` is a per-layer pattern of layer kinds (names) for ``count`` layers."""
+    return isinstance(value, list) and len(value) == count and all(isinstance(entry, str) for entry in value)
+
+
+def _kinds(pattern: list[Any]) -> list[Any]:
+    """The layer kinds a shrunk pattern keeps: every kind, except dense layers where there are sparse ones."""
+    kinds = list(dict.fromkeys(map(_hashable, pattern)))
+    return [kind for kind in kinds if kind not in ("dense", "mlp")] if "dense" in kinds else kinds
+
+
 def _pattern(pattern: list[Any], count: int) -> list[Any]:
     """The first ``count`` entries of a per-layer pattern, with a layer of each kind kept where they fit,
     and MoE layers in place of dense ones (every layer sparse)."""
     kinds = list(dict.fromkeys(map(_hashable, pattern)))
-    sparse = [kind for kind in kinds if kind not in ("dense", "mlp")] if "dense" in kinds else kinds
+    sparse = _kinds(pattern)
     if "dense" in kinds and sparse:
         pattern = [sparse[0] if _hashable(kind) == "dense" else kind for kind in pattern]
         kinds = sparse
@@ -383,6 +553,14 @@ def _layers(values: dict[str, Any], current: Mapping[str, Any], names: set[str])
         for name in _LAYER_COUNTS:
             if name in values and current.get(name) == old:
                 values[name] = new
+    # more kinds of layer than layers (nemotron_h: mamba, attention, moe): as many layers as kinds
+    most = max((len(_kinds(current[n])) for n in names if _is_pattern(current.get(n), old)), default=0)
+    if new < most <= _MOST_KINDS:
+        new = most
+        counts = dict.fromkeys(counts, new)
+        for name in _LAYER_COUNTS:
+            if name in values and current.get(name) == old:
+                values[name] = new
     for name in names:
         value = current.get(name)
         if not isinstance(value, list) or not value:
@@ -398,6 +576,30 @@ def _layers(values: dict[str, Any], current: Mapping[str, Any], names: set[str])
         ):
             kept = [entry for entry in value if entry < new]
             values[name] = kept or [new - 1]
+    kinds = {
+        _hashable(kind)
+        for name in names
+        if name.endswith("_types") and isinstance(values.get(name), list)
+        for kind in values[name]
+    }
+    for name in names:
+        value = current.get(name)
+        if isinstance(value, list) and value and name.endswith("_types") and new < len(value) < old:
+            # a pattern that repeats over the layers (recurrent_gemma's block_types): its first
+            # layers, with one of each kind
+            values[name] = _pattern(value, new)
+        elif value is None and "indices" in name and any(part in name for part in ("attn", "attention")):
+            # no attention layer by default (bamba): the forward needs one for its mask
+            values[name] = [new - 1]
+        elif _is_int(value) and name.endswith("_layers") and name not in _LAYER_COUNTS:
+            if _changed(values, current, name):
+                continue
+            if "shared" in name and 0 < value < old:
+                # layers that reuse the key/values of an earlier layer of their kind (gemma3n): after
+                # one layer of each kind, where the new count leaves room
+                values[name] = max(0, new - len(kinds))
+            elif value == old:
+                values[name] = new  # every layer (gemma4 assistants share every layer's key/values)
     for name in names:
         sparse = any(part in name for part in ("expert", "moe", "sparse"))
         if name.endswith("_period") and _is_int(current.get(name)) and current[name] > (1 if sparse else new):
@@ -456,6 +658,27 @@ def _config_for(model_class: Any, config: Any) -> Any:
     return next((sub for sub in inner if isinstance(sub, wanted)), config)
 
 
+def _built_from(config: Any) -> tuple[type[nn.Module], Any, bool]:
+    """The class ``tiny_checkpoint`` builds for ``config``, the config it builds it from, and whether
+    the checkpoint keeps the composite config (a text-only causal LM of a composite model type).
+
+    A composite model whose full model needs a library that is not installed (gemma3n's vision
+    tower needs timm and PIL) gives its text model's causal LM, saved with its text config alone:
+    a checkpoint of the text model, which loads without the library."""
+    from .._scope import vanilla
+
+    model_class = _causal_lm_class(config)
+    own = _config_for(model_class, config)
+    text = _text_config(config)
+    if own is config and text is not None and text is not config:
+        try:
+            with vanilla(), torch.device("meta"):
+                model_class(own)
+        except ImportError:
+            return _causal_lm_class(text), text, False
+    return model_class, own, own is not config and text is own
+
+
 #: The most parameters a tiny checkpoint of a model type has (what ``check_tiny_checkpoint`` holds it to).
 TINY_PARAMETERS = 20_000_000
 
@@ -467,9 +690,9 @@ def parameter_count(config: Any) -> int:
     """The parameters of the causal LM ``tiny_checkpoint`` builds from ``config``, counted on the meta device."""
     from .._scope import vanilla
 
-    model_class = _causal_lm_class(config)
+    model_class, own, _ = _built_from(config)
     with vanilla(), torch.device("meta"):
-        model = model_class(_config_for(model_class, config))
+        model = model_class(own)
     return sum(parameter.numel() for parameter in model.parameters())
 
 
@@ -477,17 +700,16 @@ def check_tiny_checkpoint(model_type: str) -> str | None:
     """Why ``tiny_checkpoint(model_type)`` gives no working checkpoint, or ``None`` when it does.
 
     Working: the shrunk config builds a causal LM of at most ``TINY_PARAMETERS`` parameters,
-    which saves, loads again with ``AutoModelForCausalLM`` (no weight missing, unexpected or
-    mismatched) and gives finite logits for a left-padded batch of text tokens.
+    which saves, loads again with ``AutoModelForCausalLM`` (or the class the checkpoint names where
+    that maps none: ``causal_lm_loader``; no weight missing, unexpected or mismatched) and gives
+    finite logits for a left-padded batch of text tokens.
 
     Returns:
         ``None``, or ``"<stage>: <error>"`` with stage ``config``, ``size``, ``save``,
         ``load`` or ``forward``.
     """
-    from transformers import AutoModelForCausalLM
-
     from .._scope import vanilla
-    from .models import text_token_ids
+    from .models import causal_lm_loader, text_token_ids
 
     stage = "config"
     try:
@@ -501,7 +723,7 @@ def check_tiny_checkpoint(model_type: str) -> str | None:
             path = tiny_checkpoint(config, Path(directory) / "checkpoint")
             stage = "load"
             with vanilla():
-                loaded: Any = AutoModelForCausalLM.from_pretrained(path, output_loading_info=True)
+                loaded: Any = causal_lm_loader(path).from_pretrained(path, output_loading_info=True)
             model, info = loaded
             wrong = {kind: sorted(map(str, info.get(kind) or ())) for kind in ("missing_keys", "unexpected_keys")}
             wrong["mismatched_keys"] = sorted(str(entry[0]) for entry in info.get("mismatched_keys") or ())
@@ -564,11 +786,10 @@ def tiny_checkpoint(
     try:
         with vanilla():
             torch.manual_seed(seed)
-            model_class = _causal_lm_class(config)
-            own = _config_for(model_class, config)
+            model_class, own, composite = _built_from(config)
             model: Any = model_class(own)
             model.save_pretrained(target)
-            if own is not config and _text_config(config) is own:
+            if composite:
                 # the checkpoint keeps the composite config, as a released one does: a load reads
                 # the text config out of it
                 config.save_pretrained(target)

@@ -34,7 +34,7 @@ import torch.nn as nn
 
 from .checkpoints import source_checkpoint as _source_checkpoint
 from .comparison import Comparison, Report
-from .models import _enabled, logits_of, safetensors_of, tensor_differences
+from .models import _enabled, causal_lm_loader, logits_of, safetensors_of, tensor_differences
 from .routing import HeldRouting
 from .training import TrainingTolerances
 
@@ -136,23 +136,19 @@ def _below_fp32(dtype: torch.dtype) -> bool:
 
 def _load_vanilla(source: str | Path, dtype: torch.dtype) -> Any:
     """The model without any pack, also where hfpatch is enabled (``hfpatch run -- pytest``)."""
-    from transformers import AutoModelForCausalLM
-
     from .._scope import vanilla
 
     with vanilla():
-        return AutoModelForCausalLM.from_pretrained(source, dtype=dtype, use_kernels=False)
+        return causal_lm_loader(source).from_pretrained(source, dtype=dtype, use_kernels=False)
 
 
 def _load_with_pack(pack: str, source: Path, dtype: torch.dtype) -> tuple[Any, dict[str, Any]]:
     """The model loaded with ``pack`` enabled (strict), and ``from_pretrained``'s loading info."""
-    from transformers import AutoModelForCausalLM
-
     with _enabled(pack):
         # kernels off on both sides: a hub kernel would replace the forward of the pack's class
         # (it inherits its parent's kernel_layer_name) and of transformers' alike, and the
         # comparison would prove nothing about the pack (docs/authors-guide.md, "Hub kernels")
-        loaded: Any = AutoModelForCausalLM.from_pretrained(
+        loaded: Any = causal_lm_loader(source).from_pretrained(
             source, dtype=dtype, output_loading_info=True, use_kernels=False
         )
     return loaded[0], loaded[1]

@@ -38,7 +38,8 @@ def load_model(
             ``"qwen-moe,fused-dense@+2"``); ``None`` for a vanilla load.
         strict: make every pack failure an error (not a ``PackWarning``).
         model_class: the class whose ``from_pretrained`` loads (default
-            ``AutoModelForCausalLM``).
+            ``causal_lm_loader(path)``: ``AutoModelForCausalLM``, or the class the
+            checkpoint names where that has no class for its config).
         kwargs: passed on to ``from_pretrained`` (``dtype=``, ``attn_implementation=``, ...).
 
     Returns:
@@ -52,14 +53,39 @@ def load_model(
     from .._scope import vanilla
 
     if model_class is None:
-        from transformers import AutoModelForCausalLM
-
-        model_class = AutoModelForCausalLM
+        model_class = causal_lm_loader(path)
     with _enabled(packs, strict) if packs is not None else vanilla():
         result = model_class.from_pretrained(path, **kwargs)
     # output_loading_info=True gives (model, info)
     (result[0] if isinstance(result, tuple) else result).eval()
     return result
+
+
+def causal_lm_loader(path: str | Path) -> Any:
+    """The class that loads the causal LM of ``path``: ``AutoModelForCausalLM``, or, for a checkpoint
+    whose config it maps to no class, the class its ``config.json`` names in ``architectures``.
+
+    A text-only causal LM of a composite model type (``MllamaForCausalLM`` saved with its
+    ``MllamaTextConfig``, a musicgen decoder) is such a checkpoint: ``AutoModelForCausalLM``
+    refuses its config, and a user loads it with its own class.
+    """
+    import json
+
+    import transformers
+    from transformers import AutoModelForCausalLM
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    config_file = Path(path) / "config.json"
+    if not config_file.is_file():  # a hub id, or no checkpoint: from_pretrained says what is wrong
+        return AutoModelForCausalLM
+    saved = json.loads(config_file.read_text())
+    if saved.get("model_type") in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        return AutoModelForCausalLM
+    for name in saved.get("architectures") or ():
+        named = getattr(transformers, name, None)
+        if isinstance(named, type) and hasattr(named, "from_pretrained"):
+            return named
+    return AutoModelForCausalLM
 
 
 def text_config_of(config: Any) -> Any:

@@ -196,8 +196,9 @@ class Foreign:
         return {
             "module": f"{self.module}.{self.name} is {self.replacement} (set outside hfpatch)",
             "registry": f"transformers' patch registry maps {self.name!r} to {self.replacement} (no pack made it)",
-            "changed during the load": f"transformers' patch registry entry {self.name!r} of this load became "
-            f"{self.replacement} while the model was built (code outside hfpatch changed it)",
+            "changed during the load": f"transformers' patch registry entry {self.name!r} of this load "
+            + ("was removed" if self.replacement == "removed" else f"became {self.replacement}")
+            + " while the model was built (code outside hfpatch changed it)",
         }[self.source]
 
     def describe(self) -> str:

@@ -326,6 +326,8 @@ def test_page_examples_run(
     use_sites(example_sites)
     if page.name == "training.md":  # its RL loop uses the first-party moe-replay
         use_sites(request.getfixturevalue("moe_replay_site"))
+    if page.name == "quantization.md":  # its example quantizes with the first-party linear-experts
+        use_sites(request.getfixturevalue("linear_experts_site"))
     run_page(page, {"__name__": "__main__"}, request)
 
 
@@ -406,6 +408,12 @@ def qwen_moe_site(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
 def moe_replay_site(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
     """The first-party ``moe-replay``, which training.md's RL loop uses."""
     return build_packs([ROOT / "plugins" / "hfpatch-pack-moe-replay"], tmp_path_factory.mktemp("moe-replay"))
+
+
+@pytest.fixture(scope="module")
+def linear_experts_site(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
+    """The first-party ``linear-experts``, which quantization.md's example uses."""
+    return build_packs([ROOT / "plugins" / "hfpatch-pack-linear-experts"], tmp_path_factory.mktemp("linear-experts"))
 
 
 PAGES_WITH_COMMANDS = [page for page in PAGES if shown_commands(page)]

@@ -123,7 +123,7 @@ def provide_patches(context):
 def test_the_registry_cleared_during_a_load_is_listed_and_warned(install, llama_checkpoint) -> None:
     install(PackSpec("clearing", CLEARING_PACK))
     hfpatch_core.enable()
-    with pytest.warns(PackWarning, match=r"entry 'LlamaMLP' of this load became removed"):
+    with pytest.warns(PackWarning, match=r"entry 'LlamaMLP' of this load was removed while the model was built"):
         model = AutoModelForCausalLM.from_pretrained(llama_checkpoint)
     changed = [found for found in plan_of(model).foreign if found.source == "changed during the load"]
     assert [(found.name, found.replacement) for found in changed] == [("LlamaMLP", "removed")]

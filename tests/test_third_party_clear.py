@@ -11,6 +11,8 @@ usual.  transformers has no public API that clears its conversion registry
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaForCausalLM, modeling_utils, monkey_patching
@@ -18,7 +20,7 @@ from transformers.models.llama import modeling_llama
 
 import hfpatch_core
 from conftest import tiny_llama_config
-from hfpatch_core import plan_of
+from hfpatch_core import PackWarning, plan_of
 from packs import MLP_PACK, PackSpec, fused_qkv_pack
 
 # A pack whose replacement clears the whole registry while the model is being built,
@@ -81,7 +83,10 @@ def test_a_clear_inside_a_patched_load_leaves_no_entry_and_the_next_loads_work(
     elif user_entry == "overwritten":  # the clearing pack's claim overwrites it for the load
         monkey_patching.register_patch_mapping({"LlamaMLP": UserMLP})
     hfpatch_core.enable("clearing,qkv")
-    model = AutoModelForCausalLM.from_pretrained(llama_checkpoint)
+    # the clear is seen and said (Plan.foreign, test_foreign); the user's overwritten entry too
+    with pytest.warns(PackWarning, match="outside hfpatch|no pack made it"):
+        model = AutoModelForCausalLM.from_pretrained(llama_checkpoint)
+    assert {found.source for found in plan_of(model).foreign} >= {"changed during the load"}
     # the replacements were all in place before the first one cleared the registry
     assert layer_classes(model) == {("ClearingMLP", "FusedQKVAttention")}
     if user_entry == "untouched":
@@ -120,11 +125,16 @@ def test_a_clear_from_a_transformers_hook_during_a_nested_plan_and_from_config(
 
     monkeypatch.setattr(modeling_utils.PreTrainedModel, "post_init", clearing_post_init)
     hfpatch_core.enable("qkv,mlp")
-    for load in (
-        lambda: AutoModelForCausalLM.from_pretrained(llama_checkpoint),
-        lambda: LlamaForCausalLM._from_config(tiny_llama_config()),
+    for number, load in enumerate(
+        (
+            lambda: AutoModelForCausalLM.from_pretrained(llama_checkpoint),
+            lambda: LlamaForCausalLM._from_config(tiny_llama_config()),
+        )
     ):
-        model = load()
+        # said once per session: the same entries are cleared by every load
+        warned = pytest.warns(PackWarning, match="outside hfpatch") if number == 0 else contextlib.nullcontext()
+        with warned:
+            model = load()
         assert layer_classes(model) == {("PackMLP", "FusedQKVAttention")}
         assert monkey_patching.get_patch_mapping() == {}
         snapshot.assert_unchanged()
@@ -176,7 +186,8 @@ def test_a_clear_then_a_registration_during_the_load_keeps_the_third_partys_entr
     hfpatch_core.enable("mlp")
     modeling_utils.PreTrainedModel.post_init = clearing_post_init
     try:
-        model = AutoModelForCausalLM.from_pretrained(llama_checkpoint)
+        with pytest.warns(PackWarning, match="entry 'LlamaMLP' of this load became .*TheirMLP"):
+            model = AutoModelForCausalLM.from_pretrained(llama_checkpoint)
     finally:
         modeling_utils.PreTrainedModel.post_init = post_init
     assert layer_classes(model) == {("PackMLP", "LlamaAttention")}

@@ -406,3 +406,12 @@ def test_a_pack_patching_the_text_model_of_a_composite_model_trains_like_vanilla
     report = check_training_equivalence("qwen2-mlp", tiny_checkpoint("got_ocr2", tmp_path / "ckpt"), steps=2)
     assert report.ok, report.failures
     assert report.max_loss_diff is not None and report.max_loss_diff <= 1e-4
+
+
+def test_assert_pack_equivalent_takes_exactly_check_pack_equivalences_options() -> None:
+    # the one raises what the other reports: their options must not drift apart
+    import inspect
+
+    from hfpatch_core.testing import check_pack_equivalence
+
+    assert inspect.signature(assert_pack_equivalent).parameters == inspect.signature(check_pack_equivalence).parameters

@@ -34,7 +34,7 @@ import torch.nn as nn
 
 from .checkpoints import source_checkpoint as _source_checkpoint
 from .comparison import Comparison, Report
-from .models import _enabled, causal_lm_loader, logits_of, safetensors_of, tensor_differences
+from .models import _enabled, causal_lm_loader, comparison_prompts, logits_of, safetensors_of, tensor_differences
 from .routing import HeldRouting
 from .training import TrainingTolerances
 
@@ -56,25 +56,6 @@ class EquivalenceError(AssertionError):
     def __init__(self, failures: Sequence[str]) -> None:
         self.failures = list(failures)
         super().__init__("pack is not equivalent:\n- " + "\n- ".join(self.failures))
-
-
-def _inputs(config: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    """Two prompts of 10 tokens, the second left-padded by 3, drawn from the text model's vocabulary.
-
-    A composite model (an image-text model whose causal LM wraps a text sub-model) reads its
-    vocabulary from its text config, and a token that stands for an image, a video, ... would
-    make its forward ask for pixels: those are drawn again from the text tokens."""
-    from .models import text_config_of, text_token_ids
-
-    generator = torch.Generator().manual_seed(1234)
-    vocab = int(text_config_of(config).vocab_size)
-    ids = torch.randint(1, vocab, (2, 10), generator=generator)
-    allowed = text_token_ids(config, start=1)
-    if len(allowed) < vocab - 1:
-        ids = allowed[ids % len(allowed)]
-    mask = torch.ones_like(ids)
-    mask[1, :3] = 0  # a left-padded second row
-    return ids, mask
 
 
 def _first_divergence(
@@ -336,7 +317,7 @@ def _check_equivalence(
     except Exception as exc:
         report.failures.append(f"loading with pack {pack!r} failed: {type(exc).__name__}: {exc}")
         return report
-    ids, mask = _inputs(vanilla.config)
+    ids, mask = comparison_prompts(vanilla.config)
     comparison = Comparison(
         report=report,
         source=source,

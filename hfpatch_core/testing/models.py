@@ -8,6 +8,7 @@ checkpoint directory holds).
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -129,6 +130,35 @@ def text_token_ids(config: Any, start: int = 3) -> torch.Tensor:
     return torch.tensor([token for token in range(start, vocab) if token not in special], dtype=torch.int64)
 
 
+def token_batch(
+    vocab_size: int,
+    length: int,
+    pads: Sequence[tuple[int, int]],
+    *,
+    generator: torch.Generator,
+    pad_token_id: int | None,
+    low: int = 3,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of ``length`` random tokens, row ``i`` padded by ``pads[i]`` (left, right): the one batch
+    builder of the comparisons, the training checks and the Trainer dataset.
+
+    Tokens are drawn from ``low .. vocab_size - 1`` with ``generator``; padded positions have a 0
+    in the mask and hold ``pad_token_id`` (``None``: left as drawn, masked only).
+
+    Returns:
+        ``input_ids`` and ``attention_mask``, ``int64`` of shape ``(len(pads), length)``.
+    """
+    ids = torch.randint(low, vocab_size, (len(pads), length), generator=generator)
+    mask = torch.ones_like(ids)
+    for row, (left, right) in enumerate(pads):
+        mask[row, :left] = 0
+        if right:
+            mask[row, -right:] = 0
+    if pad_token_id is not None:
+        ids[mask == 0] = pad_token_id
+    return ids, mask
+
+
 def padded_batch(vocab_size: int, *, pad_token_id: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Three random prompts of 12, 8 and 5 tokens, left-padded to 12: ``(input_ids, attention_mask)``.
 
@@ -150,11 +180,24 @@ def padded_batch(vocab_size: int, *, pad_token_id: int, seed: int = 0) -> tuple[
         raise ValueError(f"vocab_size must be above 3 (tokens are drawn from 3 .. vocab_size - 1), got {vocab_size}")
     if not 0 <= pad_token_id < vocab_size:
         raise ValueError(f"pad_token_id {pad_token_id} is not a token of a vocabulary of {vocab_size}")
-    ids = torch.randint(3, vocab_size, (3, 12), generator=torch.Generator().manual_seed(seed))
-    mask = torch.ones_like(ids)
-    mask[1, :4] = 0
-    mask[2, :7] = 0
-    ids[mask == 0] = pad_token_id
+    generator = torch.Generator().manual_seed(seed)
+    return token_batch(vocab_size, 12, [(0, 0), (4, 0), (7, 0)], generator=generator, pad_token_id=pad_token_id)
+
+
+def comparison_prompts(config: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """The prompts a pack's model is compared on: two of 10 tokens, the second left-padded by 3,
+    drawn from the text model's vocabulary.
+
+    A composite model (an image-text model whose causal LM wraps a text sub-model) reads its
+    vocabulary from its text config, and a token that stands for an image, a video, ... would
+    make its forward ask for pixels: those are drawn again from the text tokens.
+    """
+    vocab = int(text_config_of(config).vocab_size)
+    generator = torch.Generator().manual_seed(1234)
+    ids, mask = token_batch(vocab, 10, [(0, 0), (3, 0)], generator=generator, pad_token_id=None, low=1)
+    allowed = text_token_ids(config, start=1)
+    if len(allowed) < vocab - 1:
+        ids = allowed[ids % len(allowed)]
     return ids, mask
 
 

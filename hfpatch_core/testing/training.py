@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 
+from .models import token_batch
 from .routing import HeldRouting
 
 #: steps ``hfpatch verify --train`` and ``assert_pack_equivalent(train_steps=...)`` users run by default
@@ -184,11 +185,8 @@ def training_batches(
     generator = torch.Generator().manual_seed(seed)
     batches = []
     for _ in range(steps):
-        ids = torch.randint(3, vocab_size, (4, 12), generator=generator)
-        mask = torch.ones_like(ids)
-        mask[1, :4] = 0
-        mask[2, -3:] = 0
-        ids[mask == 0] = pad_token_id
+        pads = [(0, 0), (4, 0), (0, 3), (0, 0)]
+        ids, mask = token_batch(vocab_size, 12, pads, generator=generator, pad_token_id=pad_token_id)
         batches.append((ids, mask, ids.masked_fill(mask == 0, -100)))
     return batches
 

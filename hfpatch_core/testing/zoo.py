@@ -112,12 +112,11 @@ def _offers_anything(pack: str, checkpoint: Path) -> bool:
 
 def _vanilla_problem(checkpoint: Path) -> str | None:
     """Why vanilla transformers cannot load ``checkpoint`` and run a padded batch (``None``: it can)."""
-    from .equivalence import _inputs
-    from .models import load_model, logits_of
+    from .models import comparison_prompts, load_model, logits_of
 
     try:
         model = load_model(checkpoint)
-        ids, mask = _inputs(model.config)
+        ids, mask = comparison_prompts(model.config)
         logits_of(model, ids, mask)
     except Exception as exc:  # the tiny checkpoint of a model type may fail in any way
         return f"vanilla transformers cannot run it: {type(exc).__name__}: {exc}"

@@ -23,6 +23,8 @@ PACKS_SITE_OLDEST := $(VENV_OLDEST)/first-party-packs
 # path entry of their own too: importing transformers imports torchao when it is installed,
 # and torchao prints CUDA-library load failures that the core suite must not see.
 PACK_TEST_SITE := $(VENV)/pack-test-libraries
+# what only the pack suites import (on a path entry of their own), pinned in the constraints files
+PACK_TEST_LIBRARIES := torchao trl datasets dill multiprocess pandas pyarrow xxhash
 PACK_TEST_SITE_OLDEST := $(VENV_OLDEST)/pack-test-libraries
 # transformers is installed --no-deps, then these, its requirements (pinned in constraints.txt),
 # and hfpatch-core's own: each pin stays ours.  5.25 turns hub kernels on by default, and they
@@ -60,12 +62,12 @@ $(PACKS_SITE_OLDEST)/.installed: $(VENV_OLDEST)/.installed $(PLUGIN_SOURCES)
 
 $(PACK_TEST_SITE)/.installed: $(VENV)/.installed constraints.txt
 	rm -rf $(PACK_TEST_SITE)
-	$(BIN)/python -m pip install $(PIP_FLAGS) --no-deps -c constraints.txt --target $(PACK_TEST_SITE) torchao
+	$(BIN)/python -m pip install $(PIP_FLAGS) --no-deps -c constraints.txt --target $(PACK_TEST_SITE) $(PACK_TEST_LIBRARIES)
 	touch $@
 
 $(PACK_TEST_SITE_OLDEST)/.installed: $(VENV_OLDEST)/.installed constraints-oldest.txt
 	rm -rf $(PACK_TEST_SITE_OLDEST)
-	$(BIN_OLDEST)/python -m pip install $(PIP_FLAGS) --no-deps -c constraints-oldest.txt --target $(PACK_TEST_SITE_OLDEST) torchao
+	$(BIN_OLDEST)/python -m pip install $(PIP_FLAGS) --no-deps -c constraints-oldest.txt --target $(PACK_TEST_SITE_OLDEST) $(PACK_TEST_LIBRARIES)
 	touch $@
 
 venv: $(VENV)/.installed $(PACKS_SITE)/.installed $(PACK_TEST_SITE)/.installed

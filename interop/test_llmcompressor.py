@@ -23,7 +23,7 @@ suite tests (5.24.0, 5.3.0), so it gets a venv of its own. What these tests pin:
   (no 3-D copy), which ``oneshot`` (FP8_DYNAMIC) quantizes in place to the logits and the
   compressed tensors llm-compressor's own linearization gives; the checkpoint reloads with the
   pack (every expert quantized, logits equal) and without it (3-D experts decompressed, no
-  scheme). W8A16 (``weight_packed``) is refused by hfpatch's save guard (strict xfail).
+  scheme). W8A16 saves its weights as ``weight_packed``, which the save guard reads as the weight.
 """
 
 from __future__ import annotations
@@ -281,15 +281,7 @@ def test_ernie_is_outside_llmcompressors_table_and_oneshot_linearizes_its_3d_exp
     "scheme",
     [
         "FP8_DYNAMIC",
-        pytest.param(
-            "W8A16",
-            marks=pytest.mark.xfail(
-                strict=True,
-                raises=hfpatch_core.WeightLayoutError,
-                reason="hfpatch's save guard counts compressed-tensors' packed weights (`weight` saved as "
-                "`weight_packed`) as missing vanilla weights, for every pack: a core fix, not an interop one",
-            ),
-        ),
+        "W8A16",  # integer weights saved as `weight_packed` (the save guard reads them as the weight)
     ],
 )
 def test_oneshot_quantizes_every_ernie_expert_linear_and_the_compressed_checkpoint_reloads(

@@ -157,11 +157,16 @@ def layout_differences(
     model only vanilla's weights that would be missing count: a quantizer adds tensors
     (scales, zero points) and may pack weights into other shapes."""
     problems = []
+    # a quantizer may write a weight under names of its own: compressed-tensors' integer schemes
+    # save ``X.weight`` as ``X.weight_packed`` (with ``X.weight_scale``, ``X.weight_shape``)
+    stored_as = {key.rsplit("_", 1)[0] for key in written if "." in key and "_" in key.rsplit(".", 1)[1]}
     for key in sorted(set(written) | set(expected)):
         if key not in expected:
             if not quantized:
                 problems.append(f"{key}: would be written, vanilla transformers has no such weight")
         elif key not in written:
+            if quantized and key in stored_as:
+                continue
             problems.append(f"{key}: vanilla transformers expects it, it would not be written")
         elif written[key] != expected[key] and not quantized:
             problems.append(f"{key}: would be written as {written[key]}, the original layout is {expected[key]}")
@@ -180,6 +185,10 @@ def _quantized(model: nn.Module) -> bool:
     if getattr(model, "hf_quantizer", None) is not None:
         return True
     if getattr(getattr(model, "config", None), "quantization_config", None) is not None:
+        return True
+    # compressed-tensors (llm-compressor) marks the modules it quantizes; the weights stay float
+    # until its save compresses them
+    if any(getattr(module, "quantization_scheme", None) is not None for module in model.modules()):
         return True
     return any(tensor.dtype in _QUANTIZED_DTYPES for tensor in model.state_dict().values())
 

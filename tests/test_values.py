@@ -90,3 +90,16 @@ def test_markers_are_created_once_and_exported() -> None:
         assert spec is not None and spec.argnames == ("context",)
         doc = spec.function.__doc__ or ""
         assert "Called" in doc and "Args:" in doc and "Returns:" in doc
+
+
+def test_the_save_guard_reads_a_packed_weight_as_the_weight_of_a_quantized_model() -> None:
+    # compressed-tensors' integer schemes write X.weight as X.weight_packed (+ scale, shape)
+    from hfpatch_core._runtime.layout import layout_differences
+
+    written = {"a.weight_packed": (2,), "a.weight_scale": (1,), "b.weight": (4,)}
+    expected = {"a.weight": (4,), "b.weight": (4,), "c.weight": (4,)}
+    assert layout_differences(written, expected, quantized=True) == [
+        "c.weight: vanilla transformers expects it, it would not be written"
+    ]
+    unquantized = layout_differences(written, expected, quantized=False)
+    assert "a.weight: vanilla transformers expects it, it would not be written" in unquantized

@@ -388,14 +388,14 @@ def _build(cls: type[nn.Module], config: Any, sites: _Sites | None) -> tuple[nn.
             raise
     meta = sites[cls][0]
     if sum(parameter.numel() for parameter in meta.parameters()) > _MAX_PROBE_PARAMETERS:
-        raise _Refused(f"it cannot be built from the config alone and its instance has over {_MAX_PROBE_PARAMETERS:,} parameters")
+        raise _Refused(
+            f"it cannot be built from the config alone and its instance has over {_MAX_PROBE_PARAMETERS:,} parameters"
+        )
     instance = copy.deepcopy(meta).to_empty(device="cpu")
     with torch.no_grad():
         for buffer in instance.buffers():
             buffer.zero_()
-    widths = [
-        int(sub.in_features) for sub in instance.modules() if isinstance(sub, nn.Linear)
-    ]
+    widths = [int(sub.in_features) for sub in instance.modules() if isinstance(sub, nn.Linear)]
     return instance, (widths[0] if widths else None)
 
 
@@ -605,6 +605,12 @@ def _rule(
         if name.rpartition(".")[2] != "bias"
     ):
         notes.append("a correction bias used only to select")
+    # a learned scale per expert applied to the selected weights (gemma4's per_expert_scale)
+    per_expert_scales = [
+        (name.rpartition(".")[2], tensor.detach())
+        for name, tensor in [*instance.named_parameters(), *instance.named_buffers()]
+        if tensor.shape == (selection.width,) and "bias" not in name.rpartition(".")[2] and tensor.is_floating_point()
+    ]
     for output in _in_token_order(outputs, indices):
         flat = output.detach().float().reshape(-1, output.shape[-1])
         # a router that returns bf16 weights rounds them: compare at that precision
@@ -621,12 +627,16 @@ def _rule(
             for renormalised in (False, True):
                 candidate = base / (base.sum(dim=-1, keepdim=True) + (1e-20 if "sigmoid" in name else 0.0))
                 candidate = candidate if renormalised else base
-                scale = float(flat.sum() / candidate.sum())
-                if torch.allclose(flat, candidate * scale, rtol=rtol, atol=atol):
-                    words = [name + (", renormalised" if renormalised and "selected" not in name else "")]
-                    if abs(scale - 1.0) > 1e-6:
-                        words.append(f"scaled by {scale:g}")
-                    return _label(", ".join(words), notes)
+                for per_expert_name, per_expert in [("", None), *per_expert_scales]:
+                    scaled = candidate if per_expert is None else candidate * per_expert.float()[indices]
+                    scale = float(flat.sum() / scaled.sum())
+                    if torch.allclose(flat, scaled * scale, rtol=rtol, atol=atol):
+                        words = [name + (", renormalised" if renormalised and "selected" not in name else "")]
+                        if per_expert is not None:
+                            words.append(f"times the selected experts' {per_expert_name}")
+                        if abs(scale - 1.0) > 1e-6:
+                            words.append(f"scaled by {scale:g}")
+                        return _label(", ".join(words), notes)
     raise _Refused(
         "the routing weights it returns for a forced selection match none of the rules the pack knows (softmax or "
         "sigmoid top-k, renormalised or not, scaled; gpt-oss; llama4)"
@@ -641,7 +651,9 @@ def _in_token_order(outputs: list[torch.Tensor], indices: torch.Tensor) -> list[
     orders = [
         out
         for out in outputs
-        if out.dim() == 1 and out.numel() == count and not out.is_floating_point()
+        if out.dim() == 1
+        and out.numel() == count
+        and not out.is_floating_point()
         and torch.equal(out.sort().values, torch.arange(count))
     ]
     for output in outputs:

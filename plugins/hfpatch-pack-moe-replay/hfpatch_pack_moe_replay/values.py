@@ -248,7 +248,6 @@ class Routing:
         )
         return cls(layers, batch_size=sum(routing.batch_size for routing in routings))
 
-
     # --- rows ----------------------------------------------------------------------------
 
     def select(self, rows: int | slice | Sequence[int] | torch.Tensor) -> Routing:

@@ -146,40 +146,51 @@ def _discover(model_type: str, config: Any) -> Discovery:
     if module is None:
         return Discovery(model_type, (), "transformers has no modeling module for it")
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    candidates = list(_candidates(module))
+    sites = _sites(module, model_type, config, candidates)
+    if sites is not None:
+        # only a module that sits in an MoE block beside its experts is a router candidate: a
+        # top-k elsewhere (beam search of a QA head, an attention mask) selects no expert
+        candidates = [cls for cls in candidates if cls in sites]
     accepted: list[tuple[RouterFamily, nn.Module]] = []
     rejected: list[tuple[str, str]] = []
-    candidates = list(_candidates(module))
     # the innermost first: a module holding an accepted router (its MoE block) is not probed
     deferred = []
     for cls in candidates:
         try:
-            instance = _instantiate(cls, _shrunk(text))
+            instance = _build(cls, text, sites)[0]
         except _Refused as exc:
             rejected.append((cls.__name__, str(exc)))
             continue
         inner = any(isinstance(sub, other) for other in candidates if other is not cls for sub in instance.modules())
-        deferred.append((inner, cls))
+        deferred.append((inner, cls, instance))
     for inner in (False, True):
-        for is_inner, cls in deferred:
+        for is_inner, cls, instance in deferred:
             if is_inner != inner:
                 continue
-            modules = list(_instantiate(cls, _shrunk(text)).modules()) if inner else []
+            modules = list(instance.modules()) if inner else []
             if any(isinstance(sub, family.router_class) for family, _ in accepted for sub in modules):
                 continue
             try:
-                accepted.append(_probe(cls, text))
+                accepted.append(_probe(cls, text, sites))
             except _Refused as exc:
                 rejected.append((cls.__name__, str(exc)))
-    for name, value in vars(module).items():
-        if (
-            isinstance(value, type)
-            and issubclass(value, nn.Module)
-            and value.__module__ == module.__name__
-            and _ROUTER_NAME.search(name)
-            and value not in candidates
-            and not any(name == rejected_name for rejected_name, _ in rejected)
-        ):
-            rejected.append((name, _NO_TOPK))
+    if sites is None:
+        # the model could not be built to look: a class named like a router that computes no top-k refuses
+        for name, value in vars(module).items():
+            if (
+                isinstance(value, type)
+                and issubclass(value, nn.Module)
+                and value.__module__ == module.__name__
+                and _ROUTER_NAME.search(name)
+                and value not in candidates
+                and not any(name == rejected_name for rejected_name, _ in rejected)
+            ):
+                rejected.append((name, _NO_TOPK))
+    else:
+        for cls in _router_like_sites(sites):
+            if cls not in candidates and not any(cls.__name__ == rejected_name for rejected_name, _ in rejected):
+                rejected.append((cls.__name__, _NO_TOPK))
     # a module holding an accepted router (the MoE block around it) is not a router itself
     routers = [
         family
@@ -210,7 +221,95 @@ def _discover(model_type: str, config: Any) -> Discovery:
         return Discovery(
             model_type, (), f"no class of it selects experts with a replayable top-k ({detail})", candidate=candidate
         )
+    if sites is not None and not candidates:
+        return Discovery(model_type, (), "no module of it selects experts with a top-k in this configuration")
     return Discovery(model_type, (), "no class of it computes a top-k (not a top-k MoE model)")
+
+
+#: ``{class: [instances on the meta device]}`` of the modules beside experts in a model built on meta.
+_Sites = dict[type[nn.Module], list[nn.Module]]
+
+_EXPERT = re.compile("expert", re.IGNORECASE)
+
+
+def _model_class(module: Any, model_type: str) -> type[nn.Module] | None:
+    """The base model class of ``model_type`` (its causal LM where it has none)."""
+    from transformers.models.auto import modeling_auto
+
+    for mapping in (modeling_auto.MODEL_MAPPING_NAMES, modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES):
+        name = mapping.get(model_type)
+        found = getattr(module, name, None) if isinstance(name, str) else None
+        if isinstance(found, type) and issubclass(found, nn.Module):
+            return found
+    return None
+
+
+def _expert_counts(config: Any) -> set[int]:
+    configs = [config]
+    if hasattr(config, "get_text_config"):
+        configs.append(config.get_text_config())
+    return {
+        count
+        for item in configs
+        for count in (getattr(item, name, None) for name in _EXPERT_COUNTS)
+        if isinstance(count, int) and not isinstance(count, bool) and count > 0
+    }
+
+
+def _holds_experts(holder: nn.Module, instance: nn.Module, counts: set[int]) -> bool:
+    """Whether ``holder`` directly holds experts besides ``instance``: a child named or typed like experts,
+    an embedding with one row per expert (product-key experts), or a parameter of stacked experts."""
+    for name, child in holder.named_children():
+        if child is instance:
+            continue
+        if _EXPERT.search(name) or _EXPERT.search(type(child).__name__):
+            return True
+        if isinstance(child, nn.Embedding) and child.num_embeddings in counts:
+            return True
+    return any(
+        _EXPERT.search(name) or (parameter.dim() >= 3 and parameter.shape[0] in counts)
+        for name, parameter in holder.named_parameters(recurse=False)
+    )
+
+
+def _sites(module: Any, model_type: str, config: Any, candidates: list[type[nn.Module]]) -> _Sites | None:
+    """Where ``candidates`` sit in ``model_type``'s model built on the meta device from ``config``: the
+    instances in an MoE block beside its experts (themselves a block holding experts, or their parent).
+
+    ``None`` when the model cannot be built on meta (then every candidate class is probed).
+    """
+    from hfpatch_core.authoring import build_on_meta
+
+    model_class = _model_class(module, model_type)
+    if model_class is None:
+        return None
+    model = None
+    for attempt in (_shrunk(config), config):
+        try:
+            model = build_on_meta(model_class, attempt)
+            break
+        except Exception:  # some models do not build on meta or from a shrunk config: try the next, else probe classes
+            continue
+    if model is None:
+        return None
+    counts = _expert_counts(config)
+    parents: dict[nn.Module, nn.Module] = {}
+    for parent in model.modules():
+        for child in parent.children():
+            parents.setdefault(child, parent)
+    found: _Sites = {}
+    for instance in model.modules():
+        cls = type(instance)
+        if cls not in candidates and not _ROUTER_NAME.search(cls.__name__):
+            continue
+        holders = [instance] + ([parents[instance]] if instance in parents else [])
+        if any(_holds_experts(holder, instance, counts) for holder in holders):
+            found.setdefault(cls, []).append(instance)
+    return found
+
+
+def _router_like_sites(sites: _Sites) -> list[type[nn.Module]]:
+    return [cls for cls in sites if _ROUTER_NAME.search(cls.__name__)]
 
 
 def _candidates(module: Any) -> Iterator[type[nn.Module]]:
@@ -269,6 +368,35 @@ def _instantiate(cls: type[nn.Module], config: Any) -> nn.Module:
         except Exception as exc:
             errors.append(f"{type(exc).__name__}: {exc}")
     raise _Refused(f"it cannot be built from the config alone ({errors[0]})")
+
+
+#: The most parameters a router taken out of a model built on meta may have to be probed.
+_MAX_PROBE_PARAMETERS = 20_000_000
+
+
+def _build(cls: type[nn.Module], config: Any, sites: _Sites | None) -> tuple[nn.Module, int | None]:
+    """A CPU instance of ``cls`` to probe, and its input width (``None``: the shrunk config's hidden size).
+
+    Built from the shrunk config like the model builds it; a class whose constructor takes
+    other arguments (sizes passed by its MoE block) is taken instead from the model built
+    on meta (``_sites``), its memory allocated on the CPU.
+    """
+    try:
+        return _instantiate(cls, _shrunk(config)), None
+    except _Refused:
+        if not sites or cls not in sites:
+            raise
+    meta = sites[cls][0]
+    if sum(parameter.numel() for parameter in meta.parameters()) > _MAX_PROBE_PARAMETERS:
+        raise _Refused(
+            f"it cannot be built from the config alone and its instance has over {_MAX_PROBE_PARAMETERS:,} parameters"
+        )
+    instance = copy.deepcopy(meta).to_empty(device="cpu")
+    with torch.no_grad():
+        for buffer in instance.buffers():
+            buffer.zero_()
+    widths = [int(sub.in_features) for sub in instance.modules() if isinstance(sub, nn.Linear)]
+    return instance, (widths[0] if widths else None)
 
 
 @dataclasses.dataclass
@@ -340,10 +468,10 @@ def _extra_arguments(instance: nn.Module, config: Any, generator: torch.Generato
     return extra
 
 
-def _probe(cls: type[nn.Module], config: Any) -> tuple[RouterFamily, nn.Module]:
+def _probe(cls: type[nn.Module], config: Any, sites: _Sites | None = None) -> tuple[RouterFamily, nn.Module]:
     shrunk = _shrunk(config)
-    instance = _instantiate(cls, shrunk)
-    hidden_size = getattr(shrunk, "hidden_size", None)
+    instance, width = _build(cls, config, sites)
+    hidden_size = width if width is not None else getattr(shrunk, "hidden_size", None)
     if not isinstance(hidden_size, int):
         raise _Refused("its config has no hidden_size")
     generator = torch.Generator().manual_seed(0)
@@ -386,6 +514,9 @@ def _probe(cls: type[nn.Module], config: Any) -> tuple[RouterFamily, nn.Module]:
         replayed = _run(instance, hidden, SelectionMode(instance, selection, _replay(own), record=False), extra)
         if len(live) != len(replayed) or not all(torch.equal(a, b) for a, b in zip(live, replayed, strict=True)):
             raise _Refused("replaying its own selection does not give its outputs bit for bit")
+        if selection.width == 1:
+            # one expert: every token selects it, so any recorded routing is the live one
+            return RouterFamily(cls, selection, "a single expert, selected by every token"), instance
         forced_indices = (own + 1) % selection.width
         forcing = SelectionMode(instance, selection, _replay(forced_indices), record=False)
         forced = _run(instance, hidden, forcing, extra)
@@ -474,7 +605,13 @@ def _rule(
         if name.rpartition(".")[2] != "bias"
     ):
         notes.append("a correction bias used only to select")
-    for output in outputs:
+    # a learned scale per expert applied to the selected weights (gemma4's per_expert_scale)
+    per_expert_scales = [
+        (name.rpartition(".")[2], tensor.detach())
+        for name, tensor in [*instance.named_parameters(), *instance.named_buffers()]
+        if tensor.shape == (selection.width,) and "bias" not in name.rpartition(".")[2] and tensor.is_floating_point()
+    ]
+    for output in _in_token_order(outputs, indices):
         flat = output.detach().float().reshape(-1, output.shape[-1])
         # a router that returns bf16 weights rounds them: compare at that precision
         rtol, atol = (1e-4, 1e-6) if output.dtype in (torch.float32, torch.float64) else (1e-2, 1e-3)
@@ -490,16 +627,42 @@ def _rule(
             for renormalised in (False, True):
                 candidate = base / (base.sum(dim=-1, keepdim=True) + (1e-20 if "sigmoid" in name else 0.0))
                 candidate = candidate if renormalised else base
-                scale = float(flat.sum() / candidate.sum())
-                if torch.allclose(flat, candidate * scale, rtol=rtol, atol=atol):
-                    words = [name + (", renormalised" if renormalised and "selected" not in name else "")]
-                    if abs(scale - 1.0) > 1e-6:
-                        words.append(f"scaled by {scale:g}")
-                    return _label(", ".join(words), notes)
+                for per_expert_name, per_expert in [("", None), *per_expert_scales]:
+                    scaled = candidate if per_expert is None else candidate * per_expert.float()[indices]
+                    scale = float(flat.sum() / scaled.sum())
+                    if torch.allclose(flat, scaled * scale, rtol=rtol, atol=atol):
+                        words = [name + (", renormalised" if renormalised and "selected" not in name else "")]
+                        if per_expert is not None:
+                            words.append(f"times the selected experts' {per_expert_name}")
+                        if abs(scale - 1.0) > 1e-6:
+                            words.append(f"scaled by {scale:g}")
+                        return _label(", ".join(words), notes)
     raise _Refused(
         "the routing weights it returns for a forced selection match none of the rules the pack knows (softmax or "
         "sigmoid top-k, renormalised or not, scaled; gpt-oss; llama4)"
     )
+
+
+def _in_token_order(outputs: list[torch.Tensor], indices: torch.Tensor) -> list[torch.Tensor]:
+    """``outputs``, plus each flat one that another output permutes (weights grouped by expert, as
+    jetmoe's gating returns them with the permutation) put back in ``(tokens, top_k)`` order."""
+    found = list(outputs)
+    count = indices.numel()
+    orders = [
+        out
+        for out in outputs
+        if out.dim() == 1
+        and out.numel() == count
+        and not out.is_floating_point()
+        and torch.equal(out.sort().values, torch.arange(count))
+    ]
+    for output in outputs:
+        if output.dim() == 1 and output.numel() == count and output.is_floating_point():
+            for order in orders:
+                restored = torch.empty_like(output)
+                restored[order] = output
+                found.append(restored.reshape(indices.shape))
+    return found
 
 
 def _label(rule: str, notes: list[str]) -> str:

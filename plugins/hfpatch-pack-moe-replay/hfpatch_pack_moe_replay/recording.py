@@ -53,13 +53,23 @@ class RoutingRecording:
         self._modes: dict[nn.Module, list[SelectionMode | None]] = {}
         self._calls: list[list[_Call]] = [[] for _ in self.layer_names]
         self._pending: dict[int, tuple[int, int]] = {}
+        self._last_shape: tuple[int, int] | None = None
 
     def _before_block(self, layer: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if self not in _RECORDING.get():
             return
         hidden = args[0] if args else kwargs.get("hidden_states")
         if isinstance(hidden, torch.Tensor) and hidden.dim() == 3:
-            self._pending[layer] = (int(hidden.shape[0]), int(hidden.shape[1]))
+            self._pending[layer] = self._last_shape = (int(hidden.shape[0]), int(hidden.shape[1]))
+
+    def _before_model(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if self not in _RECORDING.get():
+            return
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        embeds = kwargs.get("inputs_embeds")
+        shaped = ids if isinstance(ids, torch.Tensor) and ids.dim() == 2 else embeds
+        if isinstance(shaped, torch.Tensor) and shaped.dim() >= 2:
+            self._last_shape = (int(shaped.shape[0]), int(shaped.shape[1]))
 
     def _enter(self, router: nn.Module) -> None:
         """Before a vanilla router's forward: watch its selection, unless another recording does."""
@@ -82,7 +92,9 @@ class RoutingRecording:
         if layer is None or self not in _RECORDING.get() or _in_backward():
             return
         rows = int(indices.shape[0])
-        batch_size, seq_len = self._pending.pop(layer, (1, rows))
+        # a router its block calls from another method (jetmoe's attention experts: ``map``) sees no
+        # (batch, seq_len) input: it routes the same tokens as the last block that did
+        batch_size, seq_len = self._pending.pop(layer, self._last_shape or (1, rows))
         if batch_size * seq_len != rows:  # the block was called on a flattened batch
             batch_size, seq_len = 1, rows
         self._calls[layer].append(_Call(batch_size, seq_len, indices.detach()))
@@ -174,6 +186,11 @@ def record_routing(model: nn.Module) -> Iterator[RoutingRecording]:
     recording = RoutingRecording([name for name, _ in routers], [router for _, router in routers])
     handles = []
     try:
+
+        def before_model(_module: nn.Module, args: Any, kwargs: Any) -> None:
+            recording._before_model(args, kwargs)
+
+        handles.append(model.register_forward_pre_hook(before_model, with_kwargs=True))
         for layer, (name, router) in enumerate(routers):
             block = model.get_submodule(name.rpartition(".")[0])
 

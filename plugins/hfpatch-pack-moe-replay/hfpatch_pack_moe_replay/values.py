@@ -248,6 +248,120 @@ class Routing:
         )
         return cls(layers, batch_size=sum(routing.batch_size for routing in routings))
 
+    # --- rows ----------------------------------------------------------------------------
+
+    def select(self, rows: int | slice | Sequence[int] | torch.Tensor) -> Routing:
+        """The routing of some rows (sequences) of the batch, in the order given.
+
+        What a trainer does to a batch (shuffle, split into micro-batches, drop rows)
+        it does to the routing with this: ``routing.select(permutation)``,
+        ``routing.select(slice(0, 4))``.
+
+        Args:
+            rows: a row number, a slice, a sequence of row numbers or a 1-D integer tensor
+                (a boolean mask of ``batch_size`` rows also works). Negative numbers count from the end.
+
+        Returns:
+            a ``Routing`` of ``len(rows)`` sequences of ``seq_len`` tokens.
+
+        Raises:
+            RoutingError: no row is selected, or a row number is out of range.
+        """
+        numbers = self._row_numbers(rows)
+        layers = tuple(
+            layer.reshape(self.batch_size, self.seq_len, self.top_k)[numbers.to(layer.device)].reshape(-1, self.top_k)
+            for layer in self.layers
+        )
+        return Routing(layers, batch_size=int(numbers.numel()))
+
+    def rows(self) -> tuple[Routing, ...]:
+        """Each sequence of the batch as a routing of its own (``batch_size`` 1), in order.
+
+        ``Routing.stack(routing.rows())`` gives the routing back; routings of rows of
+        different lengths go into one batch with ``Routing.stack`` (which pads them).
+        """
+        return tuple(self.select(row) for row in range(self.batch_size))
+
+    def truncated(self, seq_len: int, *, side: Literal["left", "right"] = "right") -> Routing:
+        """Each sequence cut to ``seq_len`` tokens: the inverse of ``padded``.
+
+        Args:
+            seq_len: the new length, between 1 and ``seq_len``.
+            side: ``"right"`` keeps the first ``seq_len`` tokens (drops the end),
+                ``"left"`` keeps the last ones (drops left padding).
+
+        Returns:
+            a new ``Routing`` with the same ``batch_size``.
+        """
+        if side not in ("left", "right"):
+            raise RoutingError(f"Routing.truncated(side={side!r}): side must be 'left' or 'right'.")
+        if isinstance(seq_len, bool) or not isinstance(seq_len, int) or not 1 <= seq_len <= self.seq_len:
+            raise RoutingError(
+                f"Routing.truncated({seq_len!r}) needs a length between 1 and the routing's seq_len {self.seq_len}; "
+                "to lengthen a routing use Routing.padded."
+            )
+        start = 0 if side == "right" else self.seq_len - seq_len
+        layers = tuple(
+            layer.reshape(self.batch_size, self.seq_len, self.top_k)[:, start : start + seq_len].reshape(-1, self.top_k)
+            for layer in self.layers
+        )
+        return Routing(layers, batch_size=self.batch_size)
+
+    def to_tensor(self) -> torch.Tensor:
+        """The routing as one tensor with a row per sequence: ``(batch_size, seq_len, num_layers, top_k)``.
+
+        It travels with the other per-row tensors of a batch (``input_ids``,
+        ``attention_mask``) through a trainer's shuffling, splitting and concatenation;
+        ``Routing.from_tensor`` turns it back. It stays on the routing's device.
+        """
+        stacked = torch.stack(list(self.layers), dim=1)
+        return stacked.reshape(self.batch_size, self.seq_len, self.num_layers, self.top_k)
+
+    @classmethod
+    def from_tensor(cls, tensor: torch.Tensor) -> Routing:
+        """The routing of a ``(batch, seq_len, num_layers, top_k)`` tensor (``to_tensor``'s inverse).
+
+        Raises:
+            RoutingError: the tensor is not 4-D, or holds invalid ids.
+        """
+        value = _as_tensor(tensor)
+        if value.dim() != 4:
+            raise RoutingError(
+                f"Routing.from_tensor expects a (batch, seq_len, num_layers, top_k) tensor (Routing.to_tensor), got "
+                f"shape {_shape(value)}."
+            )
+        batch, length, num_layers, top_k = (int(size) for size in value.shape)
+        flat = value.reshape(batch * length, num_layers, top_k)
+        return cls(tuple(flat[:, layer, :] for layer in range(num_layers)), batch_size=batch)
+
+    def _row_numbers(self, rows: int | slice | Sequence[int] | torch.Tensor) -> torch.Tensor:
+        if isinstance(rows, slice):
+            numbers = torch.arange(self.batch_size)[rows]
+        else:
+            try:
+                numbers = torch.as_tensor(rows).reshape(-1)
+            except (TypeError, ValueError, RuntimeError) as exc:
+                raise RoutingError(
+                    f"Routing.select takes a row number, a slice, row numbers or a mask, got {rows!r} ({exc})."
+                ) from None
+            if numbers.dtype == torch.bool:
+                if numbers.numel() != self.batch_size:
+                    raise RoutingError(
+                        f"Routing.select: a mask of {numbers.numel()} rows for a routing of {self.batch_size} rows; "
+                        "pass one boolean per row."
+                    )
+                numbers = numbers.nonzero().reshape(-1)
+            elif (numbers.is_floating_point() or numbers.is_complex()) and numbers.numel():
+                raise RoutingError(f"Routing.select takes integer row numbers, got dtype {numbers.dtype}.")
+        numbers = numbers.to(device="cpu", dtype=torch.long)
+        if numbers.numel() == 0:
+            raise RoutingError("Routing.select selects no row; a routing has at least one row.")
+        if bool(((numbers < -self.batch_size) | (numbers >= self.batch_size)).any()):
+            raise RoutingError(
+                f"Routing.select: row numbers {numbers.tolist()} out of range for a routing of {self.batch_size} rows."
+            )
+        return numbers % self.batch_size
+
 
 def _as_tensor(value: Any) -> torch.Tensor:
     """``value`` as a tensor: a tensor detached, anything else (vLLM's numpy arrays, lists) through numpy."""

@@ -73,7 +73,40 @@ FAMILIES: dict[str, tuple[Callable[[], Any], str]] = {
         ),
         "sigmoid of the selected logits, scattered over the experts (llama4)",
     ),
+    # probed from the instance in the model (its constructor takes sizes, not the config); it
+    # returns the weights grouped by expert, with the permutation
+    "jetmoe": (
+        lambda: transformers.AutoConfig.for_model(
+            "jetmoe",
+            **{key: value for key, value in COMMON.items() if key != "num_attention_heads"},
+            num_local_experts=4,
+            kv_channels=8,
+        ),
+        "softmax top-k, renormalised",
+    ),
+    # a learned scale per expert on the selected weights (not in transformers 5.3)
+    "gemma4_text": (
+        lambda: transformers.AutoConfig.for_model(
+            "gemma4_text",
+            **{key: value for key, value in COMMON.items() if key not in ("num_experts_per_tok", "bos_token_id")},
+            head_dim=8,
+            global_head_dim=8,
+            layer_types=["sliding_attention", "full_attention"],
+            enable_moe_block=True,
+            num_experts=4,
+            top_k_experts=2,
+            moe_intermediate_size=16,
+            hidden_size_per_layer_input=0,
+        ),
+        "softmax top-k, renormalised, times the selected experts' per_expert_scale",
+    ),
 }
+
+
+def _available(name: str) -> bool:
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    return name in CONFIG_MAPPING_NAMES
 
 
 @pytest.fixture(scope="module")
@@ -81,6 +114,8 @@ def family_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Pa
     hfpatch_core.disable()
     paths = {}
     for seed, (name, (build, _)) in enumerate(FAMILIES.items()):
+        if not _available(name):
+            continue
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(build())
         with torch.no_grad():
@@ -97,6 +132,8 @@ def family_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Pa
 @pytest.fixture(params=list(FAMILIES))
 def router_family(request: pytest.FixtureRequest) -> str:
     name: str = request.param
+    if not _available(name):
+        pytest.skip(f"transformers {transformers.__version__} has no {name}")
     build, _ = FAMILIES[name]
     config = build()
     found = discover(config.model_type, config)
@@ -220,3 +257,22 @@ def test_every_moe_model_type_is_replayed_or_refused_with_a_reason() -> None:
         if found.replayable == bool(found.refused):
             silent.append(model_type)
     assert not silent, f"neither replayed nor refused with a reason: {silent}"
+
+
+@pytest.mark.parametrize("model_type", ["xlm", "doge"])
+def test_a_top_k_outside_an_moe_block_is_no_router_candidate(model_type: str) -> None:
+    """xlm's QA head (beam search) and doge's attention (a dynamic mask) compute a top-k but
+    sit beside no experts: discovery proposes nothing, so the pack neither patches nor refuses."""
+    found = discover(model_type)
+    assert not found.routers and found.candidate is None
+    assert found.refused is not None and "no module of it selects experts" in found.refused
+    config = transformers.AutoConfig.for_model(model_type)
+    assert provide_patches(LoadContext(model_type, "AnyForCausalLM", config=config)) == []
+
+
+def test_a_router_over_a_single_expert_is_replayed() -> None:
+    """hunyuan_v1_moe's default config has one expert: every token selects it, any routing is the live one."""
+    config = transformers.AutoConfig.for_model("hunyuan_v1_moe")
+    assert config.num_experts == 1
+    (family,) = discover("hunyuan_v1_moe", config).routers
+    assert family.rule == "a single expert, selected by every token"

@@ -82,6 +82,20 @@ class Outcome:
     unverified: Mapping[str, str]
     ok: bool
 
+    @classmethod
+    def of(
+        cls,
+        key: str,
+        reports: Sequence[Any],
+        header: tuple[str, ...],
+        rows: tuple[tuple[str, ...], ...],
+        details: tuple[str, ...],
+        unverified: Mapping[str, str],
+    ) -> Outcome:
+        """The outcome of ``reports`` (each with ``ok`` and ``to_json()``), shown as ``rows``."""
+        records = tuple(report.to_json() for report in reports)
+        return cls(key, header, rows, details, records, unverified, all(r.ok for r in reports) and not unverified)
+
     def to_json(self) -> dict[str, Any]:
         return {
             self.key: list(self.records),
@@ -187,15 +201,7 @@ def _equivalence_outcome(reports: Sequence[Any], unverified: Mapping[str, str], 
         "verdict",
     )
     details = tuple(f"{r.pack} on {r.model_type}: {failure}" for r in reports for failure in r.failures)
-    return Outcome(
-        "reports",
-        header,
-        rows,
-        details,
-        tuple(r.to_json() for r in reports),
-        unverified,
-        all(r.ok for r in reports) and not unverified,
-    )
+    return Outcome.of("reports", reports, header, rows, details, unverified)
 
 
 def _distributed_outcome(reports: Sequence[Any], unverified: Mapping[str, str]) -> Outcome:
@@ -217,15 +223,7 @@ def _distributed_outcome(reports: Sequence[Any], unverified: Mapping[str, str]) 
         for r in reports
         if r.outcome in ("failed", "refused", "unavailable") and r.detail
     )
-    return Outcome(
-        "distributed",
-        header,
-        rows,
-        details,
-        tuple(r.to_json() for r in reports),
-        unverified,
-        all(r.ok for r in reports) and not unverified,
-    )
+    return Outcome.of("distributed", reports, header, rows, details, unverified)
 
 
 def _verify_every_model_type(args: argparse.Namespace) -> int:

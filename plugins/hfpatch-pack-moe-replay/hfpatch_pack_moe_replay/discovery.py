@@ -175,12 +175,15 @@ def _discover(model_type: str, config: Any) -> Discovery:
                 accepted.append(_probe(cls, text, sites))
             except _Refused as exc:
                 rejected.append((cls.__name__, str(exc)))
+    # a scoring module inside an accepted router (5.3's hunyuan gate, whose MoE block selects) is replayed with it
+    inside = {type(sub) for _, instance in accepted for sub in instance.modules()}
     if sites is None:
         # the model could not be built to look: a class named like a router that computes no top-k refuses
         for name, value in vars(module).items():
             if (
                 isinstance(value, type)
                 and issubclass(value, nn.Module)
+                and value not in inside
                 and value.__module__ == module.__name__
                 and _ROUTER_NAME.search(name)
                 and value not in candidates
@@ -189,6 +192,8 @@ def _discover(model_type: str, config: Any) -> Discovery:
                 rejected.append((name, _NO_TOPK))
     else:
         for cls in _router_like_sites(sites):
+            if cls in inside:
+                continue
             if cls not in candidates and not any(cls.__name__ == rejected_name for rejected_name, _ in rejected):
                 rejected.append((cls.__name__, _NO_TOPK))
     # a module holding an accepted router (the MoE block around it) is not a router itself

@@ -110,14 +110,20 @@ def _offers_anything(pack: str, checkpoint: Path) -> bool:
     return False
 
 
-def _vanilla_problem(checkpoint: Path) -> str | None:
-    """Why vanilla transformers cannot load ``checkpoint`` and run a padded batch (``None``: it can)."""
+def _vanilla_problem(checkpoint: Path, generate_tokens: int = 0) -> str | None:
+    """Why vanilla transformers cannot load ``checkpoint``, run a padded batch and generate from it
+    as the verdict compares (``None``: it can)."""
+    import torch
+
     from .models import comparison_prompts, load_model, logits_of
 
     try:
         model = load_model(checkpoint)
         ids, mask = comparison_prompts(model.config)
         logits_of(model, ids, mask)
+        if generate_tokens:
+            with torch.no_grad():
+                model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=generate_tokens, do_sample=False)
     except Exception as exc:  # the tiny checkpoint of a model type may fail in any way
         return f"vanilla transformers cannot run it: {type(exc).__name__}: {exc}"
     return None
@@ -142,17 +148,17 @@ def verdict_of(pack: str, model_type: str, directory: Path, *, generate_tokens: 
             return row("not applicable")
         report = check_pack_equivalence(pack, checkpoint, generate_tokens=generate_tokens)
     except Exception as exc:
-        vanilla = _vanilla_problem(checkpoint)
+        vanilla = _vanilla_problem(checkpoint, generate_tokens)
         return row("no checkpoint", vanilla) if vanilla else row("failed", f"{type(exc).__name__}: {exc}")
     refusals = _refusals(report.plan)
     if not report.replaced:
         loading = [failure for failure in report.failures if failure.startswith("loading with pack")]
         if loading:
-            vanilla = _vanilla_problem(checkpoint)
+            vanilla = _vanilla_problem(checkpoint, generate_tokens)
             return row("no checkpoint", vanilla) if vanilla else row("failed", loading[0])
         return row("refused", "; ".join(refusals)) if refusals else row("not applicable")
     if report.failures:
-        vanilla = _vanilla_problem(checkpoint)
+        vanilla = _vanilla_problem(checkpoint, generate_tokens)
         return row("no checkpoint", vanilla) if vanilla else row("failed", report.failures[0])
     replaced = ", ".join(f"{original} <- {replacement}" for original, replacement in sorted(report.replaced.items()))
     if refusals:

@@ -124,6 +124,54 @@ def float_expert_parameters(model: Any) -> int:
     return total
 
 
+#: the parts of a decode step that ``--profile`` times, by the module names' last component
+PARTS = {
+    "self_attn": "attention",
+    "gate": "router",
+    "router": "router",
+    "experts": "routed experts",
+    "shared_experts": "shared expert",
+    "mlp": "mlp",  # a dense layer's MLP (deepseek_v3's first), and the MoE block's own code
+    "lm_head": "lm_head",
+}
+
+
+def profile_step(model: Any, decoder: Decoder, steps: int) -> dict[str, float]:
+    """ms per decode step spent in each part of the model (forward hooks, innermost part counted once)."""
+    decoder.reset()  # the prompt, not counted
+    spent = dict.fromkeys(dict.fromkeys(PARTS.values()), 0.0)
+    handles = []
+    stack: list[float] = []  # the inner parts' time, subtracted from the part around them
+    for name, module in model.named_modules():
+        part = PARTS.get(name.rsplit(".", 1)[-1])
+        if part is None or (part == "router" and ".experts" in name):
+            continue
+
+        def pre(module: Any, args: Any) -> None:
+            stack.append(0.0)
+            module._bench_start = time.perf_counter()
+
+        def post(module: Any, args: Any, output: Any, _part: str = part) -> None:
+            elapsed = time.perf_counter() - module._bench_start
+            inner = stack.pop()
+            spent[_part] += elapsed - inner
+            if stack:
+                stack[-1] += elapsed
+
+        handles += [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
+    total = 0.0
+    try:
+        for _ in range(steps):
+            total += decoder.step()
+    finally:
+        for handle in handles:
+            handle.remove()
+    result = {part: seconds / steps * 1e3 for part, seconds in spent.items()}
+    result["rest (embedding, norms, residuals, mask, python)"] = total / steps * 1e3 - sum(result.values())
+    result["total"] = total / steps * 1e3
+    return result
+
+
 def run_family(family: str, args: argparse.Namespace) -> dict[str, Any]:
     """Build, load four (five) ways, decode interleaved; print the family's table; return its ratios."""
     import torch
@@ -193,6 +241,11 @@ def run_family(family: str, args: argparse.Namespace) -> dict[str, Any]:
     header = ["variant", "ms/token", "IQR ms", "tokens/s", "quantized Linear", "fp expert params", "MiB"]
     header += ["cos", "top-1"]
     print(table(header, rows))
+    if args.profile:
+        split = {key: profile_step(models[key], decoders[key], args.tokens - 1) for key in models}
+        print(f"\nms per decode step by part (forward hooks, {args.tokens - 1} steps each, not interleaved):")
+        parts = list(next(iter(split.values())))
+        print(table(["part", *models], [[part] + [f"{split[key][part]:.2f}" for key in models] for part in parts]))
     result: dict[str, Any] = {"family": family}
     for baseline in ("fp32", "int8"):
         result[f"over {baseline}"] = speedup(samples[baseline], samples["le-int8"])
@@ -219,6 +272,7 @@ def main(argv: list[str] | None = None) -> int:
     add("--seed", type=int, default=0)
     add("--quick", action="store_true", help=f"small models and a short run: {QUICK}, 2 rounds of 8 tokens")
     add("--torchao", action="store_true", help="add torchao's Int8WeightOnlyConfig on linear-experts")
+    add("--profile", action="store_true", help="also print each variant's decode step split by part (attention, ...)")
     args = parser.parse_args(argv)
     if args.quick:
         for key, value in QUICK.items():

@@ -172,11 +172,20 @@ class LinearExperts(nn.Module):
             gate_up = torch.stack([gate, up], dim=-1).flatten(-2)
         return self._apply_gate(gate_up)  # type: ignore[operator]
 
-    def _expert(self, expert: ExpertLinears, states: torch.Tensor) -> torch.Tensor:
-        gate, up, down = expert.projections()
-        hidden = self.act_fn(up(states)) if gate is None else self._gate(gate(states), up(states))  # type: ignore[operator]
-        output: torch.Tensor = down(hidden)
-        if self.layout.has_post_expert_norm:
+    def _expert(self, expert: nn.Module, states: torch.Tensor) -> torch.Tensor:
+        """One expert on ``states``: its modules read from ``_modules`` (whatever a quantizer put there),
+        without ``nn.Module.__getattr__``'s fallback chain, which costs more than an int8 GEMV at batch 1."""
+        layout = self.layout
+        modules = expert._modules
+        gate_name, up_name, down_name = layout.names
+        if gate_name is None:
+            hidden = self.act_fn(modules[up_name](states))  # type: ignore[misc, operator]
+        else:
+            gate = modules[gate_name](states)  # type: ignore[misc]
+            up = modules[up_name](states)  # type: ignore[misc]
+            hidden = self._gate(gate, up) if layout.custom_gate else self.act_fn(gate) * up  # type: ignore[operator]
+        output: torch.Tensor = modules[down_name](hidden)  # type: ignore[misc]
+        if layout.has_post_expert_norm:
             output = self.post_expert_norm(output)  # type: ignore[operator]
         return output
 
@@ -195,6 +204,13 @@ class LinearExperts(nn.Module):
         sums in float32).  An expert id equal to ``num_experts`` (transformers'
         expert-parallel sentinel) is skipped.  gpt_oss-style callers pass
         ``router_indices`` / ``routing_weights``, by position or by name.
+
+        Bit for bit the reference loop's results; only the bookkeeping is cheaper (as in
+        qwen-moe's ``PerExpertExperts``): one stable sort and one count per call instead
+        of a one-hot mask, a ``nonzero`` and one ``torch.where`` per expert, and for a
+        single token (a decode step) no gather or scatter at all: ``index_add_`` is a
+        multi-threaded scatter on CPU, slow for one row, and on a busy machine each
+        multi-threaded call can wait for a thread to be scheduled.
         """
         index = top_k_index if top_k_index is not None else kwargs.get("router_indices")
         weights = top_k_weights if top_k_weights is not None else kwargs.get("routing_weights")
@@ -202,21 +218,58 @@ class LinearExperts(nn.Module):
             raise TypeError(
                 f"{type(self).__name__}.forward needs the routing: (hidden_states, top_k_index, top_k_weights)"
             )
+        if index.shape[0] == 1:
+            single = self._one_token(hidden_states, index, weights)
+            if single is not None:
+                return single
+        return self._tokens(hidden_states, index, weights)
+
+    def _one_token(
+        self, hidden_states: torch.Tensor, index: torch.Tensor, weights: torch.Tensor
+    ) -> torch.Tensor | None:
+        """``forward`` for one token: its experts in ascending order, on the token itself.
+
+        ``final.index_add_(0, [0], output)`` on one row is ``final += output``, so no
+        mask, gather or scatter is needed.  Returns ``None`` (``_tokens`` then runs) when
+        the router picked one expert twice for the token: the reference runs such an
+        expert once, on both rows.
+        """
+        hits = sorted((expert, position) for position, expert in enumerate(index[0].tolist()))
+        if len({expert for expert, _ in hits}) < len(hits):
+            return None
+        dtype = torch.float32 if self.layout.accumulate_fp32 else hidden_states.dtype
+        final = torch.zeros_like(hidden_states, dtype=dtype)
+        modules = self._modules
+        for expert, position in hits:
+            if expert == self.num_experts:
+                continue
+            output = self._expert(modules[str(expert)], hidden_states) * weights[:, position, None]  # type: ignore[arg-type]
+            final += output.to(dtype)
+        return final.to(hidden_states.dtype)
+
+    def _tokens(self, hidden_states: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """``forward`` for any number of tokens: each expert's rows from one stable sort of the routing."""
+        tokens = index.shape[0]
         dtype = torch.float32 if self.layout.accumulate_fp32 else hidden_states.dtype
         final = torch.zeros_like(hidden_states, dtype=dtype)
         with torch.no_grad():
-            mask = torch.nn.functional.one_hot(index, num_classes=self.num_experts + 1).permute(2, 1, 0)
-            hit = torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero()
-        experts = self._modules
-        for row in hit:
-            expert_index = int(row[0])
-            if expert_index == self.num_experts:
+            # flattened position-major (position * tokens + token): a stable sort by expert then lists
+            # each expert's (position, token) pairs in the order torch.where(mask[expert]) does
+            flat = index.t().reshape(-1)
+            counts: list[int] = torch.bincount(flat, minlength=self.num_experts + 1).tolist()
+            order = torch.argsort(flat, stable=True)
+            token_order = order % tokens
+        sorted_weights = weights.t().reshape(-1)[order]
+        modules = self._modules
+        end = 0
+        for expert, count in enumerate(counts[: self.num_experts]):
+            if count == 0:
                 continue
-            position, token = torch.where(mask[expert_index])
-            expert = experts[str(expert_index)]
-            assert isinstance(expert, ExpertLinears)
-            output = self._expert(expert, hidden_states[token]) * weights[token, position, None]
-            final.index_add_(0, token, output.to(final.dtype))
+            start, end = end, end + count
+            token_index = token_order[start:end]
+            output = self._expert(modules[str(expert)], hidden_states[token_index])  # type: ignore[arg-type]
+            output = output * sorted_weights[start:end, None]
+            final.index_add_(0, token_index, output.to(dtype))
         return final.to(hidden_states.dtype)
 
 

@@ -17,6 +17,7 @@ from hfpatch_pack_linear_experts import (
     SplitExperts,
     provide_patches,
 )
+from hfpatch_pack_linear_experts.experts import eager_forward
 from transformers import AutoModelForCausalLM
 
 import hfpatch_core
@@ -88,6 +89,46 @@ def test_mixtral_keeps_the_checkpoints_w1_w3_w2_names(checkpoints: dict[str, Pat
     keys = [key for key in model.state_dict() if ".experts." in key]
     assert "model.layers.1.mlp.experts.3.w2.weight" in keys
     assert all(re.search(r"\.experts\.\d\.w[123]\.weight$", key) for key in keys), keys
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_forward_is_the_eager_loop_at_one_token_and_many(checkpoints: dict[str, Path], name: str) -> None:
+    """Each loaded experts module against the vanilla module's eager loop (``use_experts_implementation``'s
+    reference) on the same weights: a decode step (one token, the fast path), one token routed twice to the
+    same expert, and several tokens; the one-token path is bit for bit the general one, the sentinel id
+    ``num_experts`` (expert parallelism's "not on this rank") is skipped by both."""
+    vanilla = dict(
+        (path, module) for path, module in load_model(checkpoints[name]).named_modules() if path.endswith(".experts")
+    )
+    patched = experts_of(load_model(checkpoints[name], PACK))
+    assert patched and len(patched) == len(vanilla)
+    generator = torch.Generator().manual_seed(0)
+    for path, experts in patched:
+        reference = vanilla[path]
+        eager = eager_forward(type(reference))
+        hidden = experts[0].projections()[1].in_features  # up's input: the hidden size
+        count = experts.num_experts
+        routings = {
+            "decode": torch.tensor([[3, 1]]),
+            "decode, reversed": torch.tensor([[0, 2]]),
+            "one token, one expert twice": torch.tensor([[2, 2]]),
+            "several tokens": torch.randint(0, count, (6, 2), generator=generator),
+        }
+        for what, index in routings.items():
+            states = torch.randn(index.shape[0], hidden, generator=generator)
+            weights = torch.rand(index.shape, generator=generator)
+            with torch.no_grad():
+                got, expected = experts(states, index, weights), eager(reference, states, index, weights)
+                general = experts._tokens(states, index, weights)
+            torch.testing.assert_close(got, expected, rtol=0, atol=1e-5, msg=f"{path}, {what}")
+            assert torch.equal(got, general), (path, what)
+        states = torch.randn(1, hidden, generator=generator)
+        weights = torch.rand(1, 2, generator=generator)
+        with torch.no_grad():
+            skipped = experts(states, torch.tensor([[1, count]]), weights)
+            assert torch.equal(skipped, experts._tokens(states, torch.tensor([[1, count]]), weights))
+            alone = experts(states, torch.tensor([[1, 1]]), torch.stack([weights[0, 0], torch.tensor(0.0)])[None])
+        torch.testing.assert_close(skipped, alone, rtol=0, atol=1e-6)
 
 
 @pytest.mark.parametrize("name", ["mixtral", "deepseek_v3"])

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import ast
 import functools
-import sys
 from collections.abc import Iterable, Mapping
 from pathlib import Path
+from types import ModuleType
 
 from ..errors import ForeignPatchError
 from ..plan import Claim, Foreign, Plan
@@ -35,12 +35,11 @@ def _qualified(value: object) -> str:
     return f"{getattr(value, '__module__', '?')}.{getattr(value, '__qualname__', repr(value))}"
 
 
-def _swapped(module_name: str, registry_values: set[int]) -> list[tuple[str, type]]:
-    """The classes ``module_name``'s source defines whose attribute now holds another class
+def _swapped(module: ModuleType, registry_values: set[int]) -> list[tuple[str, type]]:
+    """The classes ``module``'s source defines whose attribute now holds another class
     (one transformers' registry put there is not counted: it is listed as a registry entry)."""
-    module = sys.modules.get(module_name)
     path = getattr(module, "__file__", None)
-    if module is None or path is None:
+    if path is None:
         return []
     swapped = []
     namespace = vars(module)
@@ -48,13 +47,13 @@ def _swapped(module_name: str, registry_values: set[int]) -> list[tuple[str, typ
         value = namespace.get(name)
         if not isinstance(value, type) or id(value) in registry_values:
             continue
-        if value.__module__ != module_name or value.__qualname__ != name:
+        if value.__module__ != module.__name__ or value.__qualname__ != name:
             swapped.append((name, value))
     return sorted(swapped)
 
 
 def foreign_replacements(
-    model_type: str | None,
+    modeling: ModuleType | None,
     class_names: Iterable[str],
     *,
     registered: Mapping[str, type],
@@ -64,7 +63,7 @@ def foreign_replacements(
     """The classes of a load replaced outside hfpatch.
 
     Args:
-        model_type: the load's model type (its modeling module is inspected).
+        modeling: the load's modeling module (``None`` when not imported: nothing to inspect).
         class_names: the module classes the load meets.
         registered: transformers' patch registry before the load registers anything.
         overridable: the registry keys hfpatch registered for an enclosing load (its own).
@@ -79,13 +78,13 @@ def foreign_replacements(
         if key not in owned and not str(getattr(value, "__module__", "")).startswith("transformers.")
     }
     found: list[Foreign] = []
-    if model_type:
-        package = model_type.replace("-", "_")
-        module_name = f"transformers.models.{package}.modeling_{package}"
-        for name, value in _swapped(module_name, {id(v) for v in registered.values()}):
+    if modeling is not None:
+        for name, value in _swapped(modeling, {id(v) for v in registered.values()}):
             if name in names:
                 claim = replaced.get(name)
-                found.append(Foreign(name, _qualified(value), "module", module_name, claim.pack if claim else None))
+                found.append(
+                    Foreign(name, _qualified(value), "module", modeling.__name__, claim.pack if claim else None)
+                )
     for key, value in others.items():
         hit = sorted(name for name in names if matches(key, name))
         if hit:

@@ -318,7 +318,7 @@ def plan_load(
         for claim, pattern in conversions.unmatched
     )
     foreign = foreign_replacements(
-        context.model_type,
+        modeling_module(context.model_type, load=False) if context.model_type else None,
         class_names,
         registered=registered or {},
         overridable=overridable,

@@ -91,6 +91,11 @@ def _default_class_name(model_type: str) -> str:
     return next(iter(default_class_names(None, model_type)), "PreTrainedModel")
 
 
+def _context(model_type: str, config: Any) -> LoadContext:
+    """The context ``check`` asks a pack's hooks with: a load of ``model_type``'s default model class."""
+    return LoadContext(model_type=model_type, model_class_name=_default_class_name(model_type), config=config)
+
+
 def declared_model_types(info: PackInfo) -> tuple[tuple[str, ...], list[str]]:
     """The model types pack ``info`` declares with ``provide_model_types``, and the problems found.
 
@@ -238,8 +243,7 @@ class _PackCheck:
         if message not in self.problems:
             self.problems.append(message)
 
-    def gather(self, model_type: str, config: Any) -> Gathered:
-        context = LoadContext(model_type=model_type, model_class_name=_default_class_name(model_type), config=config)
+    def gather(self, context: LoadContext) -> Gathered:
         gathered = self.packs.gather(context)
         for failure in gathered.failures:
             self.note(str(failure))
@@ -247,7 +251,7 @@ class _PackCheck:
         return gathered
 
     def offers(self, model_type: str, config: Any) -> bool:
-        gathered = self.gather(model_type, config)
+        gathered = self.gather(_context(model_type, config))
         return bool(gathered.claims or gathered.converters)
 
     def targets(self, info: PackInfo, model_types: Sequence[str]) -> tuple[list[str], tuple[str, ...]]:
@@ -277,7 +281,8 @@ class _PackCheck:
         """Check what the pack offers for ``model_type`` (``asked``: it was named or declared, so it
         must offer something)."""
         config = self.configs(model_type)
-        gathered = self.gather(model_type, config)
+        context = _context(model_type, config)
+        gathered = self.gather(context)
         self.refusals.extend(f"{model_type}: {refused.target}: {refused.reason}" for refused in gathered.refused)
         if asked and not (gathered.claims or gathered.converters or gathered.failures or gathered.refused):
             self.note(
@@ -286,7 +291,6 @@ class _PackCheck:
         classes = modeling_module_classes(model_type)
         for converter in gathered.converters:
             self._converter_key(converter.key, model_type, bool(gathered.claims))
-        context = LoadContext(model_type=model_type, model_class_name=_default_class_name(model_type), config=config)
         try:
             plan = plan_load(context, self.packs, class_names=classes, registered={}, report=ignore)
         except (PatchConflictError, ConverterConflictError) as exc:
@@ -419,7 +423,7 @@ def check_combination(
             continue
         packs = PackSet({name: session.selection.packs[name] for name in names}, guard=HOOK_GUARD)
         config = configs(model_type)
-        context = LoadContext(model_type=model_type, model_class_name=_default_class_name(model_type), config=config)
+        context = _context(model_type, config)
         classes = modeling_module_classes(model_type)
         together = " + ".join(sorted(names))
         try:
@@ -494,7 +498,7 @@ def targeted_model_types(packs: PackSet, priority_offsets: Mapping[str, int] | N
     a patch or converter asked with ``config=None``, or the model type declared (``provide_model_types``)."""
     targets: dict[str, set[str]] = {}
     for model_type in CONFIG_MAPPING_NAMES:
-        context = LoadContext(model_type=model_type, model_class_name=_default_class_name(model_type), config=None)
+        context = _context(model_type, None)
         gathered = packs.gather(context, priority_offsets)
         for pack in [*(claim.pack for claim in gathered.claims), *(claim.pack for claim in gathered.converters)]:
             targets.setdefault(model_type, set()).add(pack)

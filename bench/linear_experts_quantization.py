@@ -48,7 +48,16 @@ from pathlib import Path
 from typing import Any
 
 from _common import interleaved, machine_info, median, spread, table
-from quantization import Decoder, accuracy, dynamic_int8, load, quantized_linears, speedup, tensor_bytes
+from quantization import (
+    Decoder,
+    accuracy,
+    dynamic_int8,
+    load,
+    quantized_linears,
+    speedup,
+    tensor_bytes,
+    torchao_int8_weight_only,
+)
 
 PACK = "linear-experts"
 FAMILIES = ("mixtral", "deepseek_v3", "gpt_oss")
@@ -101,13 +110,6 @@ def build_config(family: str, args: argparse.Namespace) -> Any:
             num_local_experts=args.experts,
         )
     raise SystemExit(f"unknown family {family!r}: choose from {FAMILIES}")
-
-
-def torchao_int8_weight_only(model: Any) -> Any:
-    from torchao.quantization import Int8WeightOnlyConfig, quantize_
-
-    quantize_(model, Int8WeightOnlyConfig())
-    return model
 
 
 def float_expert_parameters(model: Any) -> int:

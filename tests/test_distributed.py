@@ -505,6 +505,7 @@ class OwnInitMLP(LlamaMLP):
 
 class DeclaredMLP(OwnInitMLP):
     hfpatch_tp_plan = {}
+    hfpatch_unsharded_reasons = {"fsdp": "its rows are cut at load from a tensor every rank reads whole"}
 
 class RenamedAttention(LlamaAttention):
     pass
@@ -557,9 +558,13 @@ def test_a_declared_plan_admits_the_class_for_that_parallelism_only(install) -> 
     with pytest.warns(PackWarning):
         plan = _plan(("tp",), "declared")
     assert sorted(plan.mapping) == ["LlamaMLP", "LlamaRMSNorm"]
-    with pytest.warns(PackWarning, match="declares no plan for fsdp .hfpatch_fsdp_plan."):
+    with pytest.warns(PackWarning, match="declares no plan for fsdp .hfpatch_fsdp_plan.") as caught:
         plan = _plan(("tp", "fsdp"), "declared")
     assert list(plan.mapping) == ["LlamaRMSNorm"]
+    # the class's own reason for the parallelism it cannot shard is quoted (hfpatch_unsharded_reasons)
+    assert "(it says why: fsdp: its rows are cut at load from a tensor every rank reads whole)" in str(
+        caught[0].message
+    )
 
 
 def test_strict_mode_raises_the_refusal(install) -> None:
@@ -675,6 +680,26 @@ def test_local_experts_keeps_this_ranks_share_under_the_global_numbers() -> None
     ignored = re.compile("|".join(model._keys_to_ignore_on_load_unexpected))
     assert ignored.search("layers.1.experts.0.weight") and ignored.search("model.layers.0.experts.1.bias")
     assert not ignored.search("layers.1.experts.2.weight") and not ignored.search("layers.1.experts.10.weight")
+
+
+def test_local_experts_keeps_the_children_that_are_not_experts() -> None:
+    """A module holding its activation (or a norm) beside the experts, as linear-experts' drop-ins hold the
+    original's ``act_fn``: only the numbered children are experts; the others stay on every rank."""
+    import torch.nn as nn
+
+    from hfpatch_core._compat import expert_mesh_of_loader
+    from hfpatch_core._runtime.parallel_plans import keep_local_experts
+
+    model = _toy_moe(4)
+    for layer in model.layers:
+        layer.experts.add_module("act_fn", nn.SiLU())
+    kept = keep_local_experts(model, lambda: _Coordinates(0, 2))
+    if not expert_mesh_of_loader():
+        assert kept == {}
+        return
+    assert kept == {"layers.0.experts": (0, 1), "layers.1.experts": (0, 1)}
+    for layer in model.layers:
+        assert [name for name, _ in layer.experts.named_children()] == ["0", "1", "act_fn"]
 
 
 @pytest.mark.parametrize(

@@ -13,7 +13,9 @@ replacement must declare how its parameters shard, per parallelism, on its class
   parameter or sub-module path (relative to the replaced module) to a transformers
   parallel style (``{"qkv_proj": "colwise"}``); an empty mapping declares that the
   module's own parameters shard as the model's plan already says.  ``sharding`` adds
-  the declared entries to the model's plans when it is built.
+  the declared entries to the model's plans when it is built.  A replacement that
+  cannot shard for some parallelism may say why in ``hfpatch_unsharded_reasons``
+  (parallelism -> reason), which the refusal quotes.
 * besides transformers' styles, hfpatch's own (``HFPATCH_STYLES``), which ``sharding``
   applies itself: ``{"*": "local_experts"}`` keeps, of a module list of experts named by
   expert number, the experts this rank owns under expert parallelism.
@@ -50,6 +52,10 @@ PLAN_ATTRIBUTES: Mapping[str, str] = {
     "ep": "hfpatch_ep_plan",
     "fsdp": "hfpatch_fsdp_plan",
 }
+
+#: The optional class attribute of a replacement saying, per parallelism it declares no plan for,
+#: why it cannot shard (``{"tp": "its biases ..."}``); the refusal quotes it.
+REASONS_ATTRIBUTE = "hfpatch_unsharded_reasons"
 
 #: How each parallelism is named in messages, with the argument that turns it on.
 _DESCRIBED: Mapping[str, str] = {
@@ -169,6 +175,7 @@ def _refusal(pack: str, items: list[tuple[Claim, str, list[str]]], context: Load
         f"{claim.patch.replacement.__name__} (replacing {claim.target!r}) changes the module's parameters "
         f"({reason}) and declares no plan for {', '.join(missing)} "
         f"({', '.join(PLAN_ATTRIBUTES[mode] for mode in missing)}){_inapplicable(claim, missing)}"
+        f"{_reasons(claim, missing)}"
         for claim, reason, missing in items
     )
     left = (
@@ -186,6 +193,15 @@ def _refusal(pack: str, items: list[tuple[Claim, str, list[str]]], context: Load
         "or load without that parallelism.",
         stage="selection",
     )
+
+
+def _reasons(claim: Claim, missing: list[str]) -> str:
+    """The replacement's own word on why it cannot shard (``REASONS_ATTRIBUTE``), or ``""``."""
+    declared = getattr(claim.patch.replacement, REASONS_ATTRIBUTE, None)
+    if not isinstance(declared, Mapping):
+        return ""
+    said = [f"{mode}: {declared[mode]}" for mode in missing if isinstance(declared.get(mode), str)]
+    return f" (it says why: {'; '.join(said)})" if said else ""
 
 
 def _inapplicable(claim: Claim, missing: list[str]) -> str:

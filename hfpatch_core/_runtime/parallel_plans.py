@@ -89,7 +89,8 @@ def keep_local_experts(model: Any, expert_mesh: Callable[[], Any] | None) -> dic
     experts so), sets the module's ``num_experts`` to ``E / n`` and, by the module's
     ``ep_dispatch_experts`` rule, calls the module's forward with local expert numbers
     (``E / n`` marking a route to another rank's expert).  For a module list of experts
-    (children named ``0`` to ``E - 1``, as the checkpoint's per-expert keys), the same is:
+    (children named ``0`` to ``E - 1``, as the checkpoint's per-expert keys, beside any
+    children not named by a number, such as an activation, which stay), the same is:
     keep the rank's children under their global names, so that their checkpoint keys load
     into them, drop the others before any weight is read (their keys are then ignored as
     unexpected on this rank), and set ``num_experts``; the module's forward must take its
@@ -134,9 +135,10 @@ def keep_local_experts(model: Any, expert_mesh: Callable[[], Any] | None) -> dic
         where = f"{type(model).__name__}.{name} ({type(module).__name__}, 'local_experts')"
         if plan[path] != _DISPATCH:
             raise ValueError(f"{where}: the model's expert plan runs it as {plan[path]!r}, not {_DISPATCH!r}.")
-        names = [child for child, _ in module.named_children()]
-        if names != [str(number) for number in range(len(names))]:
-            raise ValueError(f"{where}: its children are not the experts 0 to {len(names) - 1}: {names[:8]}")
+        # the experts are the children named by number; others (an activation, a norm) stay on every rank
+        names = [child for child, _ in module.named_children() if child.isdigit()]
+        if not names or names != [str(number) for number in range(len(names))]:
+            raise ValueError(f"{where}: its numbered children are not the experts 0 to {len(names) - 1}: {names[:8]}")
         if len(names) % size:
             raise ValueError(f"{where}: cannot evenly shard {len(names)} experts across {size} expert-parallel ranks.")
         share = len(names) // size

@@ -48,6 +48,9 @@ class ModeReport:
         generation_match: greedy generation equal to the reference on every rank.
         replaced: target -> replacement class name, as the load's plan says.
         detail: the refusal, the reason it is unavailable, or the failure.
+        experts: per rank, the experts each module cut for expert parallelism holds there (module
+            path -> the numbers of its numbered children), as loaded with the pack; empty where no
+            module was cut (the experts are whole, or sharded inside their parameters).
     """
 
     pack: str
@@ -58,6 +61,7 @@ class ModeReport:
     generation_match: bool | None = None
     replaced: dict[str, str] = dataclasses.field(default_factory=dict)
     detail: str = ""
+    experts: tuple[dict[str, list[int]], ...] = ()
 
     @property
     def ok(self) -> bool:
@@ -146,7 +150,10 @@ def _combine(pack: str, name: str, mode: str, ranks: list[dict[str, Any]]) -> Mo
         detail = "the ranks disagree: " + ", ".join(f"rank {i} {found}" for i, found in enumerate(outcomes))
     elif outcome in ("applied", "refused") and ((worst or 0.0) > ATOL or not all(matches)):
         outcome, detail = "failed", f"results differ from one process (max abs diff {worst:.2e})"
-    return ModeReport(pack, name, mode, outcome, worst, all(matches) if matches else None, ranks[0]["replaced"], detail)
+    held = tuple(rank.get("experts", {}) for rank in ranks)
+    return ModeReport(
+        pack, name, mode, outcome, worst, all(matches) if matches else None, ranks[0]["replaced"], detail, held
+    )
 
 
 # --- one rank ------------------------------------------------------------------------------
@@ -179,6 +186,7 @@ def _run_mode(pack: str, checkpoint: str, mode: str, reference: tuple[Any, list[
             return {**result, "detail": f"{type(exc).__name__}: {exc}"[:2000]}
     plan = hfpatch_core.plan_of(model)
     result["replaced"] = {claim.target: claim.patch.replacement.__name__ for claim in plan.entries} if plan else {}
+    result["experts"] = _held_experts(model)
     result["max_abs_diff"] = float((logits - reference[0]).abs().max())
     result["generation_match"] = tokens == reference[1]
     refusals = [str(w.message) for w in caught if issubclass(w.category, PackWarning)]
@@ -186,6 +194,20 @@ def _run_mode(pack: str, checkpoint: str, mode: str, reference: tuple[Any, list[
     result["outcome"] = "refused" if refused else "applied"
     result["detail"] = "\n".join(refused or refusals)
     return result
+
+
+def _held_experts(model: Any) -> dict[str, list[int]]:
+    """Per module cut for expert parallelism (marked ``_is_expert_parallel``, as transformers marks the
+    experts it shards), the numbers of the children it holds on this rank; modules without numbered
+    children (3-D experts, sharded inside their parameters) are not listed."""
+    held = {}
+    for name, module in model.named_modules():
+        if getattr(module, "_is_expert_parallel", False) is not True:
+            continue
+        numbers = [int(child) for child, _ in module.named_children() if child.isdigit()]
+        if numbers:
+            held[name] = numbers
+    return held
 
 
 def _outputs(model: Any) -> tuple[Any, list[list[int]]]:

@@ -18,6 +18,10 @@ checkpoints store the experts 3-D (no stacking converter) get one converter per 
 A class whose eager forward is not the per-expert loop, or whose layout the pack cannot
 convert exactly, is refused: no patch, and a ``Refusal`` with the reason (``hfpatch explain`` / ``check``).
 
+Sharded loads (tensor, expert parallelism, FSDP2): each derived class declares how its
+per-expert linears shard, derived from the model's own plans for the 3-D experts
+(``sharding``), or why it cannot (refused before any weight is read).
+
 Priority: ``PRIORITY`` (-1), below ``qwen-moe`` (0): with both installed, qwen-moe keeps
 qwen2_moe / qwen3_moe's experts and this pack the other families.
 """

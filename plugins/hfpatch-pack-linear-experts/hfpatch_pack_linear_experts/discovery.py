@@ -16,7 +16,9 @@ the decorator's) is an experts module.  For each such class:
 3. a probe runs the class's own eager forward and the per-expert forward on the same
    random experts (the model's sizes, 3 experts) and routing, in float32 and bfloat16: the
    per-expert forward must give the eager result (float32 within 1e-5 relative), summing in
-   the dtype that gives bfloat16's result closest; otherwise the class is refused.
+   the dtype that gives bfloat16's result closest; otherwise the class is refused;
+4. how the per-expert linears shard in transformers' sharded loads is derived from the
+   meta model's own plans for the class's 3-D experts (``sharding.plans_for``).
 
 A refused class is left to transformers, with the reason (``Discovery.refused``), which
 the pack's hooks return as a ``Refusal`` and ``hfpatch explain`` / ``check`` show.
@@ -44,6 +46,7 @@ from .experts import (
     is_declared_experts,
     linear_experts_class,
 )
+from .sharding import model_plans, plans_for
 
 __all__ = ["Candidate", "Discovery", "discover", "per_expert_names"]
 
@@ -149,8 +152,9 @@ def _discover(config: Any, model_type: str, model_class: type[nn.Module]) -> Dis
             instances.setdefault(type(module), []).append((path, module))
     candidates = []
     refused: dict[str, str] = {}
+    plans = model_plans(model)
     for cls, found in instances.items():
-        result = _decide(cls, found, model_type)
+        result = _decide(cls, found, model_type, plans)
         if isinstance(result, str):
             refused[cls.__name__] = result
         else:
@@ -164,7 +168,9 @@ def _attribute_path(path: str) -> str:
     return ".".join(parts[-2:]) if len(parts) >= 2 else path
 
 
-def _decide(cls: type[nn.Module], found: list[tuple[str, nn.Module]], model_type: str) -> Candidate | str:
+def _decide(
+    cls: type[nn.Module], found: list[tuple[str, nn.Module]], model_type: str, plans: dict[str, dict[str, str]]
+) -> Candidate | str:
     meta = decorator_metadata(cls)
     if not meta["has_gate"] and getattr(cls, "_apply_gate", moe_default_gate()) is not moe_default_gate():
         return "it defines its own _apply_gate without a gate, which the eager loop does not call"
@@ -197,7 +203,8 @@ def _decide(cls: type[nn.Module], found: list[tuple[str, nn.Module]], model_type
     probe = _probe(cls, found[0][1], layout)
     if isinstance(probe, str):
         return probe
-    return Candidate(cls, linear_experts_class(cls, probe), paths, stacking, stored_3d)
+    sharding = plans_for(probe, stored_3d, (path for path, _ in found), plans)
+    return Candidate(cls, linear_experts_class(cls, probe, sharding.attributes()), paths, stacking, stored_3d)
 
 
 def moe_default_gate() -> Any:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any, ClassVar
 
 import torch
@@ -105,6 +105,15 @@ class LinearExperts(nn.Module):
     original: ClassVar[type[nn.Module]]
 
     hfpatch_hidden_from_adapters = False
+    #: How the per-expert linears shard in transformers' sharded loads (``sharding.plans_for``, derived
+    #: from the model's own plans when the class is derived); ``None``: refused, for the reason in
+    #: ``hfpatch_unsharded_reasons``.
+    hfpatch_tp_plan: ClassVar[dict[str, str] | None] = None
+    hfpatch_ep_plan: ClassVar[dict[str, str] | None] = None
+    hfpatch_fsdp_plan: ClassVar[dict[str, str] | None] = None
+    hfpatch_unsharded_reasons: ClassVar[dict[str, str]] = {}
+    #: set by transformers' decorator on every instance, and by hfpatch when it cuts the experts to a rank's share
+    _is_expert_parallel = False
     # transformers' hub kernels replace the forward of classes they know by name; this
     # forward must run, whatever kernel the original class's layer name maps to
     kernel_condition = staticmethod(lambda module: False)
@@ -159,6 +168,16 @@ class LinearExperts(nn.Module):
 
     def __iter__(self) -> Iterator[ExpertLinears]:
         return iter(self.experts())
+
+    def _local_experts(self) -> dict[str, nn.Module]:
+        """The experts by local number (``"0"`` the first held), once cut to a rank's share for expert
+        parallelism: they keep their global names (the checkpoint's keys), and transformers' token
+        dispatch calls ``forward`` with local numbers.  Built once per module."""
+        local: dict[str, nn.Module] | None = self.__dict__.get("_local_by_number")
+        if local is None:
+            local = {str(number): expert for number, expert in enumerate(self.experts())}
+            self.__dict__["_local_by_number"] = local
+        return local
 
     # --- the forward ----------------------------------------------------------------------
 
@@ -239,7 +258,7 @@ class LinearExperts(nn.Module):
             return None
         dtype = torch.float32 if self.layout.accumulate_fp32 else hidden_states.dtype
         final = torch.zeros_like(hidden_states, dtype=dtype)
-        modules = self._modules
+        modules = self._local_experts() if self._is_expert_parallel else self._modules
         for expert, position in hits:
             if expert == self.num_experts:
                 continue
@@ -260,7 +279,7 @@ class LinearExperts(nn.Module):
             order = torch.argsort(flat, stable=True)
             token_order = order % tokens
         sorted_weights = weights.t().reshape(-1)[order]
-        modules = self._modules
+        modules = self._local_experts() if self._is_expert_parallel else self._modules
         end = 0
         for expert, count in enumerate(counts[: self.num_experts]):
             if count == 0:
@@ -309,22 +328,28 @@ def _fill(expert: ExpertLinears, layout: Layout, values: dict[str, torch.Tensor]
             down.bias.copy_(values["down_proj_bias"][index])
 
 
-_classes: dict[tuple[type, Layout], type[LinearExperts]] = {}
+_classes: dict[tuple[type, Layout, str], type[LinearExperts]] = {}
 _classes_lock = threading.Lock()
 
 
-def linear_experts_class(original: type[nn.Module], layout: Layout) -> type[LinearExperts]:
-    """The per-expert drop-in for ``original`` with ``layout`` (one class per pair, cached).
+def linear_experts_class(
+    original: type[nn.Module], layout: Layout, plans: Mapping[str, Any] | None = None
+) -> type[LinearExperts]:
+    """The per-expert drop-in for ``original`` with ``layout`` (one class per triple, cached).
 
     Named ``Linear<Original>`` and defined in this module, so that the plan and
-    ``hfpatch explain`` say which class it stands for.
+    ``hfpatch explain`` say which class it stands for.  ``plans``: class attributes
+    declaring how it shards (``sharding.Plans.attributes``); without them, it is refused
+    in every sharded load.
     """
+    attributes = dict(plans or {})
+    key = (original, layout, repr(sorted(attributes.items())))
     with _classes_lock:
-        known = _classes.get((original, layout))
+        known = _classes.get(key)
         if known is None:
-            namespace = {"layout": layout, "original": original, "__module__": __name__}
+            namespace = {"layout": layout, "original": original, "__module__": __name__, **attributes}
             known = type(f"Linear{original.__name__}", (LinearExperts, original), namespace)
-            _classes[(original, layout)] = known
+            _classes[key] = known
         return known
 
 

@@ -24,7 +24,9 @@ The modules, each importing only those before it: ``values`` (the ``Routing`` va
 vLLM's layout, ``RoutingError``), ``scope`` (which replay each router is under),
 ``selection`` (the mode that answers a router's selection ``topk``), ``discovery``
 (which class routes, and what it computes), ``routers`` (the replayable routers),
-``replay`` (``replay_routing``) and ``recording`` (``record_routing``).
+``replay`` (``replay_routing``) and ``recording`` (``record_routing``). ``trl`` (routing
+replay in TRL's ``GRPOTrainer``: ``RoutingReplayMixin``, ``ReplayGRPOTrainer``) uses them and
+is not imported here: it is the one module that knows trl.
 """
 
 from __future__ import annotations

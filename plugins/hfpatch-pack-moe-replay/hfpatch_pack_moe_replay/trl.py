@@ -1,0 +1,291 @@
+"""Routing replay (R3) in TRL's ``GRPOTrainer``, turned on in one line.
+
+::
+
+    from hfpatch_pack_moe_replay.trl import ReplayGRPOTrainer
+
+    trainer = ReplayGRPOTrainer(model=model, args=GRPOConfig(...), reward_funcs=..., train_dataset=...)
+
+or, for a trainer class of your own, ``class MyTrainer(RoutingReplayMixin, GRPOTrainer)``. The model
+(and a separate reference model) must be loaded with the ``moe-replay`` pack.
+
+Per generation batch, the mixin records the experts the rollout's ``generate`` call selected
+(``record_routing``) and stores them as one per-row tensor, ``routed_experts`` of shape
+``(rows, prompt + completion, num_layers, top_k)``, in the batch TRL buffers, so they follow the rows
+through ``shuffle_sequence_dict``, ``split_tensor_dict`` and the reuse of ``steps_per_generation``
+and ``num_iterations``. Every forward pass of the policy over those rows replays them: the old
+log-probability pass and the reference pass (cut to each chunk of ``per_device_train_batch_size``
+rows TRL runs), and the loss forward, whose replay stays open until ``training_step`` returns, so
+that gradient checkpointing's recomputation in ``accelerator.backward`` replays too.
+
+The reference pass replays the rollout's routes as well: the KL penalty then compares the policy
+and the reference through the same experts, so it measures how their weights differ, not where
+a near-tied top-k flipped (with a fresh LoRA adapter or ``beta`` at step 0 it is exactly 0, as it
+is without MoE). A reference model with other routers (another expert count or top-k) is refused
+by the replay (``RoutingError``).
+
+trl is imported only by ``ReplayGRPOTrainer`` (``import hfpatch_pack_moe_replay.trl`` works without
+it); the mixin itself only calls the ``GRPOTrainer`` methods it overrides, as TRL 1.16 defines them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn as nn
+
+from .recording import RoutingRecording, record_routing
+from .replay import replay_routing
+from .routers import ReplayableRouter, routers_of
+from .values import Routing, RoutingError
+
+if TYPE_CHECKING:
+    # the mixin is written against GRPOTrainer's methods; to mypy its base is Any
+    from typing import Any as _TrainerBase
+else:
+    _TrainerBase = object
+
+__all__ = ["ROUTES_KEY", "ReplayGRPOTrainer", "RoutingReplayMixin", "rollout_routing"]
+
+#: TRL's ``GRPOTrainer`` with ``RoutingReplayMixin``: built (and trl imported) on first access
+ReplayGRPOTrainer: type[Any]
+
+#: the key of the per-row routing tensor in TRL's generation batch (and in each micro-batch)
+ROUTES_KEY = "routed_experts"
+
+
+def rollout_routing(recording: RoutingRecording, prompt_length: int) -> Routing:
+    """The routing of a ``generate`` call over a left-padded batch of prompts, one row per sequence.
+
+    Args:
+        recording: what ``record_routing`` collected around the ``generate`` call.
+        prompt_length: the padded prompt length the ``generate`` call was given.
+
+    Returns:
+        the routing of each sequence's ``prompt_length + new_tokens - 1`` tokens (the last generated
+        token is never fed back).
+
+    Raises:
+        RoutingError: nothing was recorded (the model ran on another thread: continuous batching),
+            or the passes are not one prefill of ``prompt_length`` tokens followed by one token per
+            sequence per step (generation without a KV cache re-routes tokens).
+    """
+    calls = recording._calls[0] if recording._calls else []
+    if not calls:
+        raise RoutingError(
+            "moe-replay in TRL: no routing was recorded while the rollout was generated. With "
+            "use_transformers_continuous_batching=True, generate_batch runs the model on a background thread, which "
+            "record_routing does not record; set use_transformers_continuous_batching=False (the default)."
+        )
+    steps = [(call.batch_size, call.seq_len) for call in calls]
+    if steps[0][1] != prompt_length or any(seq_len != 1 for _, seq_len in steps[1:]):
+        raise RoutingError(
+            f"moe-replay in TRL: the rollout's forward passes routed (batch, tokens) {steps[:4]}..., not one prefill "
+            f"of the {prompt_length}-token padded prompts followed by one token per step, so the routes cannot be "
+            "matched to the sequences' positions; generate with a KV cache (use_cache=True, the default) and "
+            "without beam search or assisted decoding."
+        )
+    return recording.routing
+
+
+def _fit(routing: Routing, seq_len: int) -> Routing:
+    """``routing`` cut or padded (with ``LIVE``) on the right to ``seq_len`` positions: TRL cuts the
+    completions after their EOS and re-pads them to the longest one, which keeps every position."""
+    if seq_len < routing.seq_len:
+        return routing.truncated(seq_len)
+    return routing.padded(seq_len)
+
+
+@contextlib.contextmanager
+def _replay_per_forward(model: nn.Module, routing: Routing) -> Iterator[None]:
+    """Replay ``routing``'s rows in ``model``'s forward passes, each over the next rows in order.
+
+    TRL's ``_get_per_token_logps_and_entropies`` runs the batch in chunks of
+    ``per_device_train_batch_size`` rows (the last may be smaller): each forward pass gets the
+    routing of its chunk, cut from the batch's by the rows it is called on.
+    """
+    scored = 0
+    scope = contextlib.ExitStack()
+
+    def before(_module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        nonlocal scored
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if not isinstance(ids, torch.Tensor):
+            raise RoutingError(
+                f"moe-replay in TRL: {type(model).__name__} was called without input_ids, so the rows of the "
+                "rollout's routing it scores are unknown."
+            )
+        rows = int(ids.shape[0])
+        if scored + rows > routing.batch_size:
+            raise RoutingError(
+                f"moe-replay in TRL: {type(model).__name__} scores rows {scored}..{scored + rows - 1} of a batch "
+                f"whose routing has {routing.batch_size} rows; one forward pass per chunk of the batch is expected."
+            )
+        scope.enter_context(replay_routing(model, routing.select(slice(scored, scored + rows))))
+        scored += rows
+
+    def after(_module: nn.Module, _args: Any, _kwargs: Any, _output: Any) -> None:
+        scope.close()
+
+    handles = [
+        model.register_forward_pre_hook(before, with_kwargs=True),
+        model.register_forward_hook(after, with_kwargs=True, always_call=True),
+    ]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+        scope.close()
+    if scored != routing.batch_size:
+        raise RoutingError(
+            f"moe-replay in TRL: {scored} of the batch's {routing.batch_size} rows were scored by "
+            f"{type(model).__name__}; every row of the rollout is expected to be scored once."
+        )
+
+
+def _check_replayable(model: nn.Module, role: str) -> None:
+    routers = routers_of(model)
+    vanilla = [name for name, router in routers if not isinstance(router, ReplayableRouter)]
+    if vanilla:
+        raise RoutingError(
+            f"moe-replay in TRL: the {role} was loaded without the moe-replay pack (router {vanilla[0]} is "
+            f"{type(dict(routers)[vanilla[0]]).__name__}), so its forward passes cannot replay the rollout's routes; "
+            "load it (and build the trainer, which loads the reference model) with hfpatch_core.enable('moe-replay') "
+            "or inside `with hfpatch_core.enabled('moe-replay'):`."
+        )
+
+
+class RoutingReplayMixin(_TrainerBase):
+    """Routing replay for TRL's ``GRPOTrainer``: mix it in before it (``class T(RoutingReplayMixin, GRPOTrainer)``).
+
+    What it does per TRL step:
+
+    * generation (``_generate_single_turn``): ``record_routing`` around ``generate``; the routes of each
+      sequence's prompt and completion tokens;
+    * ``_generate_and_score_completions``: the old log-probability and reference passes replay them
+      (per chunk of rows); the batch it returns holds them per row under ``ROUTES_KEY``;
+    * ``compute_loss``: the micro-batch's routes are replayed in the loss forward, and, inside
+      ``training_step``, until the backward pass has run (gradient checkpointing recomputes the routers
+      there).
+
+    Raises (when the trainer is built):
+        RoutingError: the policy or the reference model was loaded without the pack, or the trainer
+            generates in a way the mixin cannot record per sequence (vLLM, ``rollout_func``, tools).
+    """
+
+    _hfpatch_rollout: Routing | None = None
+    _hfpatch_loss_scope: contextlib.ExitStack | None = None
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        unsupported = [
+            name
+            for name, used in (
+                ("use_vllm=True", self.use_vllm),
+                ("rollout_func", self.rollout_func is not None),
+                ("tools", bool(self.tools)),
+            )
+            if used
+        ]
+        if unsupported:
+            raise RoutingError(
+                f"moe-replay in TRL: {type(self).__name__} records the rollout's routes around transformers' "
+                f"generate; with {', '.join(unsupported)} the completions come from elsewhere (or from several "
+                "generate calls per row) and their routes would not be replayed. Use GRPOTrainer without these "
+                "options, or pass vLLM's routed_experts yourself (Routing.from_vllm)."
+            )
+        _check_replayable(self.accelerator.unwrap_model(self.model), "policy")
+        if self.ref_model is not None:
+            _check_replayable(self.accelerator.unwrap_model(self.ref_model), "reference model")
+
+    def _generate_single_turn(
+        self, prompt_ids: list[list[int]], *args: Any, **kwargs: Any
+    ) -> tuple[list[list[int]], Any]:
+        with record_routing(self.accelerator.unwrap_model(self.model)) as recording:
+            completion_ids, logprobs = super()._generate_single_turn(prompt_ids, *args, **kwargs)
+        # TRL left-pads the prompts for generate as it does for training (same lengths, same multiple)
+        longest = max(len(ids) for ids in prompt_ids)
+        multiple = self.pad_to_multiple_of
+        prompt_length = longest if not multiple else -(-longest // multiple) * multiple
+        self._hfpatch_rollout = rollout_routing(recording, prompt_length)
+        return completion_ids, logprobs
+
+    def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
+        self._hfpatch_rollout = None
+        try:
+            output: dict[str, Any] = super()._generate_and_score_completions(inputs)
+            routing = self._hfpatch_rollout
+        finally:
+            self._hfpatch_rollout = None
+        if routing is None:
+            raise RoutingError(
+                "moe-replay in TRL: the completions were not generated by _generate_single_turn, so no routes were "
+                "recorded for them."
+            )
+        prompt_ids, completion_ids = output["prompt_ids"], output["completion_ids"]
+        length = int(prompt_ids.shape[1] + completion_ids.shape[1])
+        output[ROUTES_KEY] = _fit(routing, length).to_tensor().to(prompt_ids.device)
+        return output
+
+    def _get_per_token_logps_and_entropies(
+        self, model: nn.Module, input_ids: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> Any:
+        rollout = self._hfpatch_rollout
+        if rollout is None:
+            # the loss forward: compute_loss has its micro-batch's replay open
+            return super()._get_per_token_logps_and_entropies(model, input_ids, *args, **kwargs)
+        # the old log-probability or the reference pass over the whole generation batch
+        if int(input_ids.shape[0]) != rollout.batch_size:
+            raise RoutingError(
+                f"moe-replay in TRL: {int(input_ids.shape[0])} rows are scored, the rollout generated "
+                f"{rollout.batch_size}."
+            )
+        with _replay_per_forward(model, _fit(rollout, int(input_ids.shape[1]))):
+            return super()._get_per_token_logps_and_entropies(model, input_ids, *args, **kwargs)
+
+    def compute_loss(self, model: nn.Module, inputs: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
+        routes = inputs.get(ROUTES_KEY)
+        if not isinstance(routes, torch.Tensor):
+            raise RoutingError(
+                f"moe-replay in TRL: the batch has no {ROUTES_KEY!r} tensor, so the loss forward cannot replay the "
+                "rollout's routes; it is added by RoutingReplayMixin._generate_and_score_completions."
+            )
+        routing = Routing.from_tensor(routes)
+        scope = self._hfpatch_loss_scope
+        if scope is not None:
+            # in training_step: the replay stays open until the backward pass has run
+            scope.enter_context(replay_routing(model, routing))
+            return super().compute_loss(model, inputs, *args, **kwargs)
+        with replay_routing(model, routing):
+            return super().compute_loss(model, inputs, *args, **kwargs)
+
+    def training_step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        with contextlib.ExitStack() as scope:
+            self._hfpatch_loss_scope = scope
+            try:
+                loss: torch.Tensor = super().training_step(*args, **kwargs)
+            finally:
+                self._hfpatch_loss_scope = None
+        return loss
+
+
+def __getattr__(name: str) -> Any:
+    # ReplayGRPOTrainer is built on first use, so that this module imports without trl
+    if name == "ReplayGRPOTrainer":
+        from trl import GRPOTrainer
+
+        trainer = type(
+            "ReplayGRPOTrainer",
+            (RoutingReplayMixin, GRPOTrainer),
+            {
+                "__module__": __name__,
+                "__doc__": "TRL's ``GRPOTrainer`` with routing replay (``RoutingReplayMixin``): a drop-in replacement.",
+            },
+        )
+        globals()[name] = trainer
+        return trainer
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -9,7 +9,11 @@ child process) and saved with ``save_pretrained`` to a temporary directory:
   every expert) and the pack loads unchanged into its per-expert linears;
 * **gpt_oss** (same sizes): the checkpoint stores the experts 3-D (transposed, gate/up
   interleaved, with biases), which vanilla keeps as they are and the pack splits into
-  per-expert linears (``conversion.SplitExperts``).
+  per-expert linears (``conversion.SplitExperts``): views of the memory-mapped tensor, except
+  the interleaved gate/up columns, which no GEMM reads in place and are copied (2/3 of the
+  experts' bytes; their checkpoint pages are released as they are copied).  Vanilla reads no
+  expert page during the load, so the copies are the pack's extra peak here; after a
+  forward that reads every expert both hold about the same bytes (not measured here).
 
 Each load runs in a fresh process (``AutoModelForCausalLM.from_pretrained(path,
 dtype=float32)``), vanilla and linear-experts alternating, ``--rounds`` times after one

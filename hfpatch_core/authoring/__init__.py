@@ -19,13 +19,15 @@ within a minor release:
 * ``meta``: ``build_on_meta``, a model built on the meta device from inside a hook, as vanilla
   transformers builds it;
 * ``probes``: questions about the installed transformers (``class_keys_supported``, ...);
-* ``source_patterns_of`` / ``target_patterns_of``: a transform's patterns as written.
+* ``source_patterns_of`` / ``target_patterns_of``: a transform's patterns as written;
+* ``release_pages``: give back the memory-mapped checkpoint pages a conversion has copied.
 """
 
 from __future__ import annotations
 
 from ..conversion import source_patterns_of, target_patterns_of
 from . import calls, fusion, meta, packing, peft, probes, sized, views
+from ._pages import release as release_pages
 from .calls import same_input
 from .fusion import QKV_PROJECTIONS, FusedQKVAttentionBase, forward_for, fuse_projections, linear_like, local_sizes
 from .meta import build_on_meta
@@ -66,6 +68,7 @@ __all__ = [
     "parallel_modes",
     "peft",
     "probes",
+    "release_pages",
     "same_input",
     "sized",
     "source_patterns_of",

@@ -25,6 +25,8 @@ from typing import Any
 import torch
 from transformers.core_model_loading import ConversionOps, WeightConverter
 
+from hfpatch_core.authoring import release_pages
+
 __all__ = ["ExpertsSlicing", "SplitExperts", "SplitExpertsConverter", "StackExperts", "split_converters"]
 
 
@@ -58,6 +60,27 @@ def _single(input_dict: dict[str, Any], what: str) -> torch.Tensor:
     return tensor
 
 
+def _own_storage(view: torch.Tensor) -> torch.Tensor:
+    """``view`` on a storage of its own: the bytes it spans in its storage, no copy.
+
+    The storage slice holds a reference to the whole storage (the 3-D tensor's, often a
+    view of the memory-mapped checkpoint), so the bytes stay valid.  Each expert's tensor
+    then is a tensor of its own to the tools that group tensors by storage: transformers'
+    ``save_pretrained`` takes tensors sharing a storage for tied weights, and fails on a
+    non-contiguous one (``_end_ptr`` flattens it with ``view(-1)``).
+    """
+    if view.numel() == 0 or view.device.type == "meta":
+        return view
+    last = sum((size - 1) * stride for size, stride in zip(view.shape, view.stride(), strict=True))
+    size = view.element_size()
+    start = view.storage_offset() * size
+    storage = view.untyped_storage()
+    if start == 0 and (last + 1) * size == storage.nbytes():
+        return view
+    own = storage[start : start + (last + 1) * size]
+    return view.new_empty(0).set_(own, 0, view.shape, view.stride())
+
+
 class SplitExperts(ConversionOps):
     """A 3-D ``[experts, ...]`` tensor into one tensor per expert and part (the targets, ``*`` the expert).
 
@@ -85,18 +108,41 @@ class SplitExperts(ConversionOps):
             )
         result: dict[str, torch.Tensor] = {}
         for expert in range(tensor.shape[0]):
-            value = tensor[expert]
-            if self.slicing.transposed and value.dim() == 2:
-                value = value.t()
-            if self.slicing.halves == "concatenated":
-                pieces: tuple[torch.Tensor, ...] = tuple(value.chunk(2, dim=0))
-            elif self.slicing.halves == "interleaved":
-                pieces = (value[0::2], value[1::2])
-            else:
-                pieces = (value,)
-            for pattern, piece in zip(target_patterns, pieces, strict=True):
-                result[pattern.replace("*", str(expert), 1)] = piece.contiguous()
+            for pattern, piece in zip(target_patterns, self._pieces(tensor[expert]), strict=True):
+                result[pattern.replace("*", str(expert), 1)] = _own_storage(piece)
+            if self.slicing.halves == "interleaved":
+                # this expert's checkpoint pages, just copied, leave the resident set now rather
+                # than when the loader unmaps the file: the copies then cost their bytes once
+                release_pages([tensor])
         return result
+
+    def _pieces(self, value: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """One expert's parts, as views of ``value`` wherever the layout allows.
+
+        The loader hands over the checkpoint's tensor as a view of the memory-mapped file,
+        as vanilla keeps it: a view costs no copy and reads no page until a forward does.
+        A transposed part is the ``.t()`` view of the stored ``[in, out]`` block, whose
+        ``F.linear`` is a plain GEMM on the stored layout (no copy per call), and every
+        other row of a ``[2 * out, in]`` block is a GEMM operand with a doubled row stride.
+        Interleaved columns (gpt_oss's ``[in, 2 * out]``) are the one layout no GEMM reads
+        in place (``F.linear`` would copy the weight at every call), so they are copied,
+        one expert at a time, in the stored order (a row-wise gather), then viewed
+        transposed like the others; so are interleaved biases (a few bytes).
+        """
+        transposed = self.slicing.transposed and value.dim() == 2
+        halves = self.slicing.halves
+        if halves is None:
+            return (value.t() if transposed else value,)
+        if halves == "concatenated":
+            if transposed:  # [in, 2 * out]: the halves are column blocks, each a transposed view
+                first, second = value.chunk(2, dim=-1)
+                return first.t(), second.t()
+            return tuple(value.chunk(2, dim=0))
+        if transposed:  # [in, 2 * out], gate and up alternating columns: gathered per row
+            return value[:, 0::2].contiguous().t(), value[:, 1::2].contiguous().t()
+        if value.dim() == 2:
+            return value[0::2], value[1::2]
+        return value[0::2].contiguous(), value[1::2].contiguous()
 
     @property
     def reverse_op(self) -> ConversionOps:

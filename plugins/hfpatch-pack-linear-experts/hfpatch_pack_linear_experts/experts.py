@@ -257,13 +257,20 @@ class LinearExperts(nn.Module):
         if len({expert for expert, _ in hits}) < len(hits):
             return None
         dtype = torch.float32 if self.layout.accumulate_fp32 else hidden_states.dtype
-        final = torch.zeros_like(hidden_states, dtype=dtype)
+        # each position's weight as a [1, 1] column, all from one op: ``weights[:, position, None]``
+        # is three view ops per expert
+        columns = weights.unsqueeze(-1).unbind(1)
+        final: torch.Tensor | None = None
         modules = self._local_experts() if self._is_expert_parallel else self._modules
         for expert, position in hits:
             if expert == self.num_experts:
                 continue
-            output = self._expert(modules[str(expert)], hidden_states) * weights[:, position, None]  # type: ignore[arg-type]
-            final += output.to(dtype)
+            output = (self._expert(modules[str(expert)], hidden_states) * columns[position]).to(dtype)  # type: ignore[arg-type]
+            # the reference adds into zeros; adding 0.0 in place gives its bits (-0.0 becomes +0.0)
+            # without a zeros tensor per call (``output`` is new here, and add keeps nothing for backward)
+            final = output.add_(0.0) if final is None else final.add_(output)
+        if final is None:  # every pick was the expert-parallel sentinel
+            return torch.zeros_like(hidden_states)
         return final.to(hidden_states.dtype)
 
     def _tokens(self, hidden_states: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

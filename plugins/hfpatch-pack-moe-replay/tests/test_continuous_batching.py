@@ -125,6 +125,18 @@ def test_each_request_gets_the_routes_of_generate_and_replays_them(checkpoints: 
     assert all(router.weight.grad is not None for router in _router_weights(model))
 
 
+@needs_continuous_batching
+def test_a_model_loaded_without_the_pack_records_each_request_too(checkpoints: dict[str, Path]) -> None:
+    model = load_model(checkpoints["qwen3_moe"]).eval()  # vanilla routers: the hooks enter the selection mode
+    with record_routing(model, threads="any") as recording:
+        outputs = generate_batch(model)
+    routes = recording.requests
+    for request_id, output in outputs.items():
+        with torch.no_grad(), record_routing(model) as alone:
+            model.generate(torch.tensor([list(output.prompt_ids)]), generation_config=generation_config())
+        assert routes[request_id] == alone.routing, request_id
+
+
 def _router_weights(model: Any) -> list[Any]:
     return [router for _, router in routers_of(model)]
 

@@ -176,6 +176,9 @@ def load_group(checkpoints: dict[str, str]) -> dict[str, Result]:
         cases.extend(fsdp_cases(sharded))
     cases.extend(expert_parallel_cases(sharded))
     cases.extend(more_families_cases(sharded))
+    if "ep" in modes():  # a sigmoid + correction-bias, group-limited router beyond qwen2_moe's softmax
+        check = replays_as_one_process
+        cases.append(("deepseek_v3/ep/moe-replay", sharded("deepseek_v3", "ep", "moe-replay", check=check)))
     for name, body in cases:
         results[name] = run_case(body)
         dist.barrier()
@@ -288,6 +291,38 @@ def replays(model: Any, result: Result) -> None:
     result.extra["replay_diff"] = float((replayed - live).abs().max())
     result.extra["routes_agree"] = all(other == gathered[0] for other in gathered)
     result.extra["routed_layers"] = len(routing.layers)
+
+
+def replays_as_one_process(model: Any, result: Result) -> None:
+    """Routes recorded under expert parallelism, replayed after the routers moved: on this rank the
+    replay takes the recorded routes (the live routers no longer would), and its logits are those of
+    one process replaying the same routes on the same moved routers."""
+    from hfpatch_pack_moe_replay import record_routing, replay_routing, routers_of
+
+    with hfpatch_core.enabled(packs="moe-replay"):
+        single = AutoModelForCausalLM.from_pretrained(model.config._name_or_path, dtype=torch.float32)
+    with torch.no_grad(), record_routing(model) as recording:
+        logits(model)
+    routing = recording.routing
+    for each in (model, single):  # the same moved routers on every rank and in the single process
+        generator = torch.Generator().manual_seed(7)
+        with torch.no_grad():
+            for _, router in routers_of(each):
+                router.weight.add_(torch.randn(router.weight.shape, generator=generator) * 0.5)
+    with torch.no_grad(), record_routing(model) as live:
+        logits(model)
+    with torch.no_grad(), replay_routing(model, routing), record_routing(model) as replayed:
+        found = logits(model)
+    with torch.no_grad(), replay_routing(single, routing):
+        expected = logits(single)
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, [layer.tolist() for layer in routing.layers])
+    result.extra["routes_agree"] = all(other == gathered[0] for other in gathered)
+    result.extra["routed_layers"] = len(routing.layers)
+    result.extra["num_experts"] = int(model.model.layers[0].mlp.experts.num_experts)  # this rank's share
+    result.extra["live_differs"] = live.routing != routing
+    result.extra["replayed_as_recorded"] = replayed.routing == routing
+    result.extra["single_replay_diff"] = float((found - expected).abs().max())
 
 
 # --- expert parallelism (qwen-moe's experts cut per rank, fused-dense on a MoE) ------------

@@ -58,6 +58,8 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
         "mistral": str(tiny_checkpoint("mistral", root / "mistral")),
         "qwen2": str(tiny_checkpoint("qwen2", root / "qwen2")),
         "qwen3_moe": str(tiny_checkpoint("qwen3_moe", root / "qwen3_moe")),
+        # two groups of two experts, one group kept: the group limit decides which experts can win
+        "deepseek_v3": str(tiny_checkpoint("deepseek_v3", root / "deepseek_v3", n_group=2, topk_group=1)),
     }
 
 
@@ -160,6 +162,7 @@ def test_every_case_ran_on_both_ranks(loads: list[dict[str, Any]]) -> None:
     expected |= {"mistral/tp/fused-dense", "qwen2/tp/fused-dense"}
     expected |= {"mistral/fsdp/fused-dense", "qwen2/fsdp/fused-dense"} if "fsdp" in modes() else set()
     expected |= {f"qwen3_moe/{mode}/qwen-moe" for mode in modes()}
+    expected |= {"deepseek_v3/ep/moe-replay"} if "ep" in modes() else set()
     for mode in modes():
         expected |= {f"qwen2_moe/{mode}/vanilla", f"qwen2_moe/{mode}/qwen-moe"}
         if mode != "ep":
@@ -198,6 +201,22 @@ def test_moe_replay_applies_under_tp_and_ep_and_replays_per_rank(loads: list[dic
         for result in results:
             assert result["extra"]["routed_layers"] == 2 and result["extra"]["routes_agree"]
             assert result["extra"]["replay_diff"] <= ATOL
+
+
+def test_moe_replay_replays_a_group_limited_router_under_expert_parallelism_as_one_process(
+    loads: list[dict[str, Any]],
+) -> None:
+    results = cases_in(loads, "deepseek_v3/ep/moe-replay", "ep")
+    assert_equal_to_vanilla(results)
+    router = {"DeepseekV3TopkRouter": "ReplayableDeepseekV3TopkRouter"}
+    assert [result["replaced"] for result in results] == [router, router]
+    for result in results:
+        extra = result["extra"]
+        assert extra["routed_layers"] == 2 and extra["routes_agree"]
+        assert extra["num_experts"] == 2, "each rank holds 2 of the 4 experts"
+        assert extra["live_differs"], "the moved routers still route as recorded: the replay proves nothing"
+        assert extra["replayed_as_recorded"]
+        assert extra["single_replay_diff"] <= ATOL
 
 
 @pytest.mark.parametrize(

@@ -23,7 +23,7 @@ import torch.nn as nn
 
 from .discovery import Discovery, discover
 from .scope import _replay_of
-from .selection import _RECORDINGS, Selection, SelectionMode
+from .selection import Selection, SelectionMode, _recordings
 from .values import RoutingError
 
 __all__ = ["ReplayableRouter", "discovery_of", "replayable_class", "routers_of"]
@@ -33,7 +33,7 @@ _SELECTIONS: weakref.WeakKeyDictionary[nn.Module, Selection] = weakref.WeakKeyDi
 
 
 def _listening(router: nn.Module) -> bool:
-    return any(router in recording._layers for recording in _RECORDINGS.get())
+    return any(router in recording._layers for recording in _recordings())
 
 
 class ReplayableRouter(nn.Module):

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextvars
 import dataclasses
+import threading
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -86,6 +87,28 @@ class _Listener(Protocol):
 _RECORDINGS: contextvars.ContextVar[tuple[_Listener, ...]] = contextvars.ContextVar(
     "hfpatch_moe_recordings", default=()
 )
+# The open recordings that listen in every thread (``record_routing(..., threads="any")``):
+# continuous batching runs the model on a background thread that the block's context never
+# reaches. Replaced as a whole under the lock, so a reader sees one consistent tuple.
+_ANY_THREAD: tuple[_Listener, ...] = ()
+_ANY_THREAD_LOCK = threading.Lock()
+
+
+def _recordings() -> tuple[_Listener, ...]:
+    """The recordings that listen to router calls made here: this context's, then those of every thread."""
+    local = _RECORDINGS.get()
+    anywhere = _ANY_THREAD
+    if not anywhere:
+        return local
+    return local + tuple(recording for recording in anywhere if recording not in local)
+
+
+def _listen_in_every_thread(recording: _Listener, listen: bool) -> None:
+    """Add ``recording`` to (``listen``) or remove it from the recordings of every thread."""
+    global _ANY_THREAD
+    with _ANY_THREAD_LOCK:
+        others = tuple(open_recording for open_recording in _ANY_THREAD if open_recording is not recording)
+        _ANY_THREAD = (*others, recording) if listen else others
 
 
 class SelectionMode(TorchFunctionMode):
@@ -142,6 +165,6 @@ class SelectionMode(TorchFunctionMode):
                 indices = torch.where(live[:, None], live_indices, indices)
             result = torch.return_types.topk((source.gather(1, indices), indices))
         if self.record:
-            for recording in _RECORDINGS.get():
+            for recording in _recordings():
                 recording._selected(self.router, indices)
         return result

@@ -10,8 +10,11 @@ or, for a trainer class of your own, ``class MyTrainer(RoutingReplayMixin, GRPOT
 (and a separate reference model) must be loaded with the ``moe-replay`` pack.
 
 Per generation batch, the mixin records the experts the rollout's ``generate`` call selected
-(``record_routing``) and stores them as one per-row tensor, ``routed_experts`` of shape
-``(rows, prompt + completion, num_layers, top_k)``, in the batch TRL buffers, so they follow the rows
+(``record_routing``), or, with ``use_transformers_continuous_batching=True``, each request of its
+``generate_batch`` call (``record_routing(..., threads="any")``: the batch runs on a background
+thread; ``continuous_rollout_routing`` lays them out as the rows of ``generate``), and stores them
+as one per-row tensor, ``routed_experts`` of shape ``(rows, prompt + completion, num_layers, top_k)``,
+in the batch TRL buffers, so they follow the rows
 through ``shuffle_sequence_dict``, ``split_tensor_dict`` and the reuse of ``steps_per_generation``
 and ``num_iterations``. Every forward pass of the policy over those rows replays them: the old
 log-probability pass and the reference pass (cut to each chunk of ``per_device_train_batch_size``
@@ -31,7 +34,7 @@ it); the mixin itself only calls the ``GRPOTrainer`` methods it overrides, as TR
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -48,7 +51,7 @@ if TYPE_CHECKING:
 else:
     _TrainerBase = object
 
-__all__ = ["ROUTES_KEY", "ReplayGRPOTrainer", "RoutingReplayMixin", "rollout_routing"]
+__all__ = ["ROUTES_KEY", "ReplayGRPOTrainer", "RoutingReplayMixin", "continuous_rollout_routing", "rollout_routing"]
 
 #: TRL's ``GRPOTrainer`` with ``RoutingReplayMixin``: built (and trl imported) on first access
 ReplayGRPOTrainer: type[Any]
@@ -69,16 +72,18 @@ def rollout_routing(recording: RoutingRecording, prompt_length: int) -> Routing:
         token is never fed back).
 
     Raises:
-        RoutingError: nothing was recorded (the model ran on another thread: continuous batching),
-            or the passes are not one prefill of ``prompt_length`` tokens followed by one token per
-            sequence per step (generation without a KV cache re-routes tokens).
+        RoutingError: nothing was recorded (the model ran on another thread, as continuous batching
+            does: record it with ``threads="any"`` and use ``continuous_rollout_routing``), or the
+            passes are not one prefill of ``prompt_length`` tokens followed by one token per sequence
+            per step (generation without a KV cache re-routes tokens).
     """
     calls = recording._calls[0] if recording._calls else []
     if not calls:
         raise RoutingError(
-            "moe-replay in TRL: no routing was recorded while the rollout was generated. With "
-            "use_transformers_continuous_batching=True, generate_batch runs the model on a background thread, which "
-            "record_routing does not record; set use_transformers_continuous_batching=False (the default)."
+            "moe-replay in TRL: no routing was recorded while the rollout was generated in this thread. With "
+            "use_transformers_continuous_batching=True, generate_batch runs the model on a background thread: "
+            'record it with record_routing(model, threads="any") and read it with continuous_rollout_routing '
+            "(RoutingReplayMixin does both)."
         )
     steps = [(call.batch_size, call.seq_len) for call in calls]
     if steps[0][1] != prompt_length or any(seq_len != 1 for _, seq_len in steps[1:]):
@@ -89,6 +94,107 @@ def rollout_routing(recording: RoutingRecording, prompt_length: int) -> Routing:
             "without beam search or assisted decoding."
         )
     return recording.routing
+
+
+def continuous_rollout_routing(
+    recording: RoutingRecording,
+    request_ids: Sequence[str],
+    prompt_ids: Sequence[Sequence[int]],
+    completion_ids: Sequence[Sequence[int]],
+    prompt_length: int,
+) -> Routing:
+    """The routing of a ``generate_batch`` call, laid out as ``rollout_routing`` lays out ``generate``'s.
+
+    Row ``i`` is request ``request_ids[i]`` (the keys of ``generate_batch``'s output, in its order,
+    which TRL's rows follow): its prompt left-padded (with ``LIVE``) to ``prompt_length`` positions,
+    then its completion; the last completion token, never fed back, and the rows shorter than the
+    longest are padded with ``LIVE`` on the right.
+
+    Args:
+        recording: what ``record_routing(model, threads="any")`` collected around ``generate_batch``.
+        request_ids: the request id of each row.
+        prompt_ids: each row's prompt.
+        completion_ids: each row's generated tokens.
+        prompt_length: the padded prompt length of the training batch (at least the longest prompt).
+
+    Returns:
+        a ``Routing`` of ``len(request_ids)`` rows of ``prompt_length + longest completion - 1``
+        positions or more.
+
+    Raises:
+        RoutingError: the requests' routes cannot be read (no continuous batch recorded, a forward
+            the hooks did not see, such as a CUDA graph replay), a row's request was not recorded,
+            or its routes do not cover its prompt and completion.
+    """
+    if not len(request_ids) == len(prompt_ids) == len(completion_ids):
+        raise RoutingError(
+            f"moe-replay in TRL: generate_batch returned {len(request_ids)} requests for {len(prompt_ids)} prompts "
+            f"and {len(completion_ids)} completions (a request failed or was lost; see transformers' log), so the "
+            "routes cannot be matched to TRL's rows."
+        )
+    try:
+        routes = recording.requests
+    except RoutingError as error:
+        raise RoutingError(
+            f"moe-replay in TRL with use_transformers_continuous_batching=True: {error} The routes are recorded by "
+            "hooks that run in the model's forward pass: generate without CUDA graphs or torch.compile "
+            "(transformers_continuous_batching_config={'use_cuda_graph': False}; the default on CPU)."
+        ) from error
+    rows = []
+    for row, (request_id, prompt, completion) in enumerate(zip(request_ids, prompt_ids, completion_ids, strict=True)):
+        routing = routes.get(request_id)
+        expected = len(prompt) + len(completion) - 1
+        if routing is None or routing.seq_len != expected:
+            got = "no routes" if routing is None else f"routes of {routing.seq_len} tokens"
+            raise RoutingError(
+                f"moe-replay in TRL: row {row} (request {request_id!r}, a {len(prompt)}-token prompt and a "
+                f"{len(completion)}-token completion) has {got} in the continuous batching recording, expected "
+                f"{expected}; the recording does not match the rollout (was generate_batch called with "
+                "num_return_sequences > 1, or another generate_batch run inside the recording?)."
+            )
+        if len(prompt) > prompt_length:
+            raise RoutingError(
+                f"moe-replay in TRL: row {row}'s prompt has {len(prompt)} tokens, more than the padded prompt "
+                f"length {prompt_length}."
+            )
+        rows.append(routing.padded(prompt_length - len(prompt) + routing.seq_len, side="left"))
+    return Routing.stack(rows)
+
+
+@contextlib.contextmanager
+def _request_ids_of_generate_batch(model: nn.Module) -> Iterator[list[str]]:
+    """The request ids of ``model.generate_batch``'s output inside the block, in its order.
+
+    TRL maps the output's values to its rows in order (``all_outputs.values()``) and keeps no
+    request id; the call is wrapped for the block (an instance attribute, removed after) to read
+    the keys in that same order.
+    """
+    request_ids: list[str] = []
+    original = getattr(model, "generate_batch")  # noqa: B009 - not every nn.Module has it
+    shadowed = "generate_batch" in vars(model)
+    shadowing = vars(model).get("generate_batch")
+
+    def generate_batch(*args: Any, **kwargs: Any) -> Any:
+        outputs = original(*args, **kwargs)
+        request_ids.extend(outputs)
+        return outputs
+
+    setattr(model, "generate_batch", generate_batch)  # noqa: B010
+    try:
+        yield request_ids
+    finally:
+        if shadowed:
+            setattr(model, "generate_batch", shadowing)  # noqa: B010
+        else:
+            delattr(model, "generate_batch")
+
+
+def _generating_model(model: nn.Module) -> nn.Module:
+    """The transformers model whose forward ``generate_batch`` runs: a PEFT model's base model
+    (its ``generate_batch`` is the base model's, which calls the base model's forward)."""
+    get_base_model = getattr(model, "get_base_model", None)
+    base = get_base_model() if callable(get_base_model) else model
+    return base if isinstance(base, nn.Module) else model
 
 
 def _fit(routing: Routing, seq_len: int) -> Routing:
@@ -164,8 +270,9 @@ class RoutingReplayMixin(_TrainerBase):
 
     What it does per TRL step:
 
-    * generation (``_generate_single_turn``): ``record_routing`` around ``generate``; the routes of each
-      sequence's prompt and completion tokens;
+    * generation (``_generate_single_turn``): ``record_routing`` around ``generate`` (or, with continuous
+      batching, around ``generate_batch``, every thread, per request); the routes of each sequence's
+      prompt and completion tokens;
     * ``_generate_and_score_completions``: the old log-probability and reference passes replay them
       (per chunk of rows); the batch it returns holds them per row under ``ROUTES_KEY``;
     * ``compute_loss``: the micro-batch's routes are replayed in the loss forward, and, inside
@@ -205,13 +312,25 @@ class RoutingReplayMixin(_TrainerBase):
     def _generate_single_turn(
         self, prompt_ids: list[list[int]], *args: Any, **kwargs: Any
     ) -> tuple[list[list[int]], Any]:
-        with record_routing(self.accelerator.unwrap_model(self.model)) as recording:
-            completion_ids, logprobs = super()._generate_single_turn(prompt_ids, *args, **kwargs)
         # TRL left-pads the prompts for generate as it does for training (same lengths, same multiple)
         longest = max(len(ids) for ids in prompt_ids)
         multiple = self.pad_to_multiple_of
         prompt_length = longest if not multiple else -(-longest // multiple) * multiple
-        self._hfpatch_rollout = rollout_routing(recording, prompt_length)
+        unwrapped = self.accelerator.unwrap_model(self.model)
+        if not self.use_transformers_continuous_batching:
+            with record_routing(unwrapped) as recording:
+                completion_ids, logprobs = super()._generate_single_turn(prompt_ids, *args, **kwargs)
+            self._hfpatch_rollout = rollout_routing(recording, prompt_length)
+            return completion_ids, logprobs
+        # generate_batch runs the model on its background thread, one request per prompt, unpadded
+        with (
+            record_routing(_generating_model(unwrapped), threads="any") as recording,
+            _request_ids_of_generate_batch(unwrapped) as request_ids,
+        ):
+            completion_ids, logprobs = super()._generate_single_turn(prompt_ids, *args, **kwargs)
+        self._hfpatch_rollout = continuous_rollout_routing(
+            recording, request_ids, prompt_ids, completion_ids, prompt_length
+        )
         return completion_ids, logprobs
 
     def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:

@@ -24,9 +24,11 @@ from typing import Any
 import pytest
 import torch
 import torch.nn as nn
+import transformers
 from datasets import Dataset
 from hfpatch_pack_moe_replay import Routing, RoutingError, discover, record_routing, routers_of, scope
-from hfpatch_pack_moe_replay.trl import ROUTES_KEY, ReplayGRPOTrainer, rollout_routing
+from hfpatch_pack_moe_replay.trl import ROUTES_KEY, ReplayGRPOTrainer, continuous_rollout_routing, rollout_routing
+from packaging.version import Version
 from peft import LoraConfig
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, DeepseekV3Config, PreTrainedTokenizerFast
@@ -112,6 +114,8 @@ class Probe:
     scoring: list[str] = field(default_factory=list)
     #: (pass, router calls under a replay, router calls) per scoring call
     replayed: list[tuple[str, int, int]] = field(default_factory=list)
+    #: the lengths of the prompts each continuous batch generated from
+    prompt_lengths: list[set[int]] = field(default_factory=list)
 
     def key(self, ids: torch.Tensor, mask: torch.Tensor) -> tuple[int, ...]:
         return tuple(int(token) for token in ids[mask.bool()])
@@ -143,12 +147,42 @@ def _probe_trainer(base: type[GRPOTrainer], probe: Probe) -> type[GRPOTrainer]:
 
     class Probed(base):  # type: ignore[misc,valid-type]
         def _generate_single_turn(self, prompt_ids: list[list[int]], *args: Any, **kwargs: Any) -> Any:
+            if self.use_transformers_continuous_batching:
+                return self._generate_continuously(prompt_ids, *args, **kwargs)
             with record_routing(self.accelerator.unwrap_model(self.model)) as recording:
                 completion_ids, logprobs = super()._generate_single_turn(prompt_ids, *args, **kwargs)
             routing = recording.routing
             for row, (prompt, completion) in enumerate(zip(prompt_ids, completion_ids, strict=True)):
                 # the rollout's positions, left padding included, as the training row lays them out
                 probe.rollouts.setdefault((*prompt, *completion), []).append(routing.select(row).to_tensor()[0])
+            return completion_ids, logprobs
+
+        def _generate_continuously(self, prompt_ids: list[list[int]], *args: Any, **kwargs: Any) -> Any:
+            # each request's routes (every thread), keyed by its own prompt and generated tokens, so that
+            # a routing given to the wrong row of TRL's batch shows as a difference
+            model = self.accelerator.unwrap_model(self.model)
+            generate_batch = model.generate_batch
+            outputs: dict[str, Any] = {}
+
+            def capture(*args: Any, **kwargs: Any) -> Any:
+                outputs.update(generate_batch(*args, **kwargs))
+                return outputs
+
+            model.generate_batch = capture
+            try:
+                with record_routing(model, threads="any") as recording:
+                    completion_ids, logprobs = super()._generate_single_turn(prompt_ids, *args, **kwargs)
+            finally:
+                del model.generate_batch
+            routes = recording.requests
+            assert len(outputs) == len(prompt_ids) == len(completion_ids)
+            probe.prompt_lengths.append({len(prompt) for prompt in prompt_ids})
+            longest = max(len(prompt) for prompt in prompt_ids)
+            for request_id, output in outputs.items():
+                prompt, completion = list(output.prompt_ids), list(output.generated_tokens)
+                # left-padded as the training row: the padding positions are masked in the comparison
+                routing = routes[request_id].padded(longest - len(prompt) + routes[request_id].seq_len, side="left")
+                probe.rollouts.setdefault((*prompt, *completion), []).append(routing.to_tensor()[0])
             return completion_ids, logprobs
 
         def _generate_and_score_completions(self, inputs: Any) -> Any:
@@ -224,6 +258,8 @@ def grpo(
     lora: bool = False,
     beta: float = 0.0,
     learning_rate: float = 0.05,
+    continuous_batching: bool = False,
+    dataset: dict[str, list[str]] = PROMPTS,
 ) -> Run:
     """Two optimizer steps of GRPO on one generation batch of 4 rollouts (2 prompts × 2), reused over
     ``steps_per_generation=2`` micro-batches of 2 rows; the old log-probabilities (and the reference's)
@@ -232,8 +268,20 @@ def grpo(
     base: type[GRPOTrainer] = GRPOTrainer
     if replay:
         base = ReplayGRPOTrainer
-    config = grpo_config(out, learning_rate=learning_rate, beta=beta, gradient_checkpointing=gradient_checkpointing)
-    prompts = Dataset.from_dict(PROMPTS)
+    batching: dict[str, Any] = {}
+    if continuous_batching:
+        # a small cache (on CPU the default sizes it from the free memory), pages of 4 (the duplicated
+        # prompts share theirs), 8 tokens a batch: prompts are prefilled in chunks, requests join mid-way
+        batching = dict(
+            use_transformers_continuous_batching=True,
+            transformers_continuous_batching_config=dict(
+                num_blocks=32, max_batch_tokens=8, page_size=4, max_memory_percent=0.01
+            ),
+        )
+    config = grpo_config(
+        out, learning_rate=learning_rate, beta=beta, gradient_checkpointing=gradient_checkpointing, **batching
+    )
+    prompts = Dataset.from_dict(dataset)
     with hfpatch_core.enabled(packs=PACK):  # the policy and the reference TRL loads from its path
         model = AutoModelForCausalLM.from_pretrained(checkpoint)
         torch.manual_seed(1234)
@@ -277,6 +325,37 @@ def test_every_forward_replays_the_rollouts_routes(
     # 2 MoE layers per forward pass)
     expected = [("old", 4, 4), ("reference", 4, 4), ("loss", 2, 2), ("loss", 2, 2)]
     assert run.probe.replayed == expected, run.probe.replayed
+    differ, compared = run.probe.differing()
+    assert compared > 0
+    assert differ == 0, f"{differ} of {compared} tokens routed otherwise than in their rollout"
+    assert len(run.losses) == 2 and all(loss == loss for loss in run.losses)
+
+
+# TRL's continuous batching needs transformers >= 5.8 (and 5.3's pins host memory, which needs an accelerator)
+needs_continuous_batching = pytest.mark.skipif(
+    Version(transformers.__version__) < Version("5.8.0"),
+    reason="TRL's use_transformers_continuous_batching needs transformers >= 5.8 (5.3's continuous batching also "
+    "pins host memory, which needs an accelerator)",
+)
+
+
+@needs_continuous_batching
+@pytest.mark.parametrize("name", ["qwen2_moe", "mixtral"])
+def test_continuous_batching_rollouts_are_replayed_per_request(
+    name: str, grpo_checkpoints: dict[str, Path], tmp_path: Path
+) -> None:
+    """``use_transformers_continuous_batching=True``: generate_batch runs on a background thread, each
+    request's routes are recorded and laid out as TRL's row of that request (left-padded prompt, then its
+    completion); every later forward replays them, with gradient checkpointing on."""
+    # two prompts of different lengths, both in the generation batch: the shorter is left-padded in training
+    two = {"prompt": PROMPTS["prompt"][:2]}
+    run = grpo(
+        grpo_checkpoints[name], tmp_path, gradient_checkpointing=True, beta=0.1, continuous_batching=True, dataset=two
+    )
+    assert [len(lengths) for lengths in run.probe.prompt_lengths] == [2], run.probe.prompt_lengths
+    kinds = [kind for kind, *_ in run.probe.forwards]
+    assert kinds == ["old", "reference", "loss", "loss"], kinds
+    assert run.probe.replayed == [("old", 4, 4), ("reference", 4, 4), ("loss", 2, 2), ("loss", 2, 2)]
     differ, compared = run.probe.differing()
     assert compared > 0
     assert differ == 0, f"{differ} of {compared} tokens routed otherwise than in their rollout"
@@ -353,3 +432,16 @@ def test_a_rollout_that_cannot_be_matched_to_positions_is_refused(grpo_checkpoin
     assert (routing.batch_size, routing.seq_len) == (2, 4)
     with pytest.raises(RoutingError, match=r"prefill of the 4-token"):
         rollout_routing(recording, prompt_length=4)
+
+
+def test_a_continuous_batch_that_cannot_be_matched_to_rows_is_refused(grpo_checkpoints: dict[str, Path]) -> None:
+    with hfpatch_core.enabled(packs=PACK):
+        model = AutoModelForCausalLM.from_pretrained(grpo_checkpoints["qwen2_moe"])
+    prompts, completions = [[5, 9], [7, 30, 31]], [[3, 4], [6]]
+    with record_routing(model, threads="any") as recording:
+        pass
+    with pytest.raises(RoutingError, match=r"returned 1 requests for 2 prompts"):
+        continuous_rollout_routing(recording, ["req_0"], prompts, completions, prompt_length=3)
+    # a forward the hooks did not see (a CUDA graph replay) records no continuous batch
+    with pytest.raises(RoutingError, match=r"no forward pass of continuous batching.*use_cuda_graph"):
+        continuous_rollout_routing(recording, ["req_0", "req_1"], prompts, completions, prompt_length=3)

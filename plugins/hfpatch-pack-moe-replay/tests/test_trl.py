@@ -170,7 +170,9 @@ def _probe_trainer(base: type[GRPOTrainer], probe: Probe) -> type[GRPOTrainer]:
 
             model.generate_batch = capture
             try:
-                with record_routing(model, threads="any") as recording:
+                # generate_batch runs the base model's forward (a PEFT model's too)
+                generating = model.get_base_model() if hasattr(model, "get_base_model") else model
+                with record_routing(generating, threads="any") as recording:
                     completion_ids, logprobs = super()._generate_single_turn(prompt_ids, *args, **kwargs)
             finally:
                 del model.generate_batch
@@ -340,18 +342,20 @@ needs_continuous_batching = pytest.mark.skipif(
 
 
 @needs_continuous_batching
-@pytest.mark.parametrize("name", ["qwen2_moe", "mixtral"])
+@pytest.mark.parametrize(
+    ("name", "setting"),
+    [("qwen2_moe", "checkpointing+reference"), ("mixtral", "checkpointing+reference"), ("qwen2_moe", "lora+reference")],
+)
 def test_continuous_batching_rollouts_are_replayed_per_request(
-    name: str, grpo_checkpoints: dict[str, Path], tmp_path: Path
+    name: str, setting: str, grpo_checkpoints: dict[str, Path], tmp_path: Path
 ) -> None:
     """``use_transformers_continuous_batching=True``: generate_batch runs on a background thread, each
     request's routes are recorded and laid out as TRL's row of that request (left-padded prompt, then its
-    completion); every later forward replays them, with gradient checkpointing on."""
+    completion); every later forward replays them, with gradient checkpointing on, and with LoRA (whose
+    generate_batch runs the base model)."""
     # two prompts of different lengths, both in the generation batch: the shorter is left-padded in training
     two = {"prompt": PROMPTS["prompt"][:2]}
-    run = grpo(
-        grpo_checkpoints[name], tmp_path, gradient_checkpointing=True, beta=0.1, continuous_batching=True, dataset=two
-    )
+    run = grpo(grpo_checkpoints[name], tmp_path, continuous_batching=True, dataset=two, **SETTINGS[setting])  # type: ignore[arg-type]
     assert [len(lengths) for lengths in run.probe.prompt_lengths] == [2], run.probe.prompt_lengths
     kinds = [kind for kind, *_ in run.probe.forwards]
     assert kinds == ["old", "reference", "loss", "loss"], kinds

@@ -7,8 +7,13 @@ and leave the experts, most of the weights, in fp32.  The linear-experts pack lo
 expert as ``nn.Linear`` modules, so the same call quantizes them.
 
 Three family shapes, each a random checkpoint built from a config and saved with
-``save_pretrained`` to a temporary directory (defaults: hidden 768, 4 layers, 8 experts of
-intermediate 768, top-2, vocab 8000; about 60-80M parameters, 0.25-0.3 GiB fp32):
+``save_pretrained`` to a temporary directory (defaults: hidden 1024, 4 layers, 8 experts of
+intermediate 2048, top-2, vocab 8000; about 205-235M parameters, 0.77-0.87 GiB fp32; the run
+peaks near 7 GB resident, the four variants of one family at a time).  At batch 1 a decode step
+reads every weight it uses once, so its time is bytes plus a fixed cost per op (Python, dispatch,
+the dynamic quantization of each activation); at hidden 768 and intermediate 768 the fixed cost
+was most of an int8 step and the ratios read 1.9-2.7x.  The defaults keep the weights the
+larger part, as in the real models (hidden 2880-7168), where that cost is smaller still:
 
 * **mixtral**: gated experts (per-expert checkpoint tensors ``w1``/``w3``/``w2``), softmax top-k;
 * **deepseek_v3**: a shared expert beside the routed ones, sigmoid routing with groups and a
@@ -261,11 +266,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add = parser.add_argument
     add("--families", default=",".join(FAMILIES), help=f"comma-separated, from {FAMILIES}")
-    add("--hidden", type=int, default=768)
+    add("--hidden", type=int, default=1024)
     add("--layers", type=int, default=4)
     add("--experts", type=int, default=8)
     add("--top-k", type=int, default=2)
-    add("--intermediate", type=int, default=768, help="each routed expert's intermediate size (default 768)")
+    add("--intermediate", type=int, default=2048, help="each routed expert's intermediate size (default 2048)")
     add("--vocab", type=int, default=8000)
     add("--prompt", type=int, default=8, help="prompt tokens (default 8)")
     add("--tokens", type=int, default=16, help="generated tokens per round (default 16: 15 timed steps)")

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 
 import torch.nn as nn
 
-from .routers import _SELECTIONS, ReplayableRouter, routers_of
+from .routers import _SELECTIONS, routers_of, unpatched_router
 from .scope import _OPEN, _OPEN_LOCK, _REPLAY, _LayerReplay
 from .values import LIVE, Routing, RoutingError, _shape
 
@@ -51,14 +51,13 @@ def replay_routing(model: nn.Module, routing: Routing) -> Iterator[None]:
             f"replay_routing(model, routing): routing must be a Routing, got {type(routing).__name__}; build one "
             "with record_routing(model), Routing.from_vllm(routed_experts) or Routing(layers=...)."
         )
-    routers = routers_of(model)
-    vanilla = [name for name, router in routers if not isinstance(router, ReplayableRouter)]
-    if vanilla:
+    unpatched = unpatched_router(model)
+    if unpatched is not None:
         raise RoutingError(
-            f"replay_routing: {type(model).__name__} was loaded without the {_PACK} pack (router {vanilla[0]} is "
-            f"{type(dict(routers)[vanilla[0]]).__name__}); load it with hfpatch_core.enable({_PACK!r}) (or "
+            f"replay_routing: {unpatched}; load it with hfpatch_core.enable({_PACK!r}) (or "
             f"HF_PATCH_PACKS={_PACK}) before from_pretrained."
         )
+    routers = routers_of(model)
     names = [name for name, _ in routers]
     if routing.num_layers != len(routers):
         raise RoutingError(

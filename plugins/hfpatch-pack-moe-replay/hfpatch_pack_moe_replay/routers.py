@@ -146,3 +146,17 @@ def routers_of(model: nn.Module) -> list[tuple[str, nn.Module]]:
             "configuration (no sparse layer?); pass an MoE model."
         )
     return found
+
+
+def unpatched_router(model: nn.Module) -> str | None:
+    """Why ``model``'s routers cannot replay because it was loaded without the pack (naming its first
+    vanilla router and that router's class), or ``None`` when every router is the pack's.
+
+    Raises:
+        RoutingError: as ``routers_of``.
+    """
+    for name, router in routers_of(model):
+        if not isinstance(router, ReplayableRouter):
+            kind = type(router).__name__
+            return f"{type(model).__name__} was loaded without the moe-replay pack (router {name} is {kind})"
+    return None

@@ -42,7 +42,7 @@ import torch.nn as nn
 
 from .recording import RoutingRecording, record_routing
 from .replay import replay_routing
-from .routers import ReplayableRouter, routers_of
+from .routers import unpatched_router
 from .values import Routing, RoutingError
 
 if TYPE_CHECKING:
@@ -254,12 +254,10 @@ def _replay_per_forward(model: nn.Module, routing: Routing) -> Iterator[None]:
 
 
 def _check_replayable(model: nn.Module, role: str) -> None:
-    routers = routers_of(model)
-    vanilla = [name for name, router in routers if not isinstance(router, ReplayableRouter)]
-    if vanilla:
+    unpatched = unpatched_router(model)
+    if unpatched is not None:
         raise RoutingError(
-            f"moe-replay in TRL: the {role} was loaded without the moe-replay pack (router {vanilla[0]} is "
-            f"{type(dict(routers)[vanilla[0]]).__name__}), so its forward passes cannot replay the rollout's routes; "
+            f"moe-replay in TRL: the {role} cannot replay the rollout's routes in its forward passes: {unpatched}; "
             "load it (and build the trainer, which loads the reference model) with hfpatch_core.enable('moe-replay') "
             "or inside `with hfpatch_core.enabled('moe-replay'):`."
         )

@@ -51,6 +51,31 @@ COMMON: dict[str, Any] = dict(
     eos_token_id=2,
     tie_word_embeddings=False,
 )
+
+
+def deepseek_v3_config() -> Any:
+    """A tiny deepseek_v3: sigmoid top-k renormalised and scaled by 2.5, a correction bias used only to
+    select, group-limited (4 groups, 2 kept), MLA attention, a shared expert, every layer MoE."""
+    from transformers import DeepseekV3Config
+
+    return DeepseekV3Config(
+        **{**COMMON, "num_key_value_heads": 4},
+        moe_intermediate_size=16,
+        n_routed_experts=8,
+        n_shared_experts=1,
+        n_group=4,
+        topk_group=2,
+        first_k_dense_replace=0,
+        kv_lora_rank=16,
+        q_lora_rank=16,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=8,
+        v_head_dim=8,
+        routed_scaling_factor=2.5,
+        norm_topk_prob=True,
+    )
+
+
 # qwen3_next and minimax are hybrids: one linear-attention layer, one full-attention layer.
 _HYBRID = ["linear_attention", "full_attention"]
 

@@ -28,31 +28,16 @@ from hfpatch_pack_moe_replay import (
     replay_routing,
     routers_of,
 )
-from transformers import AutoModelForCausalLM, DeepseekV3Config, GptOssConfig, Llama4TextConfig, PhimoeConfig
+from transformers import AutoModelForCausalLM, GptOssConfig, Llama4TextConfig, PhimoeConfig
 
 import hfpatch_core
-from conftest import COMMON, PACK, PAD, VOCAB
+from conftest import COMMON, PACK, PAD, VOCAB, deepseek_v3_config
 from hfpatch_core import LoadContext, Refusal
 from hfpatch_core.testing import load_model, padded_batch
 
 FAMILIES: dict[str, tuple[Callable[[], Any], str]] = {
     "deepseek_v3": (
-        lambda: DeepseekV3Config(
-            **{**COMMON, "num_key_value_heads": 4},
-            moe_intermediate_size=16,
-            n_routed_experts=8,
-            n_shared_experts=1,
-            n_group=4,
-            topk_group=2,
-            first_k_dense_replace=0,
-            kv_lora_rank=16,
-            q_lora_rank=16,
-            qk_rope_head_dim=8,
-            qk_nope_head_dim=8,
-            v_head_dim=8,
-            routed_scaling_factor=2.5,
-            norm_topk_prob=True,
-        ),
+        deepseek_v3_config,
         "sigmoid top-k, renormalised, scaled by 2.5; a correction bias used only to select; group-limited",
     ),
     "gpt_oss": (

@@ -58,6 +58,7 @@ from quantization import (
     accuracy,
     dynamic_int8,
     load,
+    profile_step,
     quantized_linears,
     speedup,
     tensor_bytes,
@@ -129,54 +130,6 @@ def float_expert_parameters(model: Any) -> int:
             if type(parameter) in (torch.Tensor, torch.nn.Parameter) and parameter.dim() >= 2:
                 total += parameter.numel()
     return total
-
-
-#: the parts of a decode step that ``--profile`` times, by the module names' last component
-PARTS = {
-    "self_attn": "attention",
-    "gate": "router",
-    "router": "router",
-    "experts": "routed experts",
-    "shared_experts": "shared expert",
-    "mlp": "mlp",  # a dense layer's MLP (deepseek_v3's first), and the MoE block's own code
-    "lm_head": "lm_head",
-}
-
-
-def profile_step(model: Any, decoder: Decoder, steps: int) -> dict[str, float]:
-    """ms per decode step spent in each part of the model (forward hooks, innermost part counted once)."""
-    decoder.reset()  # the prompt, not counted
-    spent = dict.fromkeys(dict.fromkeys(PARTS.values()), 0.0)
-    handles = []
-    stack: list[float] = []  # the inner parts' time, subtracted from the part around them
-    for name, module in model.named_modules():
-        part = PARTS.get(name.rsplit(".", 1)[-1])
-        if part is None or (part == "router" and ".experts" in name):
-            continue
-
-        def pre(module: Any, args: Any) -> None:
-            stack.append(0.0)
-            module._bench_start = time.perf_counter()
-
-        def post(module: Any, args: Any, output: Any, _part: str = part) -> None:
-            elapsed = time.perf_counter() - module._bench_start
-            inner = stack.pop()
-            spent[_part] += elapsed - inner
-            if stack:
-                stack[-1] += elapsed
-
-        handles += [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
-    total = 0.0
-    try:
-        for _ in range(steps):
-            total += decoder.step()
-    finally:
-        for handle in handles:
-            handle.remove()
-    result = {part: seconds / steps * 1e3 for part, seconds in spent.items()}
-    result["rest (embedding, norms, residuals, mask, python)"] = total / steps * 1e3 - sum(result.values())
-    result["total"] = total / steps * 1e3
-    return result
 
 
 def run_family(family: str, args: argparse.Namespace) -> dict[str, Any]:

@@ -34,8 +34,9 @@ of the last position's logits and the top-1 agreement over the generated positio
 the agreement of the variant's own (free-running) greedy tokens with fp32's.
 
 ``--profile`` (default on) splits one decode step of the int8 variants into attention,
-router, routed experts, shared expert (with its gate), lm_head and the rest, with forward
-hooks (they add a little time of their own: read the split, not the totals).
+router, routed experts, shared expert (with its gate), the MoE block's own code (``mlp``),
+lm_head and the rest, with forward hooks, each part counted once where parts nest (they add
+a little time of their own: read the split, not the totals).
 
 Run: ``PYTHONPATH=.venv/first-party-packs .venv/bin/python bench/quantization.py``
 (``--quick`` for a small model and a short run; ``--help`` for sizes and counts).
@@ -234,42 +235,47 @@ def accuracy(model: Any, sequence: Any, reference: Any, prompt_length: int) -> d
     }
 
 
-def profile_step(model: Any, prompt: Any, steps: int) -> dict[str, float]:
-    """ms per decode step in each part of the model, measured with forward hooks."""
-    import torch
+#: the parts of a decode step that ``--profile`` times, by the module names' last component
+PARTS = {
+    "self_attn": "attention",
+    "gate": "router",
+    "router": "router",
+    "experts": "routed experts",
+    "shared_experts": "shared expert",
+    "shared_expert": "shared expert",
+    "shared_expert_gate": "shared expert",
+    "mlp": "mlp",  # a dense layer's MLP (deepseek_v3's first), and the MoE block's own code
+    "lm_head": "lm_head",
+}
 
-    parts: dict[str, list[Any]] = {"attention": [], "router": [], "routed experts": [], "shared expert": []}
-    for layer in model.model.layers:
-        parts["attention"].append(layer.self_attn)
-        parts["router"].append(layer.mlp.gate)
-        parts["routed experts"].append(layer.mlp.experts)
-        parts["shared expert"] += [layer.mlp.shared_expert, layer.mlp.shared_expert_gate]
-    parts["lm_head"] = [model.lm_head]
-    spent = dict.fromkeys(parts, 0.0)
+
+def profile_step(model: Any, decoder: Decoder, steps: int) -> dict[str, float]:
+    """ms per decode step spent in each part of the model (forward hooks, innermost part counted once)."""
+    decoder.reset()  # the prompt, not counted
+    spent = dict.fromkeys(dict.fromkeys(PARTS.values()), 0.0)
     handles = []
-    for part, modules in parts.items():
-        for module in modules:
+    stack: list[float] = []  # the inner parts' time, subtracted from the part around them
+    for name, module in model.named_modules():
+        part = PARTS.get(name.rsplit(".", 1)[-1])
+        if part is None or (part == "router" and ".experts" in name):
+            continue
 
-            def pre(module: Any, args: Any, _part: str = part) -> None:
-                module._bench_start = time.perf_counter()
+        def pre(module: Any, args: Any) -> None:
+            stack.append(0.0)
+            module._bench_start = time.perf_counter()
 
-            def post(module: Any, args: Any, output: Any, _part: str = part) -> None:
-                spent[_part] += time.perf_counter() - module._bench_start
+        def post(module: Any, args: Any, output: Any, _part: str = part) -> None:
+            elapsed = time.perf_counter() - module._bench_start
+            inner = stack.pop()
+            spent[_part] += elapsed - inner
+            if stack:
+                stack[-1] += elapsed
 
-            handles += [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
+        handles += [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
+    total = 0.0
     try:
-        name = cache_argument(model)
-        with torch.inference_mode():
-            output = model(input_ids=prompt, use_cache=True, logits_to_keep=1)
-            cache = getattr(output, "cache", None) or output.past_key_values
-            token = output.logits[:, -1].argmax(-1, keepdim=True)
-            for key in spent:
-                spent[key] = 0.0
-            start = time.perf_counter()
-            for _ in range(steps):
-                output = model(input_ids=token, use_cache=True, **{name: cache})
-                token = output.logits[:, -1].argmax(-1, keepdim=True)
-            total = time.perf_counter() - start
+        for _ in range(steps):
+            total += decoder.step()
     finally:
         for handle in handles:
             handle.remove()
@@ -434,7 +440,8 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_profile:
         steps = max(args.tokens, 8)
         print(f"\nwhere a decode step's time goes ({steps} steps, forward hooks; ms per step)")
-        profiles = {key: profile_step(models[key], prompt, steps) for key in ("int8", "moe-int8", "fp32")}
+        variants = ("int8", "moe-int8", "fp32")
+        profiles = {key: profile_step(models[key], Decoder(models[key], prompt), steps) for key in variants}
         names = list(profiles["moe-int8"])
         print(
             table(

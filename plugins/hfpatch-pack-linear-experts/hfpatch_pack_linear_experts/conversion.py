@@ -113,7 +113,9 @@ class SplitExperts(ConversionOps):
             if self.slicing.halves == "interleaved":
                 # this expert's checkpoint pages, just copied, leave the resident set now rather
                 # than when the loader unmaps the file: the copies then cost their bytes once
-                release_pages([tensor])
+                # (its own pages only: the whole tensor's page map read per expert would cost
+                # experts x pages)
+                release_pages([tensor[expert]], whole_storage=False)
         return result
 
     def _pieces(self, value: torch.Tensor) -> tuple[torch.Tensor, ...]:

@@ -169,10 +169,13 @@ class LinearExperts(nn.Module):
     def __iter__(self) -> Iterator[ExpertLinears]:
         return iter(self.experts())
 
-    def _local_experts(self) -> dict[str, nn.Module]:
-        """The experts by local number (``"0"`` the first held), once cut to a rank's share for expert
-        parallelism: they keep their global names (the checkpoint's keys), and transformers' token
-        dispatch calls ``forward`` with local numbers.  Built once per module."""
+    def _experts_by_number(self) -> Mapping[str, nn.Module]:
+        """The experts by the number ``forward`` is called with: the children themselves, or, once cut
+        to a rank's share for expert parallelism, by local number (``"0"`` the first held), since they
+        keep their global names (the checkpoint's keys) and transformers' token dispatch calls
+        ``forward`` with local numbers (built once per module)."""
+        if not self._is_expert_parallel:
+            return self._modules  # type: ignore[return-value]
         local: dict[str, nn.Module] | None = self.__dict__.get("_local_by_number")
         if local is None:
             local = {str(number): expert for number, expert in enumerate(self.experts())}
@@ -261,11 +264,11 @@ class LinearExperts(nn.Module):
         # is three view ops per expert
         columns = weights.unsqueeze(-1).unbind(1)
         final: torch.Tensor | None = None
-        modules = self._local_experts() if self._is_expert_parallel else self._modules
+        modules = self._experts_by_number()
         for expert, position in hits:
             if expert == self.num_experts:
                 continue
-            output = (self._expert(modules[str(expert)], hidden_states) * columns[position]).to(dtype)  # type: ignore[arg-type]
+            output = (self._expert(modules[str(expert)], hidden_states) * columns[position]).to(dtype)
             # the reference adds into zeros; adding 0.0 in place gives its bits (-0.0 becomes +0.0)
             # without a zeros tensor per call (``output`` is new here, and add keeps nothing for backward)
             final = output.add_(0.0) if final is None else final.add_(output)
@@ -286,14 +289,14 @@ class LinearExperts(nn.Module):
             order = torch.argsort(flat, stable=True)
             token_order = order % tokens
         sorted_weights = weights.t().reshape(-1)[order]
-        modules = self._local_experts() if self._is_expert_parallel else self._modules
+        modules = self._experts_by_number()
         end = 0
         for expert, count in enumerate(counts[: self.num_experts]):
             if count == 0:
                 continue
             start, end = end, end + count
             token_index = token_order[start:end]
-            output = self._expert(modules[str(expert)], hidden_states[token_index])  # type: ignore[arg-type]
+            output = self._expert(modules[str(expert)], hidden_states[token_index])
             output = output * sorted_weights[start:end, None]
             final.index_add_(0, token_index, output.to(dtype))
         return final.to(hidden_states.dtype)

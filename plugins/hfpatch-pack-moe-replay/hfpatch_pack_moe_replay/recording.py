@@ -54,9 +54,6 @@ class _Call:
     indices: torch.Tensor
 
 
-_RECORDING = _RECORDINGS
-
-
 @dataclasses.dataclass(frozen=True)
 class _Segment:
     """One request's tokens in a continuous batch: rows ``start``..``start + len(positions)``."""
@@ -421,16 +418,18 @@ def _fill_shared_prefixes(
         known, prompt = tokens[request_id], prompts[request_id]
         return [known.get(position, prompt[position] if position < len(prompt) else None) for position in range(length)]
 
+    # each request's tokens up to its last recorded position, built once (filling adds no later position)
+    known = {request_id: sequence(request_id, max(request_rows) + 1) for request_id, request_rows in rows.items()}
     for request_id, request_rows in rows.items():
-        length = max(request_rows) + 1
+        own = known[request_id]
+        length = len(own)
         if len(request_rows) == length:
             continue
-        own = sequence(request_id, length)
         sources = []
         for other, other_rows in rows.items():
             if other == request_id:
                 continue
-            theirs = sequence(other, min(length, max(other_rows) + 1))
+            theirs = known[other][:length]
             agree = 0
             while agree < len(theirs) and own[agree] is not None and own[agree] == theirs[agree]:
                 agree += 1
@@ -517,14 +516,14 @@ def record_routing(model: nn.Module, *, threads: Threads = "context") -> Iterato
 
                 handles.append(router.register_forward_pre_hook(enter))
                 handles.append(router.register_forward_hook(leave, always_call=True))
-        token = _RECORDING.set((*_RECORDING.get(), recording)) if threads == "context" else None
+        token = _RECORDINGS.set((*_RECORDINGS.get(), recording)) if threads == "context" else None
         if threads == "any":
             _listen_in_every_thread(recording, True)
         try:
             yield recording
         finally:
             if token is not None:
-                _RECORDING.reset(token)
+                _RECORDINGS.reset(token)
             else:
                 _listen_in_every_thread(recording, False)
     finally:

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 import transformers
-from hfpatch_pack_moe_replay import recording, scope
+from hfpatch_pack_moe_replay import scope, selection
 from transformers import (
     AutoModelForCausalLM,
     FlexOlmoConfig,
@@ -169,4 +169,4 @@ def _isolation(hfpatch_isolation: HfPatchIsolation) -> Iterator[None]:
     or a replay or a recording of this pack open."""
     yield
     assert scope._REPLAY.get() is None and not scope._OPEN, "a test left a replay open"
-    assert recording._RECORDING.get() == (), "a test left a recording open"
+    assert selection._recordings() == (), "a test left a recording open (in this context or every thread)"

@@ -226,15 +226,6 @@ def ernie(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tiny_checkpoint("ernie4_5_moe", tmp_path_factory.mktemp("ernie4_5_moe"), **ERNIE)
 
 
-def ernie_expert_linears(model) -> list[torch.nn.Module]:
-    return [
-        getattr(expert, name)
-        for layer in model.model.layers
-        for expert in layer.mlp.experts
-        for name in ("gate_proj", "up_proj", "down_proj")
-    ]
-
-
 def load_linear_experts(path: Path):
     hfpatch_core.enable("linear-experts")
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
@@ -304,7 +295,7 @@ def test_oneshot_quantizes_every_ernie_expert_linear_and_the_compressed_checkpoi
     model = load_linear_experts(ernie)
     torch.testing.assert_close(logits(model, tokens), reference, rtol=0, atol=1e-5)
     quantize(model, scheme)
-    linears = ernie_expert_linears(model)
+    linears = expert_linears(model)
     config = model.config
     assert len(linears) == config.num_hidden_layers * config.moe_num_experts * 3
     assert all(type(linear) is torch.nn.Linear for linear in linears)
@@ -325,7 +316,7 @@ def test_oneshot_quantizes_every_ernie_expert_linear_and_the_compressed_checkpoi
         torch.testing.assert_close(saved[key], theirs[key], rtol=0, atol=0, msg=key)
 
     reloaded = load_linear_experts(out)
-    assert all(hasattr(linear, "quantization_scheme") for linear in ernie_expert_linears(reloaded))
+    assert all(hasattr(linear, "quantization_scheme") for linear in expert_linears(reloaded))
     torch.testing.assert_close(logits(reloaded, tokens), quantized, rtol=0, atol=1e-5)
     # vanilla transformers reloads it too, but compressed-tensors cannot reach its 3-D experts:
     # they come back decompressed (in the checkpoint's bfloat16, whatever dtype is asked for) in a

@@ -13,7 +13,9 @@ Converters: per-expert checkpoints load unchanged into the per-expert modules (t
 converter ``replaces`` transformers' stacking ``MergeModulelist`` converters, so no stacked
 copy is made), and save unchanged: what vanilla transformers writes.  Families whose
 checkpoints store the experts 3-D (no stacking converter) get one converter per 3-D tensor
-(``conversion``): split into the per-expert modules at load, stacked back on save.
+(``conversion``): split into the per-expert modules at load, stacked back on save; each
+expert's tensors are views of the loaded 3-D tensor, and gate/up stored interleaved
+(gpt_oss) stay one per-expert ``gate_up_proj``, so that no weight is copied.
 
 A class whose eager forward is not the per-expert loop, or whose layout the pack cannot
 convert exactly, is refused: no patch, and a ``Refusal`` with the reason (``hfpatch explain`` / ``check``).
@@ -117,8 +119,12 @@ def provide_converters(context: LoadContext) -> list[Converter]:
 def _split_parameters(layout: Layout) -> dict[str, tuple[tuple[str, ...], ExpertsSlicing]]:
     """Per 3-D parameter of ``layout``: the per-expert tensors it is cut into, and how (``split_converters``)."""
     gate, up, down = layout.names
-    halves = "concatenated" if layout.is_concatenated else "interleaved"
-    first = ("gate_up_proj", (gate, up), halves) if gate is not None else ("up_proj", (up,), None)
+    if layout.joined:
+        first: tuple[str, tuple[str, ...], str | None] = ("gate_up_proj", (up,), None)
+    elif gate is not None:
+        first = ("gate_up_proj", (gate, up), "concatenated")
+    else:
+        first = ("up_proj", (up,), None)
     parameters: dict[str, tuple[tuple[str, ...], ExpertsSlicing]] = {}
     for name, modules, cut in (first, ("down_proj", (down,), None)):
         parameters[name] = (tuple(f"{m}.weight" for m in modules), ExpertsSlicing(layout.is_transposed, cut))

@@ -5,7 +5,8 @@ Families such as gpt_oss, granitemoe or aria store each experts tensor as one
 class holds, so transformers' conversion mapping has nothing to stack.  Here, one
 converter per 3-D tensor splits it at load into one tensor per expert and projection
 (``mlp.experts.<e>.gate_proj.weight`` and ``up_proj``, the gate/up halves cut as the
-class cuts them: concatenated or interleaved, transposed or not), and its reverse stacks
+class cuts them, or gpt_oss's interleaved ``gate_up_proj`` kept whole; transposed or not:
+every part a view of the loaded tensor, no copy), and its reverse stacks
 them back on save, so that ``save_pretrained`` writes the tensor vanilla writes, under
 the name vanilla writes (transformers' renamings of the 3-D tensor apply around it).
 
@@ -25,8 +26,6 @@ from typing import Any
 import torch
 from transformers.core_model_loading import ConversionOps, WeightConverter
 
-from hfpatch_core.authoring import release_pages
-
 __all__ = ["ExpertsSlicing", "SplitExperts", "SplitExpertsConverter", "StackExperts", "split_converters"]
 
 
@@ -36,17 +35,20 @@ class ExpertsSlicing:
 
     Attributes:
         transposed: each expert's matrix is stored ``[in, out]`` (an ``nn.Linear`` weight is ``[out, in]``).
-        halves: ``"concatenated"`` (``[gate; up]`` rows), ``"interleaved"`` (gate, up, gate, ...) or
-            ``None`` (one projection per tensor).
+        halves: ``"concatenated"`` (``[gate; up]`` rows, cut into two parts) or ``None`` (one
+            part per tensor).  Interleaved gate/up (gate, up, gate, ...) is one part: the
+            columns of a transposed block no GEMM reads in place, and a copy is what this
+            split avoids.
     """
 
     transposed: bool = False
     halves: str | None = None
 
     def __post_init__(self) -> None:
-        if self.halves not in (None, "concatenated", "interleaved"):
+        if self.halves not in (None, "concatenated"):
             raise ValueError(
-                f"ExpertsSlicing.halves must be None, 'concatenated' or 'interleaved', got {self.halves!r}"
+                f"ExpertsSlicing.halves must be None or 'concatenated', got {self.halves!r}; interleaved gate/up "
+                "is split as one part (halves=None) and kept whole per expert"
             )
 
 
@@ -110,41 +112,24 @@ class SplitExperts(ConversionOps):
         for expert in range(tensor.shape[0]):
             for pattern, piece in zip(target_patterns, self._pieces(tensor[expert]), strict=True):
                 result[pattern.replace("*", str(expert), 1)] = _own_storage(piece)
-            if self.slicing.halves == "interleaved":
-                # this expert's checkpoint pages, just copied, leave the resident set now rather
-                # than when the loader unmaps the file: the copies then cost their bytes once
-                # (its own pages only: the whole tensor's page map read per expert would cost
-                # experts x pages)
-                release_pages([tensor[expert]], whole_storage=False)
         return result
 
     def _pieces(self, value: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """One expert's parts, as views of ``value`` wherever the layout allows.
+        """One expert's parts, as views of ``value``.
 
         The loader hands over the checkpoint's tensor as a view of the memory-mapped file,
         as vanilla keeps it: a view costs no copy and reads no page until a forward does.
         A transposed part is the ``.t()`` view of the stored ``[in, out]`` block, whose
-        ``F.linear`` is a plain GEMM on the stored layout (no copy per call), and every
-        other row of a ``[2 * out, in]`` block is a GEMM operand with a doubled row stride.
-        Interleaved columns (gpt_oss's ``[in, 2 * out]``) are the one layout no GEMM reads
-        in place (``F.linear`` would copy the weight at every call), so they are copied,
-        one expert at a time, in the stored order (a row-wise gather), then viewed
-        transposed like the others; so are interleaved biases (a few bytes).
+        ``F.linear`` is a plain GEMM on the stored layout (no copy per call); concatenated
+        halves are column blocks of it (or row blocks, untransposed).
         """
         transposed = self.slicing.transposed and value.dim() == 2
-        halves = self.slicing.halves
-        if halves is None:
+        if self.slicing.halves is None:
             return (value.t() if transposed else value,)
-        if halves == "concatenated":
-            if transposed:  # [in, 2 * out]: the halves are column blocks, each a transposed view
-                first, second = value.chunk(2, dim=-1)
-                return first.t(), second.t()
-            return tuple(value.chunk(2, dim=0))
-        if transposed:  # [in, 2 * out], gate and up alternating columns: gathered per row
-            return value[:, 0::2].contiguous().t(), value[:, 1::2].contiguous().t()
-        if value.dim() == 2:
-            return value[0::2], value[1::2]
-        return value[0::2].contiguous(), value[1::2].contiguous()
+        if transposed:  # [in, 2 * out]: the halves are column blocks, each a transposed view
+            first, second = value.chunk(2, dim=-1)
+            return first.t(), second.t()
+        return tuple(value.chunk(2, dim=0))
 
     @property
     def reverse_op(self) -> ConversionOps:
@@ -182,8 +167,6 @@ class StackExperts(ConversionOps):
         for pieces in zip(*lists, strict=True):
             if self.slicing.halves == "concatenated":
                 value = torch.cat(pieces, dim=0)
-            elif self.slicing.halves == "interleaved":
-                value = torch.stack(pieces, dim=1).flatten(0, 1)
             else:
                 (value,) = pieces
             if self.slicing.transposed and value.dim() == 2:

@@ -53,6 +53,11 @@ __all__ = ["Candidate", "Discovery", "discover", "per_expert_names"]
 #: Relative float32 tolerance of the probe (|eager - per-expert| / max |eager|).
 PROBE_RTOL = 1e-5
 
+#: The intermediate size of the probe's experts, tried before the model's own: three experts of
+#: a real model's sizes are hundreds of MiB (deepseek_v3's: 0.5 GiB in float32), allocated during
+#: every load; the forward's structure, which the probe checks, does not depend on it.
+PROBE_INTERMEDIATE = 8
+
 
 @dataclasses.dataclass(frozen=True)
 class Candidate:
@@ -199,7 +204,11 @@ def _decide(
     if isinstance(names, str):
         return names
     stacking, chosen = names
-    layout = dataclasses.replace(base, names=chosen if base.has_gate else (None, chosen[1], chosen[2]))
+    if stored_3d and base.has_gate and not base.is_concatenated:
+        # interleaved gate/up, as stored: one linear each expert, read in place (split halves would be copies)
+        layout = dataclasses.replace(base, names=(None, "gate_up_proj", chosen[2]), joined=True)
+    else:
+        layout = dataclasses.replace(base, names=chosen if base.has_gate else (None, chosen[1], chosen[2]))
     probe = _probe(cls, found[0][1], layout)
     if isinstance(probe, str):
         return probe
@@ -361,9 +370,22 @@ def stored_3d_conversion(model_type: str, layout: Layout) -> tuple[str, ...] | s
 
 
 def _probe(cls: type[nn.Module], template: nn.Module, layout: Layout) -> Layout | str:
-    """``layout`` with the summing dtype that reproduces ``cls``'s eager forward, or why none does."""
+    """``layout`` with the summing dtype that reproduces ``cls``'s eager forward, or why none does.
+
+    Probed first with experts of intermediate size ``PROBE_INTERMEDIATE`` (the model's hidden size
+    and modules otherwise); a class whose forward fails or differs there (one that reads its
+    configured intermediate size, say) is probed again at the model's own sizes, which decide.
+    """
     try:
-        original, values = _probe_original(template, layout)
+        small: Layout | str = _probe_at(cls, template, layout, PROBE_INTERMEDIATE)
+    except Exception as exc:  # any failure at the small size defers to the model's sizes
+        small = repr(exc)
+    return small if not isinstance(small, str) else _probe_at(cls, template, layout, None)
+
+
+def _probe_at(cls: type[nn.Module], template: nn.Module, layout: Layout, intermediate: int | None) -> Layout | str:
+    try:
+        original, values = _probe_original(template, layout, intermediate)
     except Exception as exc:  # a module the probe cannot materialise is not known to be exact
         return f"its eager forward could not be probed ({type(exc).__name__}: {exc})"
     forward = eager_forward(cls)
@@ -408,8 +430,27 @@ def original_hidden(values: dict[str, torch.Tensor], layout: Layout) -> int:
     return int(first.shape[1] if layout.is_transposed else first.shape[2])
 
 
-def _probe_original(template: nn.Module, layout: Layout) -> tuple[nn.Module, dict[str, torch.Tensor]]:
-    """A copy of the meta ``template`` on the CPU with 3 random experts (its sizes otherwise)."""
+def _probe_shape(name: str, shape: tuple[int, ...], layout: Layout, intermediate: int | None) -> tuple[int, ...]:
+    """The probe's shape of the 3-D parameter (or bias) ``name`` of ``shape``: 3 experts at most, and the
+    intermediate dimension ``intermediate`` (doubled for gate/up) unless ``None``."""
+    experts = min(3, shape[0])
+    if intermediate is None:
+        return (experts, *shape[1:])
+    rows = 2 * intermediate if name.startswith("gate_up_proj") else intermediate
+    if name == "down_proj_bias":
+        return (experts, shape[1])
+    if name.endswith("_bias"):
+        return (experts, rows)
+    # the intermediate dimension is the output of gate/up and the input of down: [E, out, in], or [E, in, out]
+    first_is_intermediate = layout.is_transposed == (name == "down_proj")
+    return (experts, rows, shape[2]) if first_is_intermediate else (experts, shape[1], rows)
+
+
+def _probe_original(
+    template: nn.Module, layout: Layout, intermediate: int | None = None
+) -> tuple[nn.Module, dict[str, torch.Tensor]]:
+    """A copy of the meta ``template`` on the CPU with 3 random experts (of intermediate size
+    ``intermediate`` if given, its sizes otherwise)."""
     generator = torch.Generator().manual_seed(1)
     original = copy.copy(template)
     original._parameters = dict(template._parameters)
@@ -426,7 +467,7 @@ def _probe_original(template: nn.Module, layout: Layout) -> tuple[nn.Module, dic
                     parameter.copy_(1 + 0.2 * torch.randn(parameter.shape, generator=generator))
     values = {}
     for name in layout.parameters:
-        shape = (min(3, template.get_parameter(name).shape[0]), *template.get_parameter(name).shape[1:])
+        shape = _probe_shape(name, tuple(template.get_parameter(name).shape), layout, intermediate)
         fan_in = shape[-2] if layout.is_transposed else shape[-1]
         scale = 1.0 / fan_in**0.5 if not name.endswith("_bias") else 0.1
         values[name] = torch.randn(shape, generator=generator) * scale

@@ -6,7 +6,10 @@ transformers 5 stores routed experts as 3-D parameters (``gate_up_proj`` / ``up_
 forward through ``use_experts_implementation``.  ``linear_experts_class(original, layout)``
 derives, from such a class, a drop-in whose experts are ``nn.Linear`` children named as the
 per-expert checkpoints name them (``experts.<e>.gate_proj`` or mixtral's ``experts.<e>.w1``),
-and whose forward is the decorator's eager loop over those modules.
+and whose forward is the decorator's eager loop over those modules.  Where the checkpoint
+itself stores gate and up interleaved in one 3-D tensor (gpt_oss), each expert keeps them
+in one ``gate_up_proj`` linear, as stored: no GEMM reads every other column in place, so
+split halves would be copies of the whole checkpoint's gate/up at load.
 """
 
 from __future__ import annotations
@@ -48,7 +51,10 @@ class Layout:
         custom_gate: the class defines its own ``_apply_gate`` (run on the gate/up output
             reassembled in the class's own row order).
         accumulate_fp32: the eager loop sums the experts' outputs in float32.
-        names: the per-expert module names of gate (``None`` without a gate), up and down.
+        names: the per-expert module names of gate (``None`` without a gate, or when joined),
+            up (the joined gate/up when joined) and down.
+        joined: gate and up are one per-expert linear (``names[1]``, ``gate_up_proj``) whose
+            output rows are gate and up in the class's own order, for the class's gating.
     """
 
     has_gate: bool
@@ -59,6 +65,14 @@ class Layout:
     custom_gate: bool
     accumulate_fp32: bool
     names: tuple[str | None, str, str]
+    joined: bool = False
+
+    def __post_init__(self) -> None:
+        if self.joined and (not self.has_gate or self.names[0] is not None):
+            raise ValueError(
+                f"Layout(joined=True) holds gate and up in one linear named names[1]: it needs has_gate=True "
+                f"and names[0] None, got has_gate={self.has_gate}, names={self.names}"
+            )
 
     @property
     def parameters(self) -> tuple[str, ...]:
@@ -71,21 +85,24 @@ class Layout:
 class ExpertLinears(nn.Module):
     """One expert: ``nn.Linear`` children under the checkpoint's names (``gate_proj``, ``w1``, ...).
 
-    Its forward is not used by ``LinearExperts`` (which needs the gate and up outputs
-    apart, for the family's gating); it runs the expert alone, for tools that call it.
+    It has no forward of its own: ``LinearExperts`` runs its linears, with the family's
+    gating between them.
     """
 
-    def __init__(self, names: tuple[str | None, str, str], hidden: int, intermediate: int, bias: bool) -> None:
+    def __init__(
+        self, names: tuple[str | None, str, str], hidden: int, intermediate: int, bias: bool, joined: bool = False
+    ) -> None:
         super().__init__()
         gate, up, down = names
         self.names = names
         if gate is not None:
             self.add_module(gate, nn.Linear(hidden, intermediate, bias=bias))
-        self.add_module(up, nn.Linear(hidden, intermediate, bias=bias))
+        self.add_module(up, nn.Linear(hidden, 2 * intermediate if joined else intermediate, bias=bias))
         self.add_module(down, nn.Linear(intermediate, hidden, bias=bias))
 
     def projections(self) -> tuple[nn.Module | None, nn.Module, nn.Module]:
-        """The gate (``None`` without a gate), up and down modules, whatever a tool replaced them with."""
+        """The gate (``None`` without one, or when joined), up (or gate/up) and down modules, whatever a tool
+        replaced them with."""
         gate, up, down = self.names
         return (getattr(self, gate) if gate is not None else None, getattr(self, up), getattr(self, down))
 
@@ -142,7 +159,7 @@ class LinearExperts(nn.Module):
         self.num_experts = experts
         for index in range(experts):
             with torch.device(device):
-                expert = ExpertLinears(layout.names, hidden, intermediate, layout.has_bias).to(dtype)
+                expert = ExpertLinears(layout.names, hidden, intermediate, layout.has_bias, layout.joined).to(dtype)
             if values is not None:
                 _fill(expert, layout, values, index)
             self.add_module(str(index), expert)
@@ -184,6 +201,12 @@ class LinearExperts(nn.Module):
 
     # --- the forward ----------------------------------------------------------------------
 
+    def _gate_joined(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """The gating of a joined gate/up output, whose rows are in the class's own (interleaved) order."""
+        if self.layout.custom_gate:
+            return self._apply_gate(gate_up)  # type: ignore[operator, no-any-return]
+        return self.act_fn(gate_up[..., 0::2]) * gate_up[..., 1::2]  # type: ignore[operator, no-any-return]
+
     def _gate(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         layout = self.layout
         if not layout.custom_gate:
@@ -200,7 +223,9 @@ class LinearExperts(nn.Module):
         layout = self.layout
         modules = expert._modules
         gate_name, up_name, down_name = layout.names
-        if gate_name is None:
+        if layout.joined:
+            hidden = self._gate_joined(modules[up_name](states))  # type: ignore[misc]
+        elif gate_name is None:
             hidden = self.act_fn(modules[up_name](states))  # type: ignore[misc, operator]
         else:
             gate = modules[gate_name](states)  # type: ignore[misc]
@@ -320,7 +345,11 @@ def _fill(expert: ExpertLinears, layout: Layout, values: dict[str, torch.Tensor]
         return tensor[0::2], tensor[1::2]
 
     with torch.no_grad():
-        if layout.has_gate:
+        if layout.joined:
+            up.weight.copy_(weight("gate_up_proj"))
+            if layout.has_bias:
+                up.bias.copy_(values["gate_up_proj_bias"][index])
+        elif layout.has_gate:
             gate_weight, up_weight = halves(weight("gate_up_proj"))
             assert gate is not None
             gate.weight.copy_(gate_weight)
@@ -371,7 +400,12 @@ def is_declared_experts(cls: type) -> bool:
 
 def decorator_metadata(cls: type) -> dict[str, Any]:
     """The keyword arguments ``use_experts_implementation`` was given for ``cls`` (read from its wrapper's
-    closure), with the decorator's defaults for those the installed release does not have."""
+    closure), with the decorator's defaults for those the installed release does not have.
+
+    Where the decorator has no ``is_concatenated`` (5.3), a class with its own ``_apply_gate`` reads
+    the gate/up rows in an order only that method knows (5.3's gpt_oss interleaves them),
+    so it is reported as not concatenated: the rows stay joined, in the class's order.
+    """
     import inspect
 
     found = inspect.getclosurevars(vars(cls)["__init__"]).nonlocals
@@ -379,7 +413,7 @@ def decorator_metadata(cls: type) -> dict[str, Any]:
         "has_gate": True,
         "has_bias": False,
         "is_transposed": False,
-        "is_concatenated": True,
+        "is_concatenated": getattr(cls, "_apply_gate", None) is moe._default_apply_gate,
         "has_post_expert_norm": False,
     }
     return {name: bool(found.get(name, default)) for name, default in defaults.items()}

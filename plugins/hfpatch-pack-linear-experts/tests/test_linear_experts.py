@@ -39,7 +39,7 @@ EXPECTED = {
     "olmoe": ("gate_proj", "up_proj", "down_proj"),
     "deepseek_v3": ("gate_proj", "up_proj", "down_proj"),
     "nemotron_h": (None, "up_proj", "down_proj"),
-    "gpt_oss": ("gate_proj", "up_proj", "down_proj"),
+    "gpt_oss": (None, "gate_up_proj", "down_proj"),  # stored interleaved: one gate/up linear each, as stored
     "granitemoe": ("gate_proj", "up_proj", "down_proj"),
 }
 
@@ -178,7 +178,7 @@ def test_quantizers_reach_every_expert_linear(checkpoints: dict[str, Path], name
     reference = load_model(checkpoints[name], PACK)
     model = load_model(checkpoints[name], PACK)
     layers = experts_of(model)
-    expected_count = sum(experts.num_experts * (3 if experts.layout.has_gate else 2) for _, experts in layers)
+    expected_count = sum(len(experts) * sum(n is not None for n in experts.layout.names) for _, experts in layers)
     QUANTIZERS[quantizer](model)
     layers = experts_of(model)
     calls: list[int] = []
@@ -241,10 +241,11 @@ def test_3d_checkpoints_are_split_at_load_and_saved_3d(checkpoints: dict[str, Pa
         assert torch.equal(saved[key], value), key
 
 
-@pytest.mark.parametrize("halves", [None, "concatenated", "interleaved"])
+@pytest.mark.parametrize("halves", [None, "concatenated"])
 @pytest.mark.parametrize("transposed", [False, True])
 def test_split_and_stack_are_exact_inverses(halves: str | None, transposed: bool) -> None:
-    """Each expert's slice (rows = out) is cut as the layout says, and stacking gives the tensor back."""
+    """Each expert's slice (rows = out) is cut as the layout says, as a view of the tensor (no copy), and
+    stacking gives the tensor back."""
     tensor = torch.randn(3, 6, 10)  # 3 experts; gate/up rows 2 x 3, or [in, out] when transposed
     parts = ["experts.*.gate_proj.weight", "experts.*.up_proj.weight"][: 2 if halves else 1]
     split = SplitExperts(ExpertsSlicing(transposed, halves))
@@ -253,12 +254,49 @@ def test_split_and_stack_are_exact_inverses(halves: str | None, transposed: bool
     for expert in range(3):
         rows = tensor[expert].t() if transposed else tensor[expert]
         first = pieces[parts[0].replace("*", str(expert))]
-        expected = rows if halves is None else rows[0::2] if halves == "interleaved" else rows[: rows.shape[0] // 2]
+        expected = rows if halves is None else rows[: rows.shape[0] // 2]
         assert torch.equal(first, expected)
+    start = tensor.untyped_storage().data_ptr()
+    for key, piece in pieces.items():
+        assert start <= piece.untyped_storage().data_ptr() < start + tensor.untyped_storage().nbytes(), key
     stacked_parts = {pattern: [pieces[pattern.replace("*", str(e))] for e in range(3)] for pattern in parts}
     back = split.reverse_op.convert(stacked_parts, parts, ["experts.gate_up_proj"])
     assert torch.equal(back["experts.gate_up_proj"], tensor)
     assert isinstance(split.reverse_op.reverse_op, SplitExperts)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_the_small_probe_decides_as_one_of_the_models_sizes(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The probe runs experts of intermediate size ``PROBE_INTERMEDIATE`` (three experts of a real
+    model's sizes would cost hundreds of MiB at every load); its verdict, down to the summing dtype,
+    is the one a probe at the model's own sizes gives."""
+    from hfpatch_pack_linear_experts import discovery
+
+    config = CASES[name]()
+    verdicts = []
+    for intermediate in (discovery.PROBE_INTERMEDIATE, None):
+        monkeypatch.setattr(discovery, "PROBE_INTERMEDIATE", intermediate)
+        monkeypatch.setattr(discovery, "_cache", {})
+        found = discovery.discover(config, config.model_type)
+        verdicts.append(({c.original.__name__: c.layout for c in found.candidates}, found.refused))
+    assert verdicts[0][0], f"{name}: nothing claimed"
+    assert verdicts[0] == verdicts[1]
+    layout = next(iter(verdicts[0][0].values()))
+    shapes = {
+        parameter: discovery._probe_shape(parameter, (4, 6, 10) if parameter != "down_proj" else (4, 10, 3), layout, 8)
+        for parameter in layout.parameters
+        if not parameter.endswith("_bias")
+    }
+    first = "gate_up_proj" if layout.has_gate else "up_proj"
+    rows = 16 if layout.has_gate else 8
+    assert shapes[first] == ((3, 6, rows) if layout.is_transposed else (3, rows, 10)), shapes
+    assert shapes["down_proj"] == ((3, 8, 3) if layout.is_transposed else (3, 10, 8)), shapes
+
+
+def test_interleaved_halves_are_one_part() -> None:
+    """Interleaved gate/up is kept whole per expert (no GEMM reads every other column in place)."""
+    with pytest.raises(ValueError, match="interleaved gate/up is split as one part"):
+        ExpertsSlicing(True, "interleaved")
 
 
 def test_no_config_no_patch() -> None:

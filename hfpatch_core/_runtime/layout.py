@@ -21,7 +21,7 @@ import torch.nn as nn
 
 from .._pipeline.composition import pattern_regex
 from .._scope import vanilla
-from ..authoring.peft import declares_packed_modules, watch_peft
+from ..authoring.peft import concerns_adapters, watch_peft
 from ..conversion import source_patterns_of, target_patterns_of
 from ..errors import PackWarning, WeightLayoutError
 from ..plan import BUILTIN, Plan, plan_of
@@ -283,8 +283,8 @@ def secure(model: nn.Module, plan: Plan, loading_info: Mapping[str, Any] | None)
     (``loading_info`` of ``from_pretrained``; ``None`` for a model built from a config,
     which instead keeps the conversions its save must reverse), the save guard, a
     ``load_state_dict`` that takes the original layout (also with no pack applied, where
-    the load ran transformers' own conversions), and,
-    where a replacement declares packed modules, PEFT's injection hooked (``adapters``)."""
+    the load ran transformers' own conversions), and, where a replacement declares packed
+    modules or ``hfpatch_hidden_from_adapters``, PEFT's injection hooked (``adapters``)."""
     if loading_info is not None and plan.touches_weights:
         check_loading_info(model, plan, loading_info)
     if loading_info is None and plan.conversions and getattr(model, "_weight_conversions", None) is None:
@@ -295,5 +295,5 @@ def secure(model: nn.Module, plan: Plan, loading_info: Mapping[str, Any] | None)
     # stacks Qwen2-MoE's experts), which vanilla load_state_dict drops
     if plan.touches_weights or getattr(model, "_weight_conversions", None):
         guard_loading(model)
-    if declares_packed_modules([claim.patch.replacement for each in plan.all_plans() for claim in each.entries]):
-        watch_peft()  # adapters name the original projections (hfpatch_core.authoring.peft)
+    if concerns_adapters([claim.patch.replacement for each in plan.all_plans() for claim in each.entries]):
+        watch_peft()  # adapters name the original projections and modules (hfpatch_core.authoring.peft)

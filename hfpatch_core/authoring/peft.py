@@ -10,17 +10,24 @@ model loads.  Targeting a fused name itself (``qkv_proj``) would make an adapter
 unpatched model can load: that is an ``AdapterError`` naming the pack, before PEFT
 changes anything.  A module that holds as modules what the original model holds as
 parameters (qwen-moe's per-expert experts) declares ``hfpatch_hidden_from_adapters``:
-lists of names then do not reach inside it, as they do not on the original model.
+lists of names then do not reach inside it, as they do not on the original model.  One
+that declares it ``False`` (linear-experts' per-expert ``nn.Linear`` experts) shows them:
+PEFT's rewrite of expert names into the original's 3-D ``target_parameters``
+(``_keep_on_linears``) is kept off the names that reach its linears, so
+``target_modules=["w1", "w3", "w2"]`` puts one adapter on each expert's projection, as on
+a per-expert (transformers 4) model, and the adapter saves and loads under those names.
 
 peft is not imported here: ``watch_peft`` hooks ``BaseTuner.inject_adapter`` when peft
-is imported (at once if it already is), and only once a model with packed modules has
-been built.  The hook stays for the process: it does nothing for other models.
+is imported (at once if it already is), and only once a model with packed modules (or
+modules declaring ``hfpatch_hidden_from_adapters``) has been built.  The hook stays for the
+process: it does nothing for other models.
 """
 
 from __future__ import annotations
 
 import copy
 import functools
+import importlib
 import importlib.abc
 import importlib.machinery
 import re
@@ -37,11 +44,16 @@ from ..errors import AdapterError
 from ..plan import plan_of
 from .packing import PACKED_MODULES, PackedPart, expose_parts, packed_modules
 
-#: The class attribute of a module whose submodules PEFT's lists of names must not reach
-#: (``_exclude_hidden``): the original model has no such modules.
+#: The class attribute of a module holding as submodules what the original model holds as
+#: parameters.  ``True``: PEFT's lists of names must not reach them (``_exclude_hidden``), the
+#: original model has no such modules.  ``False``: they are ``nn.Linear`` under the names
+#: per-expert checkpoints use, and adapters reach them by those names (``_keep_on_linears``).
 HIDDEN_FROM_ADAPTERS = "hfpatch_hidden_from_adapters"
 #: The peft module defining ``BaseTuner``.
 _TUNERS = "peft.tuners.tuners_utils"
+#: Where PEFT (and transformers 5.3's own copy, used by its ``load_adapter``) rewrites
+#: transformers-4 expert targets for transformers 5's 3-D experts.
+_CONVERSIONS = ("peft.utils.transformers_weight_conversion", "transformers.integrations.peft")
 _HOOKED = "_hfpatch_hooked"
 _lock = threading.Lock()
 
@@ -75,12 +87,15 @@ def prepare_model(model: nn.Module, config: Any) -> int:
 
     Raises:
         AdapterError: ``config`` targets a fused module or parameter by its fused name,
-            or a fused projection cannot be split into views (quantized, already
-            wrapped); the message names the pack and the remedy.
+            a fused projection cannot be split into views (quantized, already
+            wrapped), or PEFT would put expert targets on 3-D parameters that a pack
+            made modules; the message names the pack and the remedy.
     """
+    _hook_conversions()
     hidden = _hidden_modules(model)
-    if hidden:
+    if hidden or _shown_linears(model):
         _refuse_converted_targets(model, config, hidden)
+    if hidden:
         _exclude_hidden(config, hidden)
     packed = [(name, module) for name, module in model.named_modules() if packed_modules(module)]
     if not packed:
@@ -117,30 +132,116 @@ def prepare_model(model: nn.Module, config: Any) -> int:
 
 
 def _hidden_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """``(path, module)`` of every module whose class declares ``hfpatch_hidden_from_adapters``."""
+    """``(path, module)`` of every module whose class declares ``hfpatch_hidden_from_adapters = True``."""
     modules = model.named_modules()
     return [(name, module) for name, module in modules if getattr(type(module), HIDDEN_FROM_ADAPTERS, False)]
+
+
+def _shown_linears(model: nn.Module) -> dict[str, tuple[str, nn.Module]]:
+    """Path -> ``(path, module)`` of the shown module above it, for each ``nn.Linear`` (or adapter layer
+    wrapping one) under a module whose class declares ``hfpatch_hidden_from_adapters = False``."""
+    found: dict[str, tuple[str, nn.Module]] = {}
+    for name, module in model.named_modules():
+        if getattr(type(module), HIDDEN_FROM_ADAPTERS, None) is not False:
+            continue
+        wrapped: list[str] = []  # an adapter layer's own linears (lora_A.default, base_layer) are not targets
+        for child, submodule in module.named_modules():
+            if not child or any(child.startswith(f"{outer}.") for outer in wrapped):
+                continue
+            get_base_layer = getattr(submodule, "get_base_layer", None)
+            if callable(get_base_layer):
+                wrapped.append(child)
+                submodule = get_base_layer()
+            if isinstance(submodule, nn.Linear):
+                found[f"{name}.{child}" if name else child] = (name, module)
+    return found
+
+
+def _reaches(target: str, path: str) -> bool:
+    """Whether the ``target_modules`` list entry ``target`` names the module at ``path`` (PEFT's rule)."""
+    return path == target or path.endswith(f".{target}")
+
+
+def _keep_on_linears(convert: Any) -> Any:
+    """``convert`` (PEFT's ``convert_peft_config_for_transformers``) kept off the shown experts' linears.
+
+    PEFT (on transformers 5) rewrites expert names in ``target_modules`` (mixtral's ``w1`` /
+    ``w3`` / ``w2``, ``gate_proj`` / ``up_proj`` / ``down_proj``) into ``target_parameters``
+    on the original model's 3-D experts, for every model type transformers has a
+    conversion mapping for.  A model whose experts a pack made ``nn.Linear`` modules has no
+    such parameters: the entries that name one of those linears are taken out before the
+    rewrite and put back after it, so they reach the linears as on a per-expert model,
+    while the rest (the router's ``gate``, which stays a parameter) is rewritten as usual.
+    A pattern (``target_modules`` as a string: a regular expression, ``"all-linear"``) that
+    reaches one of them is taken as written.  transformers 5.3's copy returns a converted
+    copy, PEFT's converts in place: both are kept as they are.
+    """
+    if getattr(convert, _HOOKED, False):
+        return convert
+
+    @functools.wraps(convert)
+    def keeping(peft_config: Any, model: nn.Module, conversions: Any = None) -> Any:
+        targets: Any = getattr(peft_config, "target_modules", None)
+        linears = _shown_linears(model) if targets else {}
+        if not linears:
+            return convert(peft_config, model=model, conversions=conversions)
+        if isinstance(targets, str):
+            everything = targets.lower() == "all-linear"
+            if everything or any(re.fullmatch(targets, path) for path in linears):
+                return peft_config
+            return convert(peft_config, model=model, conversions=conversions)
+        kept = [target for target in targets if any(_reaches(target, path) for path in linears)]
+        if not kept:
+            return convert(peft_config, model=model, conversions=conversions)
+        reduced = type(targets)(target for target in targets if target not in kept)
+        peft_config.target_modules = reduced
+        try:
+            result = convert(peft_config, model=model, conversions=conversions)
+        finally:
+            converted = peft_config.target_modules
+            peft_config.target_modules = targets
+        if result is not None and result is not peft_config:  # transformers 5.3: a converted copy
+            converted = result.target_modules
+        else:
+            result = peft_config
+        result.target_modules = targets if converted is reduced else type(converted)([*converted, *kept])
+        return result
+
+    setattr(keeping, _HOOKED, True)
+    return keeping
 
 
 def _refuse_converted_targets(model: nn.Module, config: Any, hidden: list[tuple[str, nn.Module]]) -> None:
     """Refuse an adapter that PEFT would put on the original model's parameters that a pack made modules.
 
-    On transformers 5, PEFT rewrites the targets of some MoE model types (qwen3_moe;
-    qwen2_moe on some releases) from the experts' module names to the 3-D expert
+    On transformers 5, PEFT rewrites the targets of some MoE model types (qwen3_moe, mixtral,
+    deepseek_v3; qwen2_moe on some releases) from the experts' module names to the 3-D expert
     parameters (``target_parameters``): those do not exist on a model whose experts are
-    modules, so PEFT would adapt the attention only, and only warn.  This runs PEFT's
-    rewrite on a copy of ``config`` and raises where it names parameters the model lacks.
+    modules, so PEFT would adapt the attention only, and only warn, or find nothing at all.
+    Names that reach the linears of a shown module (``hfpatch_hidden_from_adapters = False``)
+    are kept off that rewrite (``_keep_on_linears``).  This runs the rewrite on a copy of
+    ``config`` and raises where it still names parameters the model lacks.
     """
     try:
         from peft.utils.transformers_weight_conversion import convert_peft_config_for_transformers
     except ImportError:  # a peft without transformers-5 conversions rewrites nothing
         return
+    shown = _shown_linears(model)
+    holder = hidden[0] if hidden else next(iter(shown.values()))
+    pack = _pack_of(model, holder[1])
+    if hidden:
+        remedy = (
+            f"Leave the experts' names out of target_modules (the attention, the shared expert and the router "
+            f"still take adapters), {_remedy(pack)}."
+        )
+    else:
+        names = sorted(
+            {path[len(holder[0]) + 1 :].split(".")[-1] for path, (at, _) in shown.items() if at == holder[0]}
+        )
+        remedy = (
+            f"Name the experts' linears as this model has them (target_modules={names}, or a subset), {_remedy(pack)}."
+        )
     probe = copy.deepcopy(config)
-    pack = _pack_of(model, hidden[0][1])
-    remedy = (
-        f"Leave the experts' names out of target_modules (the attention, the shared expert and the router still "
-        f"take adapters), {_remedy(pack)}."
-    )
     try:
         convert_peft_config_for_transformers(probe, model=model, conversions=None)
     except ValueError as exc:
@@ -153,7 +254,7 @@ def _refuse_converted_targets(model: nn.Module, config: Any, hidden: list[tuple[
     if missing:
         raise AdapterError(
             f"on this transformers release PEFT puts this adapter's expert targets on the experts' 3-D parameters "
-            f"{missing}, which pack {pack!r} holds as one nn.Linear per expert ({hidden[0][0]}): the adapter would "
+            f"{missing}, which pack {pack!r} holds as one nn.Linear per expert ({holder[0]}): the adapter would "
             f"leave every expert out here but not on an unpatched model. {remedy}"
         )
 
@@ -299,8 +400,77 @@ def _unwatch(watcher: _Watcher) -> None:
             sys.meta_path.remove(watcher)
 
 
+def _own_conversions(get_mapping: Any) -> Any:
+    """``get_mapping`` (transformers' ``get_model_conversion_mapping``, as PEFT's adapter loads
+    call it) without the converters that stack a shown module's per-expert linears.
+
+    Loading an adapter (``PeftModel.from_pretrained``, ``model.load_adapter``), PEFT and
+    transformers turn the model type's converters into ones for the adapter's weights, so
+    that an adapter saved on a per-expert model lands on the 3-D experts; on a model whose
+    experts are per-expert ``nn.Linear`` (shown, ``_keep_on_linears``), those converters
+    would move the weights of the adapters on them to parameters the model lacks.  A
+    converter is left out when a source pattern matches a shown linear's weight and no
+    parameter of the model has a target's name: it is not this model's.
+    """
+    if getattr(get_mapping, _HOOKED, False):
+        return get_mapping
+
+    @functools.wraps(get_mapping)
+    def own(model: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        conversions = get_mapping(model, *args, **kwargs)
+        linears = _shown_linears(model) if isinstance(model, nn.Module) else {}
+        if not linears or not conversions:
+            return conversions
+        weights = [f"{path}.weight" for path in linears]
+        parameters = [name for name, _ in model.named_parameters()]
+
+        def foreign(conversion: Any) -> bool:
+            sources = [_glob(pattern) for pattern in getattr(conversion, "source_patterns", None) or ()]
+            targets = [str(pattern) for pattern in getattr(conversion, "target_patterns", None) or ()]
+            if not targets or not any(source.search(weight) for source in sources for weight in weights):
+                return False
+            return not any(target in name for target in targets for name in parameters)
+
+        return [conversion for conversion in conversions if not foreign(conversion)]
+
+    setattr(own, _HOOKED, True)
+    return own
+
+
+def _glob(pattern: str) -> re.Pattern[str]:
+    """A converter's source pattern (``.experts.*.w1.weight``) as a regular expression, taken literally
+    except for ``*`` (one name part); a pattern written as a regular expression matches nothing here."""
+    return re.compile(r"[^.]+".join(re.escape(part) for part in str(pattern).split("*")))
+
+
+def _hook_conversions(*, load: bool = True) -> None:
+    """Keep the expert-target rewrites of PEFT and of transformers 5.3 off the shown experts'
+    linears (``_keep_on_linears``), and their adapter weights off the converters that stack
+    per-expert weights (``_own_conversions``), in each of their modules that is imported
+    (PEFT's also imported here with ``load``: it is imported only when an adapter is put in,
+    and must not be while peft itself is being imported)."""
+    for name in _CONVERSIONS:
+        module = sys.modules.get(name)
+        if module is None and load and name == _CONVERSIONS[0]:
+            try:
+                module = importlib.import_module(name)
+            except ImportError:  # a peft without transformers-5 conversions rewrites nothing
+                continue
+        if module is None:
+            continue
+        with _lock:
+            for attribute, wrap in (
+                ("convert_peft_config_for_transformers", _keep_on_linears),
+                ("get_model_conversion_mapping", _own_conversions),
+            ):
+                function = getattr(module, attribute, None)
+                if function is not None and not getattr(function, _HOOKED, False):
+                    setattr(module, attribute, wrap(function))
+
+
 def watch_peft() -> None:
     """Hook peft's adapter injection now if peft is imported, else when it is.  Idempotent, cheap."""
+    _hook_conversions(load=False)
     tuners = sys.modules.get(_TUNERS)
     if tuners is not None:
         _hook(tuners)
@@ -310,6 +480,7 @@ def watch_peft() -> None:
             sys.meta_path.insert(0, _Watcher())
 
 
-def declares_packed_modules(classes: Sequence[type]) -> bool:
-    """Whether any of ``classes`` (a plan's replacements) declares packed modules."""
-    return any(getattr(cls, PACKED_MODULES, None) for cls in classes)
+def concerns_adapters(classes: Sequence[type]) -> bool:
+    """Whether any of ``classes`` (a plan's replacements) declares packed modules or
+    ``hfpatch_hidden_from_adapters``: then PEFT's adapter injection must be hooked."""
+    return any(getattr(cls, PACKED_MODULES, None) or hasattr(cls, HIDDEN_FROM_ADAPTERS) for cls in classes)

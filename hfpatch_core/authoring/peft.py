@@ -409,8 +409,12 @@ def _own_conversions(get_mapping: Any) -> Any:
     that an adapter saved on a per-expert model lands on the 3-D experts; on a model whose
     experts are per-expert ``nn.Linear`` (shown, ``_keep_on_linears``), those converters
     would move the weights of the adapters on them to parameters the model lacks.  A
-    converter is left out when a source pattern matches a shown linear's weight and no
-    parameter of the model has a target's name: it is not this model's.
+    converter is left out when it concerns the shown linears or the modules holding them (a
+    pattern's stem ends one of their paths: the per-expert weights it stacks, the 3-D
+    tensors it realigns) and no parameter of the model has a target's name (it is not this
+    model's), or when a target
+    pattern matches one (it builds the linears from a checkpoint's layout, as a pack's split
+    of 3-D experts does: the adapter names the linears themselves).
     """
     if getattr(get_mapping, _HOOKED, False):
         return get_mapping
@@ -422,12 +426,21 @@ def _own_conversions(get_mapping: Any) -> Any:
         if not linears or not conversions:
             return conversions
         weights = [f"{path}.weight" for path in linears]
+        # the linears and the modules holding them: a pattern's stem (``mlp.experts.*.w1`` of
+        # ``...w1.weight``, ``mlp.experts`` of ``mlp.experts.gate_up_proj``) ending one concerns them
+        holders = [*linears, *{at for at, _ in linears.values()}]
         parameters = [name for name, _ in model.named_parameters()]
 
+        def concerns(pattern: str) -> bool:
+            stem = re.compile(_glob(pattern.rsplit(".", 1)[0]).pattern + "$")
+            return any(stem.search(path) for path in holders)
+
         def foreign(conversion: Any) -> bool:
-            sources = [_glob(pattern) for pattern in getattr(conversion, "source_patterns", None) or ()]
+            sources = [str(pattern) for pattern in getattr(conversion, "source_patterns", None) or ()]
             targets = [str(pattern) for pattern in getattr(conversion, "target_patterns", None) or ()]
-            if not targets or not any(source.search(weight) for source in sources for weight in weights):
+            if any(_glob(target).search(weight) for target in targets for weight in weights):
+                return True  # builds the linears' weights from another layout (a pack's split of 3-D tensors)
+            if not targets or not any(concerns(pattern) for pattern in (*sources, *targets)):
                 return False
             return not any(target in name for target in targets for name in parameters)
 

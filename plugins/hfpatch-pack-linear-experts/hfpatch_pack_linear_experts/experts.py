@@ -204,8 +204,8 @@ class LinearExperts(nn.Module):
     def _gate_joined(self, gate_up: torch.Tensor) -> torch.Tensor:
         """The gating of a joined gate/up output, whose rows are in the class's own (interleaved) order."""
         if self.layout.custom_gate:
-            return self._apply_gate(gate_up)  # type: ignore[operator, no-any-return]
-        return self.act_fn(gate_up[..., 0::2]) * gate_up[..., 1::2]  # type: ignore[operator, no-any-return]
+            return self._apply_gate(gate_up)  # type: ignore[operator]
+        return self.act_fn(gate_up[..., 0::2]) * gate_up[..., 1::2]  # type: ignore[operator]
 
     def _gate(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         layout = self.layout

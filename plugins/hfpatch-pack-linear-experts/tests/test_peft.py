@@ -3,8 +3,8 @@
 On transformers 5 PEFT rewrites expert names (``w1``, ``gate_proj``, ...) into ``target_parameters``
 on the 3-D experts; hfpatch keeps names that reach a linear-experts module's linears off that
 rewrite, so the adapter lands on every expert's projection, saves and reloads under those names,
-and merges into a checkpoint vanilla transformers loads.  gpt_oss is left out: its per-expert
-layout is changing.
+and merges into a checkpoint vanilla transformers loads.  gpt_oss's checkpoint stores gate and up
+interleaved in one 3-D tensor: its experts are ``gate_up_proj`` / ``down_proj`` linears.
 """
 
 from __future__ import annotations
@@ -23,8 +23,12 @@ from transformers.integrations.peft import MIN_PEFT_VERSION
 from conftest import PACK, PAD, VOCAB
 from hfpatch_core.testing import load_model, logits_of, padded_batch, safetensors_of
 
-#: Per family: the per-expert projection names its checkpoints use (gate, up, down).
-NAMES = {"mixtral": ("w1", "w3", "w2"), "deepseek_v3": ("gate_proj", "up_proj", "down_proj")}
+#: Per family: the names of each expert's projections, as its checkpoints name them (the last is down).
+NAMES = {
+    "mixtral": ("w1", "w3", "w2"),
+    "deepseek_v3": ("gate_proj", "up_proj", "down_proj"),
+    "gpt_oss": ("gate_up_proj", "down_proj"),
+}
 
 
 def lora(targets: object, seed: int) -> LoraConfig:
@@ -60,7 +64,7 @@ def test_lora_on_every_expert_trains_saves_reloads_and_merges(
     base = load_model(path, PACK)
     linears = expert_linears(base)
     moe_layers = {p.split(".mlp.")[0] for p in linears}
-    assert len(linears) == len(moe_layers) * 4 * 3 and moe_layers  # every MoE layer: 4 experts, 3 projections
+    assert len(linears) == len(moe_layers) * 4 * len(names) and moe_layers  # every MoE layer: 4 experts
 
     model = get_peft_model(base, lora(list(names), 0))
     reached = adapted(model)
@@ -121,7 +125,7 @@ def test_lora_on_every_expert_trains_saves_reloads_and_merges(
 def test_a_subset_or_all_linear_reaches_the_experts_as_named(checkpoints: dict[str, Path], name: str) -> None:
     """One projection alone (PEFT refuses ``w1`` without ``w3`` on the 3-D experts, where they are fused),
     ``"all-linear"`` and a regular expression reach the per-expert linears as on a per-expert model."""
-    path, (gate, _, down) = checkpoints[name], NAMES[name]
+    path, gate, down = checkpoints[name], NAMES[name][0], NAMES[name][-1]
     linears = expert_linears(load_model(path, PACK))
     alone = get_peft_model(load_model(path, PACK), lora([gate], 0))
     assert {p for p in adapted(alone) if ".experts." in p} == {p for p in linears if p.endswith(f".{gate}")}
@@ -137,7 +141,7 @@ def test_a_subset_or_all_linear_reaches_the_experts_as_named(checkpoints: dict[s
 )
 @pytest.mark.parametrize("name", list(NAMES))
 def test_transformers_add_adapter_reaches_the_experts(checkpoints: dict[str, Path], name: str) -> None:
-    path, (_, up, _) = checkpoints[name], NAMES[name]
+    path, up = checkpoints[name], NAMES[name][-2]
     model = load_model(path, PACK)
     linears = expert_linears(model)
     model.add_adapter(lora([up], 0))

@@ -32,8 +32,17 @@ PACK_TEST_SITE_OLDEST := $(VENV_OLDEST)/pack-test-libraries
 TRANSFORMERS_REQUIREMENTS := huggingface-hub numpy packaging pyyaml regex tokenizers typer safetensors tqdm kernels
 CORE_REQUIREMENTS := torch pluggy importlib-metadata cookiecutter
 export USE_HUB_KERNELS := 0
+# Two jobs at a time in `make test` (CI has two cores): the two venvs build together, lint and
+# mypy and the docs run together, and the eight pack suites (two releases x four packs) run two
+# at a time, each a single process (their tiny models gain nothing from a second worker).
+TEST_JOBS ?= 2
+# The suites' models are tiny: one intra-op thread each.  torch's default (one per core) puts
+# 4 threads on 2 cores under `-n 2`, and OpenMP's spin-waits then burn the cores the other
+# worker needs (measured on the core suite's training files: 49 s of CPU instead of 61-78).
+# Subprocesses (the CLI, torchrun, docs commands) inherit it.
+SUITE_ENV := OMP_NUM_THREADS=1
 
-.PHONY: all venv venv-oldest demo dist test lint typecheck docs unit unit-oldest compat interop clean
+.PHONY: all venv venv-oldest demo dist test checks lint typecheck docs unit unit-oldest core core-oldest pack-suites pack-suites-oldest compat interop clean
 
 all: test
 
@@ -49,15 +58,22 @@ $(VENV_OLDEST)/.installed: pyproject.toml constraints-oldest.txt docs/requiremen
 	$(BIN_OLDEST)/python -m pip install $(PIP_FLAGS) -c constraints-oldest.txt -r docs/requirements.txt pytest pytest-xdist hypothesis hatchling ruff import-linter peft accelerate -e .
 	touch $@
 
-# --no-build-isolation: the venv's hatchling builds the wheels, so nothing is fetched
-$(PACKS_SITE)/.installed: $(VENV)/.installed $(PLUGIN_SOURCES)
-	rm -rf $(PACKS_SITE)
-	$(BIN)/python -m pip install $(PIP_FLAGS) --no-deps --no-build-isolation --target $(PACKS_SITE) $(PLUGINS)
+# The first-party packs' wheels, built once (--no-build-isolation: the venv's hatchling builds
+# them, so nothing is fetched) and installed into both venvs' packs sites.
+PACK_WHEELS := $(VENV)/first-party-wheels
+$(PACK_WHEELS)/.built: $(VENV)/.installed $(PLUGIN_SOURCES)
+	rm -rf $(PACK_WHEELS)
+	$(BIN)/python -m pip wheel $(PIP_FLAGS) --no-deps --no-build-isolation -w $(PACK_WHEELS) $(PLUGINS)
 	touch $@
 
-$(PACKS_SITE_OLDEST)/.installed: $(VENV_OLDEST)/.installed $(PLUGIN_SOURCES)
+$(PACKS_SITE)/.installed: $(VENV)/.installed $(PACK_WHEELS)/.built
+	rm -rf $(PACKS_SITE)
+	$(BIN)/python -m pip install $(PIP_FLAGS) --no-deps --target $(PACKS_SITE) $(PACK_WHEELS)/*.whl
+	touch $@
+
+$(PACKS_SITE_OLDEST)/.installed: $(VENV_OLDEST)/.installed $(PACK_WHEELS)/.built
 	rm -rf $(PACKS_SITE_OLDEST)
-	$(BIN_OLDEST)/python -m pip install $(PIP_FLAGS) --no-deps --no-build-isolation --target $(PACKS_SITE_OLDEST) $(PLUGINS)
+	$(BIN_OLDEST)/python -m pip install $(PIP_FLAGS) --no-deps --target $(PACKS_SITE_OLDEST) $(PACK_WHEELS)/*.whl
 	touch $@
 
 $(PACK_TEST_SITE)/.installed: $(VENV)/.installed constraints.txt
@@ -96,17 +112,43 @@ typecheck: venv
 docs: venv
 	PYTHONPATH=$(PACKS_SITE) NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict -d .site
 
-# The core suite, then each first-party pack's own suite from its directory.
-unit: venv
-	$(BIN)/python -m pytest $(PYTEST_FLAGS) $(PYTEST_WORKERS)
-	@for plugin in $(PLUGINS); do echo "== $$plugin"; (cd $$plugin && PYTHONPATH=$(CURDIR)/$(PACKS_SITE):$(CURDIR)/$(PACK_TEST_SITE) $(CURDIR)/$(BIN)/python -m pytest $(PYTEST_FLAGS)) || exit 1; done
+# The core suite, then each first-party pack's own suite from its directory (one target per
+# suite, so that `make -j2` runs two at once; -Otarget keeps each suite's output together).
+PACK_SUITES := $(addprefix suite/,$(PLUGINS))
+PACK_SUITES_OLDEST := $(addprefix suite-oldest/,$(PLUGINS))
+
+core: venv
+	$(SUITE_ENV) $(BIN)/python -m pytest $(PYTEST_FLAGS) $(PYTEST_WORKERS)
+
+pack-suites: $(PACK_SUITES)
+$(PACK_SUITES): suite/%: venv
+	@echo "== $*"
+	cd $* && $(SUITE_ENV) PYTHONPATH=$(CURDIR)/$(PACKS_SITE):$(CURDIR)/$(PACK_TEST_SITE) $(CURDIR)/$(BIN)/python -m pytest $(PYTEST_FLAGS)
+
+unit: core
+	$(MAKE) --no-print-directory -j$(TEST_JOBS) -Otarget pack-suites
 
 # The same suites against transformers 5.3.0, the oldest release hfpatch supports.
-unit-oldest: venv-oldest
-	$(BIN_OLDEST)/python -m pytest $(PYTEST_FLAGS) $(PYTEST_WORKERS)
-	@for plugin in $(PLUGINS); do echo "== $$plugin"; (cd $$plugin && PYTHONPATH=$(CURDIR)/$(PACKS_SITE_OLDEST):$(CURDIR)/$(PACK_TEST_SITE_OLDEST) $(CURDIR)/$(BIN_OLDEST)/python -m pytest $(PYTEST_FLAGS)) || exit 1; done
+core-oldest: venv-oldest
+	$(SUITE_ENV) $(BIN_OLDEST)/python -m pytest $(PYTEST_FLAGS) $(PYTEST_WORKERS)
 
-test: lint typecheck docs unit unit-oldest
+pack-suites-oldest: $(PACK_SUITES_OLDEST)
+$(PACK_SUITES_OLDEST): suite-oldest/%: venv-oldest
+	@echo "== $* (oldest)"
+	cd $* && $(SUITE_ENV) PYTHONPATH=$(CURDIR)/$(PACKS_SITE_OLDEST):$(CURDIR)/$(PACK_TEST_SITE_OLDEST) $(CURDIR)/$(BIN_OLDEST)/python -m pytest $(PYTEST_FLAGS)
+
+unit-oldest: core-oldest
+	$(MAKE) --no-print-directory -j$(TEST_JOBS) -Otarget pack-suites-oldest
+
+checks: lint typecheck docs
+
+# Every check, two jobs at a time (TEST_JOBS): the venvs, then lint, mypy and the docs, then
+# each core suite (two workers of its own), then the eight pack suites.
+test:
+	$(MAKE) --no-print-directory -j$(TEST_JOBS) -Otarget venv venv-oldest
+	$(MAKE) --no-print-directory -j$(TEST_JOBS) -Otarget checks
+	$(MAKE) --no-print-directory core core-oldest
+	$(MAKE) --no-print-directory -j$(TEST_JOBS) -Otarget pack-suites pack-suites-oldest
 
 # The zoo table: every first-party pack against every causal-LM model type of the newest
 # supported transformers (hfpatch verify PACK --all-model-types, one process per pack), written

@@ -33,8 +33,8 @@ The helpers live in one module per job, and every name is importable from here:
 ``padded_batch``, ``logits_of``, ``safetensors_of``), ``equivalence``
 (``check_pack_equivalence``, ``assert_pack_equivalent``, ``Report``), ``training``
 (``check_training_equivalence``, ``TrainingReport``, ``TrainingTolerances``,
-``training_batches``), ``routing`` (``HeldRouting``) and ``trainer`` (``trainer_losses``, ``TrainerBatches``: short
-``transformers.Trainer`` runs for checkpoint and resume tests).
+``training_batches``, ``adapter_steps``), ``routing`` (``HeldRouting``) and ``trainer`` (``trainer_losses``,
+``TrainerBatches``: short ``transformers.Trainer`` runs for checkpoint and resume tests).
 """
 
 from __future__ import annotations
@@ -64,6 +64,7 @@ from .training import (
     FP32_TOLERANCES,
     TrainingReport,
     TrainingTolerances,
+    adapter_steps,
     check_training_equivalence,
     training_batches,
 )
@@ -83,6 +84,7 @@ __all__ = [
     "TrainerBatches",
     "TrainingReport",
     "TrainingTolerances",
+    "adapter_steps",
     "assert_pack_equivalent",
     "check_pack_equivalence",
     "check_tiny_checkpoint",

@@ -209,6 +209,26 @@ def _checkpoint_layout(model: Any, tensors: dict[str, torch.Tensor]) -> dict[str
     return {key: value.detach().float().clone() for key, value in reverted.items()}
 
 
+def adapter_steps(
+    model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, steps: int = 3, lr: float = 1e-2
+) -> list[float]:
+    """``steps`` AdamW steps on ``model``'s trainable parameters (an adapter's: PEFT freezes the rest),
+    the batch its own labels; the model is left in training mode.  Returns each step's loss.
+
+    A pack test's check that an adapter on the pack's modules trains: the losses move, and the
+    adapter's weights with them."""
+    model.train()
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
+    losses = []
+    for _ in range(steps):
+        loss = model(input_ids=input_ids, attention_mask=attention_mask, labels=input_ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(float(loss.item()))
+    return losses
+
+
 def _train(
     model: Any,
     batches: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],

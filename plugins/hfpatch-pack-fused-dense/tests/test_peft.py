@@ -20,7 +20,7 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from conftest import PACK, PAD, VOCAB
 from hfpatch_core import AdapterError
 from hfpatch_core.authoring.packing import PackedPart
-from hfpatch_core.testing import load_model, logits_of, padded_batch, safetensors_of
+from hfpatch_core.testing import adapter_steps, load_model, logits_of, padded_batch, safetensors_of
 
 ATOL = 1e-5
 
@@ -46,15 +46,7 @@ def test_lora_on_the_original_names_trains_and_loads_on_vanilla(
     assert isinstance(attention.q_proj.base_layer, PackedPart)
     assert isinstance(attention.k_proj, PackedPart)  # shown, not wrapped
     frozen = {k: v.clone() for k, v in model.named_parameters() if not v.requires_grad}
-    model.train()
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-    losses = []
-    for _ in range(3):
-        loss = model(input_ids=ids, attention_mask=mask, labels=ids).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
+    losses = adapter_steps(model, ids, mask)
     assert losses[-1] < losses[0]
     assert all(torch.equal(value, dict(model.named_parameters())[key]) for key, value in frozen.items())
     model.eval()

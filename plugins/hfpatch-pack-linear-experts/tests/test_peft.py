@@ -21,7 +21,7 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from transformers.integrations.peft import MIN_PEFT_VERSION
 
 from conftest import PACK, PAD, VOCAB
-from hfpatch_core.testing import load_model, logits_of, padded_batch, safetensors_of
+from hfpatch_core.testing import adapter_steps, load_model, logits_of, padded_batch, safetensors_of
 
 #: Per family: the names of each expert's projections, as its checkpoints name them (the last is down).
 NAMES = {
@@ -73,15 +73,7 @@ def test_lora_on_every_expert_trains_saves_reloads_and_merges(
     before = {key: value.clone() for key, value in model.state_dict().items() if ".experts." in key and "lora_" in key}
     assert len(before) == 2 * len(linears)
 
-    model.train()
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-    losses = []
-    for _ in range(3):
-        loss = model(input_ids=ids, attention_mask=mask, labels=ids).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
+    losses = adapter_steps(model, ids, mask)
     assert losses[-1] != losses[0]
     after = model.state_dict()
     assert any(not torch.equal(after[key], value) for key, value in before.items()), "no expert adapter trained"

@@ -15,7 +15,7 @@ from peft import LoraConfig, PeftModel, get_peft_model
 
 from conftest import PACK, PAD, VOCAB
 from hfpatch_core import AdapterError
-from hfpatch_core.testing import load_model, logits_of, padded_batch, safetensors_of, trainer_losses
+from hfpatch_core.testing import adapter_steps, load_model, logits_of, padded_batch, safetensors_of, trainer_losses
 
 ATOL = 1e-5
 NAMES = ["q_proj", "v_proj", "gate_proj", "up_proj", "down_proj"]
@@ -44,12 +44,7 @@ def test_lora_both_ways_and_merge(checkpoints: dict[str, Path], tmp_path: Path) 
     # with the experts' names where they mean the shared expert only (no PEFT rewrite); else see the next test
     names = ["q_proj", "k_proj", "v_proj"] if peft_moves_experts("qwen2_moe") else NAMES
     patched = get_peft_model(load_model(path, PACK), lora(names, 0))
-    patched.train()
-    optimizer = torch.optim.AdamW([p for p in patched.parameters() if p.requires_grad], lr=1e-2)
-    for _ in range(2):
-        patched(input_ids=ids, attention_mask=mask, labels=ids).loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
+    adapter_steps(patched, ids, mask, steps=2)
     patched.eval()
     patched.save_pretrained(tmp_path / "patched-adapter")
     vanilla = PeftModel.from_pretrained(load_model(path), tmp_path / "patched-adapter")

@@ -483,6 +483,14 @@ def main() -> None:
     }
     (out / f"rank{RANK}.json").write_text(json.dumps(payload, indent=1))
     dist.destroy_process_group()
+    # The results are written.  Skip the interpreter's finalization: there, gloo's worker threads
+    # can still hold the async work of DDP / FSDP2 collectives, whose tensors then need the GIL of
+    # a dying interpreter, and the rank aborts ("terminate called without an active exception",
+    # SIGABRT) after its work is done (seen twice in CI on the train group; torch's proposed fix,
+    # an atexit destroy, was abandoned: pytorch/pytorch#179291).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

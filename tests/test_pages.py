@@ -67,24 +67,6 @@ def test_release_of_a_share_gives_back_what_reading_it_mapped_of_its_whole_tenso
     assert torch.equal(whole, expected)
 
 
-def test_release_of_a_part_alone_gives_back_only_its_own_pages(tmp_path):
-    """``whole_storage=False``, as a conversion copying one expert of a 3-D tensor at a time releases
-    each: the part's own whole pages go, the rest of the tensor stays resident, and no value changes."""
-    path = tmp_path / "model.safetensors"
-    save_file({"experts": torch.randn(4, _FLOATS // 4)}, str(path))
-    whole = safe_open(str(path), "pt").get_slice("experts")[...]
-    expected = whole.clone()  # maps every page of the tensor
-    assert _resident_pages(whole) > 250
-
-    released = release([whole[1]], whole_storage=False)
-
-    assert released >= _FLOATS - 2 * mmap.PAGESIZE  # the part's bytes, edges excepted
-    assert _resident_pages(whole[1]) <= 2
-    for other in (0, 2, 3):
-        assert _resident_pages(whole[other]) > 60  # 256 pages each, untouched
-    assert torch.equal(whole, expected)
-
-
 def test_release_never_touches_anonymous_memory():
     tensor = torch.randn(_FLOATS)
     expected = tensor.clone()

@@ -46,25 +46,21 @@ def _madvise() -> Any:
     return function
 
 
-def _ranges(tensors: Iterable[Any], whole_storage: bool) -> Iterator[tuple[int, int]]:
-    """The whole pages of the storage behind each contiguous CPU tensor (or, without
-    ``whole_storage``, of the tensor's own bytes), as ``(first page, end page)``.
+def _ranges(tensors: Iterable[Any]) -> Iterator[tuple[int, int]]:
+    """The whole pages of the storage behind each contiguous CPU tensor, as ``(first page, end page)``.
 
-    The storage, not only the tensor's own bytes, by default: a per-rank share (tensor
-    parallelism, FSDP2) is a view of the whole checkpoint tensor it was read from, and
-    reading the share maps more of that tensor than the share (the kernel's fault-around
-    and readahead), pages that no one else reads.  Releasing a clean file page changes no
-    value whoever uses it: a later read maps it again.
+    The storage, not only the tensor's own bytes: a per-rank share (tensor parallelism,
+    FSDP2) is a view of the whole checkpoint tensor it was read from, and reading the
+    share maps more of that tensor than the share (the kernel's fault-around and
+    readahead), pages that no one else reads.  Releasing a clean file page changes no value
+    whoever uses it: a later read maps it again.
     """
     for tensor in tensors:
         if getattr(tensor, "device", None) is None or tensor.device.type != "cpu" or not tensor.is_contiguous():
             continue
-        if whole_storage:
-            storage = tensor.untyped_storage()
-            start, end = storage.data_ptr(), storage.data_ptr() + storage.nbytes()
-        else:
-            start = tensor.data_ptr()
-            end = start + tensor.numel() * tensor.element_size()
+        storage = tensor.untyped_storage()
+        start = storage.data_ptr()
+        end = start + storage.nbytes()
         first, last = -(-start // _PAGE), end // _PAGE
         if last > first:
             yield first, last
@@ -84,26 +80,18 @@ def _file_pages(pagemap: int, first: int, last: int) -> Iterator[tuple[int, int]
         yield run, first + len(entries)
 
 
-def release(tensors: Iterable[Any], *, whole_storage: bool = True) -> int:
+def release(tensors: Iterable[Any]) -> int:
     """Unmap the file pages that ``tensors`` (views of a memory-mapped checkpoint) occupy.
 
     Called by a conversion once it has copied its sources into the tensor it returns,
     and only then: the sources stay valid (a read maps the page again), but their
     pages no longer count in the process's resident memory.
 
-    Args:
-        tensors: the copied sources.
-        whole_storage: release every page of each source's storage (the default: a share
-            of a larger tensor reads around itself); ``False``: only the pages that lie
-            wholly within the source's own bytes, for a conversion that copies one part of
-            a tensor at a time and releases each part as it goes (each call then reads the
-            page map of that part only).
-
     Returns:
         The number of bytes released (0 where nothing was file-backed, or off Linux).
     """
     madvise = _madvise()
-    ranges = list(_ranges(tensors, whole_storage))
+    ranges = list(_ranges(tensors))
     if madvise is None or not ranges:
         return 0
     try:

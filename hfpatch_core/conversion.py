@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -87,6 +88,14 @@ class Converter:
                 f"e.g. {field}=({example},)."
             )
         return values
+
+
+def pattern_regex(pattern: str) -> re.Pattern[str] | None:
+    """A transform's source or target pattern as a regular expression (``*`` stands for an index), or None."""
+    try:
+        return re.compile(pattern.replace("*", r"\d+"))
+    except re.error:
+        return None
 
 
 def source_patterns_of(transform: Any) -> tuple[str, ...]:

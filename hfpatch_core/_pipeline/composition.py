@@ -11,12 +11,11 @@ for that key minus the transforms a converter ``replaces``.  Which converters wi
 from __future__ import annotations
 
 import dataclasses
-import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from .. import _compat
-from ..conversion import source_patterns_of
+from ..conversion import pattern_regex, source_patterns_of
 from ..plan import BUILTIN, ComposedTransform, Conversions, ConverterClaim, Removal
 from .resolution import rank
 
@@ -24,7 +23,6 @@ __all__ = [
     "BUILTIN",
     "ConversionScope",
     "compose",
-    "pattern_regex",
     "patterns_overlap",
     "scope_for",
 ]
@@ -32,14 +30,6 @@ __all__ = [
 
 def _example(pattern: str) -> str:
     return pattern.replace("*", "0").replace("\\", "").strip("^$")
-
-
-def pattern_regex(pattern: str) -> re.Pattern[str] | None:
-    """A transform's source or target pattern as a regular expression (``*`` stands for an index), or None."""
-    try:
-        return re.compile(pattern.replace("*", r"\d+"))
-    except re.error:
-        return None
 
 
 def patterns_overlap(first: str, second: str) -> bool:

@@ -19,10 +19,9 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from .._pipeline.composition import pattern_regex
 from .._scope import vanilla
 from ..authoring.peft import concerns_adapters, watch_peft
-from ..conversion import source_patterns_of, target_patterns_of
+from ..conversion import pattern_regex, source_patterns_of, target_patterns_of
 from ..errors import PackWarning, WeightLayoutError
 from ..plan import BUILTIN, Plan, plan_of
 from . import provenance

@@ -20,6 +20,8 @@ from typing import Any
 
 import torch.nn as nn
 
+from ..conversion import pattern_regex, source_patterns_of, target_patterns_of
+
 #: The class attribute of a module holding as submodules what the original model holds as
 #: parameters.  ``True``: PEFT's lists of names must not reach them (``peft._exclude_hidden``),
 #: the original model has no such modules.  ``False``: they are ``nn.Linear`` under the names
@@ -109,7 +111,7 @@ def _keep_on_linears(convert: Any) -> Any:
 
 def _own_conversions(get_mapping: Any) -> Any:
     """``get_mapping`` (transformers' ``get_model_conversion_mapping``, as PEFT's adapter loads
-    call it) without the converters that stack a shown module's per-expert linears.
+    call it) without the converters that concern a shown module's per-expert linears.
 
     Loading an adapter (``PeftModel.from_pretrained``, ``model.load_adapter``), PEFT and
     transformers turn the model type's converters into ones for the adapter's weights, so
@@ -119,9 +121,9 @@ def _own_conversions(get_mapping: Any) -> Any:
     converter is left out when it concerns the shown linears or the modules holding them (a
     pattern's stem ends one of their paths: the per-expert weights it stacks, the 3-D
     tensors it realigns) and no parameter of the model has a target's name (it is not this
-    model's), or when a target
-    pattern matches one (it builds the linears from a checkpoint's layout, as a pack's split
-    of 3-D experts does: the adapter names the linears themselves).
+    model's), or when a target pattern matches one (it builds the linears from a checkpoint's
+    layout, as a pack's split of 3-D experts does: the adapter names the linears themselves).
+    Patterns read as transformers reads them (``conversion.pattern_regex``).
     """
     if getattr(get_mapping, _HOOKED, False):
         return get_mapping
@@ -138,14 +140,17 @@ def _own_conversions(get_mapping: Any) -> Any:
         holders = [*linears, *{at for at, _ in linears.values()}]
         parameters = [name for name, _ in model.named_parameters()]
 
+        def matches(pattern: str, paths: list[str]) -> bool:
+            compiled = pattern_regex(pattern)
+            return compiled is not None and any(compiled.search(path) for path in paths)
+
         def concerns(pattern: str) -> bool:
-            stem = re.compile(_glob(pattern.rsplit(".", 1)[0]).pattern + "$")
-            return any(stem.search(path) for path in holders)
+            return matches(f"(?:{pattern.rsplit('.', 1)[0]})$", holders)
 
         def foreign(conversion: Any) -> bool:
-            sources = [str(pattern) for pattern in getattr(conversion, "source_patterns", None) or ()]
-            targets = [str(pattern) for pattern in getattr(conversion, "target_patterns", None) or ()]
-            if any(_glob(target).search(weight) for target in targets for weight in weights):
+            sources = source_patterns_of(conversion)
+            targets = target_patterns_of(conversion)
+            if any(matches(target, weights) for target in targets):
                 return True  # builds the linears' weights from another layout (a pack's split of 3-D tensors)
             if not targets or not any(concerns(pattern) for pattern in (*sources, *targets)):
                 return False
@@ -155,12 +160,6 @@ def _own_conversions(get_mapping: Any) -> Any:
 
     setattr(own, _HOOKED, True)
     return own
-
-
-def _glob(pattern: str) -> re.Pattern[str]:
-    """A converter's source pattern (``.experts.*.w1.weight``) as a regular expression, taken literally
-    except for ``*`` (one name part); a pattern written as a regular expression matches nothing here."""
-    return re.compile(r"[^.]+".join(re.escape(part) for part in str(pattern).split("*")))
 
 
 def _hook_conversions(*, load: bool = True) -> None:

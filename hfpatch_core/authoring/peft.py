@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import copy
 import functools
-import importlib
 import importlib.abc
 import importlib.machinery
 import re
@@ -83,8 +82,9 @@ def prepare_model(model: nn.Module, config: Any) -> int:
     """
     _hook_conversions()
     hidden = _hidden_modules(model)
-    if hidden or _shown_linears(model):
-        _refuse_converted_targets(model, config, hidden)
+    shown = _shown_linears(model)
+    if hidden or shown:
+        _refuse_converted_targets(model, config, hidden, shown)
     if hidden:
         _exclude_hidden(config, hidden)
     packed = [(name, module) for name, module in model.named_modules() if packed_modules(module)]
@@ -127,7 +127,12 @@ def _hidden_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return [(name, module) for name, module in modules if getattr(type(module), HIDDEN_FROM_ADAPTERS, False)]
 
 
-def _refuse_converted_targets(model: nn.Module, config: Any, hidden: list[tuple[str, nn.Module]]) -> None:
+def _refuse_converted_targets(
+    model: nn.Module,
+    config: Any,
+    hidden: list[tuple[str, nn.Module]],
+    shown: dict[str, tuple[str, nn.Module]],
+) -> None:
     """Refuse an adapter that PEFT would put on the original model's parameters that a pack made modules.
 
     On transformers 5, PEFT rewrites the targets of some MoE model types (qwen3_moe, mixtral,
@@ -142,7 +147,6 @@ def _refuse_converted_targets(model: nn.Module, config: Any, hidden: list[tuple[
         from peft.utils.transformers_weight_conversion import convert_peft_config_for_transformers
     except ImportError:  # a peft without transformers-5 conversions rewrites nothing
         return
-    shown = _shown_linears(model)
     holder = hidden[0] if hidden else next(iter(shown.values()))
     pack = _pack_of(model, holder[1])
     if hidden:

@@ -160,10 +160,10 @@ def run_family(family: str, sizes: dict[str, int], rounds: int) -> list[str]:
         "expert Linears",
     ]
     print(table(header, rows))
-    peak = median([r["peak"] for r in samples[PACK]]) / median([r["peak"] for r in samples["vanilla"]])
+    pack_peak, vanilla_peak = (median([r["peak"] for r in samples[packs]]) for packs in (PACK, "vanilla"))
+    peak, extra = pack_peak / vanilla_peak, (pack_peak - vanilla_peak) / 2**20
     seconds = median([r["seconds"] for r in samples[PACK]]) / median([r["seconds"] for r in samples["vanilla"]])
     run = median([r["peak_run"] for r in samples[PACK]]) / median([r["peak_run"] for r in samples["vanilla"]])
-    extra = (median([r["peak"] for r in samples[PACK]]) - median([r["peak"] for r in samples["vanilla"]])) / 2**20
     return [
         family,
         f"{peak:.2f}",

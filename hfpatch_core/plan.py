@@ -290,14 +290,16 @@ class Plan:
         inner = "".join(
             f"; inside, {plan.summary().removeprefix('hfpatch: ').rsplit(' (plan', 1)[0]}"
             for plan in self.nested
-            if plan.replaced or plan.conversions
+            if plan.replaced or plan.conversions or plan.refused
         )
         # only what replaced a class of the model: a registered target that matched none is no patch
         parts = ", ".join(
             f"{name} <- {claim.patch.replacement.__qualname__} [{claim.label}]"
             for name, claim in sorted(self.replaced.items())
         )
-        return f"hfpatch: {where}: {parts or 'no patch applied'}{converted}{inner} (plan {self.fingerprint})"
+        # a refusal is why a pack that was asked for changed nothing: the log line says so
+        refused = "".join(f"; {refusal.target} refused by {refusal.pack}: {refusal.reason}" for refusal in self.refused)
+        return f"hfpatch: {where}: {parts or 'no patch applied'}{converted}{refused}{inner} (plan {self.fingerprint})"
 
 
 def plan_of(model: object) -> Plan | None:

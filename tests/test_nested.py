@@ -87,3 +87,36 @@ def test_sub_model_converters_keep_their_scoping(install, llava_checkpoint, tmp_
     hfpatch_core.disable()
     reloaded = AutoModelForImageTextToText.from_pretrained(tmp_path / "saved")
     torch.testing.assert_close(text_logits(reloaded), text_logits(vanilla), rtol=0, atol=1e-5)
+
+
+TORCH_STATE_SPY = """
+import torch
+from hfpatch_core import hookimpl
+seen = []
+@hookimpl
+def provide_patches(context):
+    seen.append((
+        context.model_type,
+        str(torch.empty(0).device),
+        torch.get_default_dtype(),
+        torch.is_grad_enabled(),
+        torch.is_inference_mode_enabled(),
+    ))
+    return []
+"""
+
+
+def test_hooks_see_a_plain_torch_state_whatever_the_load_runs_under(install, llava_checkpoint) -> None:
+    # a nested load runs under transformers' meta device and the load's dtype, apply() under
+    # no_grad, a user's load often under inference_mode: a hook that probes modules must see none of it
+    install(PackSpec("torchspy", TORCH_STATE_SPY))
+    import hfpatch_test_pack_torchspy as spy
+
+    with torch.inference_mode(), hfpatch_core.enabled(packs="torchspy"):
+        model = AutoModelForImageTextToText.from_pretrained(llava_checkpoint, dtype=torch.bfloat16)
+    vanilla = LlavaForConditionalGeneration.from_pretrained(llava_checkpoint)
+    hfpatch_core.apply(vanilla, packs="torchspy")
+    types = {model_type for model_type, *_ in spy.seen}
+    assert {"llava", "llama", "clip_vision_model"} <= types
+    assert {tuple(state) for _, *state in spy.seen} == {("cpu", torch.float32, True, False)}
+    assert torch.get_default_dtype() == torch.float32 and model.dtype == torch.bfloat16

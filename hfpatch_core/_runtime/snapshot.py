@@ -25,11 +25,12 @@ not touch hfpatch's own session (enabling or disabling hfpatch is the caller's p
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import operator
 import sys
 import types
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -442,15 +443,39 @@ class Registries:
 
 
 class _HookGuard:
-    """The ``HookGuard`` gathering calls packs' hooks under: the load lock, and ``Registries``."""
+    """The ``HookGuard`` gathering calls packs' hooks under: the load lock, a plain torch state,
+    and ``Registries``."""
 
     def hold(self) -> AbstractContextManager[Any]:
-        from .._scope import LOAD_LOCK
-
-        return LOAD_LOCK
+        return _plain_torch_state()
 
     def capture(self) -> Registries:
         return Registries.capture()
+
+
+@contextlib.contextmanager
+def _plain_torch_state() -> Iterator[None]:
+    """The load lock, with torch as a plain program has it: CPU tensors, float32, autograd on.
+
+    A hook may build and run modules to find what it patches (probes), and its answer must
+    not depend on where the load it serves was started: a nested sub-model load runs under
+    transformers' meta device and the load's dtype, ``apply()`` under ``no_grad``, a user's
+    ``from_pretrained`` often under ``torch.inference_mode()``.  A probe that saw those
+    would refuse, or fail, and its cached verdict would hold for every later load.
+    """
+    import torch
+
+    from .._scope import LOAD_LOCK
+
+    # under the lock: the default dtype is process-wide, and only hfpatch's loads change it here
+    with LOAD_LOCK:
+        dtype = torch.get_default_dtype()
+        torch.set_default_dtype(torch.float32)
+        try:
+            with torch.device("cpu"), torch.inference_mode(False), torch.enable_grad():
+                yield
+        finally:
+            torch.set_default_dtype(dtype)
 
 
 #: What every ``PackSet`` calls hooks under (``gathering.HookGuard``).

@@ -497,47 +497,49 @@ def test_verify_prints_a_table_and_fails_a_bad_pack(install) -> None:
     site = install(PackSpec("mlp", MLP_PACK), PackSpec("doubling", DOUBLING_PACK))
     good = run(HFPATCH, "verify", "mlp", "--json", site=site)
     assert good.returncode == 0, good.stderr
-    (report,) = json.loads(good.stdout)["reports"]
-    assert report["model_type"] == "llama" and report["replaced"] == {"LlamaMLP": "PackMLP"} and report["ok"]
-    assert report["apply_path"] is True
-    assert "[1/1] verifying mlp on llama" in good.stderr
-    # transformers' progress bars (Loading weights, Writing model shards) are off: the progress line is all
-    assert good.stderr.splitlines() == ["[1/1] verifying mlp on llama ..."], good.stderr
+    (row,) = json.loads(good.stdout)["rows"]
+    assert (row["model_type"], row["verdict"], row["verified"]) == ("llama", "exact", "LlamaForCausalLM (llama)")
+    report = row["report"]
+    assert report["replaced"] == {"LlamaMLP": "PackMLP"} and report["ok"] and report["apply_path"] is True
+    # transformers' progress bars (Loading weights, Writing model shards) and notices are off: progress is all
+    assert good.stderr.splitlines() == ["[1/1] verifying mlp on llama ...", "[1/1] mlp on llama: exact"], good.stderr
     bad = run(HFPATCH, "verify", "doubling", "mlp", "--model-type", "llama", site=site)
     assert bad.returncode == 1
-    assert "verdict" in bad.stdout and "FAIL" in bad.stdout and "PASS" in bad.stdout
-    assert "doubling on llama: logits differ" in bad.stdout
+    assert "verdict" in bad.stdout and "FAILED" in bad.stdout and "exact" in bad.stdout
+    assert "doubling on llama: failed: logits differ" in bad.stdout
 
 
-# Patches only where autograd records: a load (grad on) replaces LlamaMLP, apply() (which plans under
-# torch.no_grad) replaces nothing, so the apply path differs from the load while the load is fine.
-TRAINING_ONLY_PACK = """
-import torch
+# Patches everywhere but under hfpatch_core.apply(): a load replaces LlamaMLP, apply() replaces
+# nothing, so the apply path differs from the load while the load is fine.
+LOAD_ONLY_PACK = """
+import inspect
 from hfpatch_core import Patch, hookimpl
 from transformers.models.llama.modeling_llama import LlamaMLP
 
-class TrainingMLP(LlamaMLP):
+class LoadOnlyMLP(LlamaMLP):
     pass
 
 @hookimpl
 def provide_patches(context):
-    if context.model_type != "llama" or not torch.is_grad_enabled():
+    applying = any(frame.filename.endswith("inplace.py") for frame in inspect.stack(0))
+    if context.model_type != "llama" or applying:
         return []
-    return [Patch("LlamaMLP", TrainingMLP)]
+    return [Patch("LlamaMLP", LoadOnlyMLP)]
 """
 
 
 def test_verify_checks_the_apply_path_and_fails_a_pack_only_it_catches(install) -> None:
-    site = install(PackSpec("mlp", MLP_PACK), PackSpec("training-only", TRAINING_ONLY_PACK))
-    result = run(HFPATCH, "verify", "mlp", "training-only", "--model-type", "llama", site=site)
+    site = install(PackSpec("mlp", MLP_PACK), PackSpec("load-only", LOAD_ONLY_PACK))
+    result = run(HFPATCH, "verify", "mlp", "load-only", "--model-type", "llama", site=site)
     assert result.returncode == 1, result.stderr
     lines = result.stdout.splitlines()
     header = [cell.strip() for cell in lines[0].split("  ") if cell.strip()]
     rows = {line.split()[0]: line.split() for line in lines[2:4]}
     assert header[-2:] == ["apply path", "verdict"]
-    assert rows["mlp"][-4:] == ["match", "ok", "ok", "PASS"]
-    assert rows["training-only"][-4:] == ["match", "ok", "FAILED", "FAIL"]  # only the apply path fails
-    assert "training-only on llama: apply() gives other modules than the load at model.layers.0.mlp" in result.stdout
+    assert rows["mlp"][-4:] == ["match", "ok", "ok", "exact"]
+    assert rows["load-only"][-4:] == ["match", "ok", "FAILED", "FAILED"]  # only the apply path fails
+    failure = "load-only on llama: failed: apply() gives other modules than the load at model.layers.0.mlp"
+    assert failure in result.stdout
     assert "revert() failed" not in result.stdout  # it replaced nothing: nothing to revert
 
 
@@ -550,10 +552,12 @@ def test_verify_train_compares_training_and_fails_a_wrong_backward(install) -> N
     assert header.split()[-2:] == ["training", "verdict"]
     cells = " ".join(rows[0].split())
     assert cells.startswith("detached") and cells.endswith(
-        "match ok ok DIVERGES at step 1, DIVERGES at step 1 (checkpointing) FAIL"  # round trip, apply path
+        "match ok ok DIVERGES at step 1, DIVERGES at step 1 (checkpointing) FAILED"  # round trip, apply path
     )
-    assert rows[1].startswith("mlp") and rows[1].split()[-5:] == ["match", "ok", "ok", "ok", "PASS"]
-    failure = "detached on llama: training (5 AdamW steps, float32, gradient checkpointing off): gradients diverge"
+    assert rows[1].startswith("mlp") and rows[1].split()[-5:] == ["match", "ok", "ok", "ok", "exact"]
+    failure = (
+        "detached on llama: failed: training (5 AdamW steps, float32, gradient checkpointing off): gradients diverge"
+    )
     assert failure in result.stdout
     assert "model.layers.0.mlp.down_proj.weight (no gradient in the patched model" in result.stdout
     assert "mlp on llama:" not in result.stdout

@@ -133,3 +133,17 @@ def test_verify_all_model_types_gives_one_verdict_per_model_type(install) -> Non
     assert "[4/2]" not in result.stderr and "[2/2] refusing on gpt2: not applicable" in result.stderr
     usage = run(HFPATCH, "verify", "careful", "--all-model-types", "--model", "x", site=site)
     assert usage.returncode == 2 and "--all-model-types takes no --model" in usage.stderr
+
+
+def test_verify_of_one_model_type_gives_the_zoo_verdict_with_the_reason(install) -> None:
+    # issue 40: `verify --model-type T` said FAIL ("replaced no class", no reason) where the zoo said refused
+    site = install(PackSpec("refusing", REFUSING_PACK), PackSpec("careful", CAREFUL_PACK))
+    result = run(HFPATCH, "verify", "refusing", "--model-type", "llama", site=site, timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr[-2000:]
+    assert result.stdout.splitlines()[2].split()[-1] == "refused"
+    assert "refusing on llama: refused: LlamaAttention: no fused kernel for this head size" in result.stdout
+    # bf16, as people run: exact within a bound calibrated in the run (above fp32's 1e-5)
+    bf16 = run(HFPATCH, "verify", "careful", "--model-type", "llama", "--dtype", "bfloat16", "--json", site=site)
+    assert bf16.returncode == 0, bf16.stderr[-2000:]
+    (row,) = json.loads(bf16.stdout)["rows"]
+    assert row["verdict"] == "exact" and row["report"]["atol"] > 1e-5

@@ -455,20 +455,23 @@ class _HookGuard:
 
 @contextlib.contextmanager
 def _plain_torch_state() -> Iterator[None]:
-    """The load lock, with torch as a plain program has it: CPU tensors, float32, autograd on.
+    """The load lock, with torch as a plain program has it (CPU tensors, float32, autograd on), and
+    models built inside vanilla (a ``vanilla()`` block).
 
     A hook may build and run modules to find what it patches (probes), and its answer must
     not depend on where the load it serves was started: a nested sub-model load runs under
     transformers' meta device and the load's dtype, ``apply()`` under ``no_grad``, a user's
     ``from_pretrained`` often under ``torch.inference_mode()``.  A probe that saw those
-    would refuse, or fail, and its cached verdict would hold for every later load.
+    would refuse, or fail, and its cached verdict would hold for every later load.  A probe
+    that builds a composite model (its ``__init__`` calls ``from_config`` for the text model)
+    must not start a load of hfpatch's inside the one being planned.
     """
     import torch
 
-    from .._scope import LOAD_LOCK
+    from .._scope import vanilla
 
-    # under the lock: the default dtype is process-wide, and only hfpatch's loads change it here
-    with LOAD_LOCK:
+    # under the lock (vanilla() holds it): the default dtype is process-wide, and only hfpatch's loads change it here
+    with vanilla():
         dtype = torch.get_default_dtype()
         torch.set_default_dtype(torch.float32)
         try:

@@ -65,3 +65,23 @@ def without_progress_bars() -> Iterator[None]:
     finally:
         if was_enabled:
             hf_logging.enable_progress_bar()
+
+
+@contextlib.contextmanager
+def quiet_transformers() -> Iterator[None]:
+    """transformers' load reports and fallback notices ("falling back to its reference PyTorch
+    implementation", "add `is_decoder=True`") and Python warnings off while ``verify`` loads
+    hundreds of tiny models: they interleave with its progress lines and are verdicts' noise;
+    what matters of them is in the rows (a load that fails is a failed or no-checkpoint row)."""
+    import warnings
+
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        hf_logging.set_verbosity(verbosity)

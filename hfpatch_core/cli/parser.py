@@ -105,7 +105,12 @@ def build_parser() -> argparse.ArgumentParser:
     checking.set_defaults(handler=_lazy("check", "cmd_check"))
 
     verifying = commands.add_parser("verify", help="prove packs keep models correct on tiny checkpoints")
-    verifying.add_argument("packs", nargs="*", metavar="PACK", help="packs to verify (default: all installed)")
+    verifying.add_argument(
+        "packs",
+        nargs="*",
+        metavar="PACK",
+        help="packs to verify (default: those HF_PATCH_PACKS selects; every installed pack when it is unset)",
+    )
     verifying.add_argument("--model-type", action="append", help="model types to verify on (repeatable)")
     verifying.add_argument("--model", help="a local checkpoint directory to verify on")
     verifying.add_argument(
@@ -115,6 +120,12 @@ def build_parser() -> argparse.ArgumentParser:
         "(exact, failed, refused, not applicable, no checkpoint), the coverage table of docs/zoo.md",
     )
     verifying.add_argument("--json", action="store_true", help="machine-readable output")
+    verifying.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16", "float16"),
+        help="load both models in this dtype (default float32); below float32 the logits bound is calibrated in the "
+        "run: a multiple of what the dtype does to the vanilla model",
+    )
     verifying.add_argument(
         "--distributed",
         metavar="MODES",

@@ -8,11 +8,12 @@ import os
 import sys
 import tempfile
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 from .._session.session import Session
 from . import EXIT_OK, EXIT_PROBLEMS
-from .output import UsageError, print_json, table
+from .output import UsageError, print_json, quiet_transformers, table
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
@@ -21,18 +22,19 @@ def cmd_verify(args: argparse.Namespace) -> int:
     from .demo import checkpoint_problem
 
     check_model_types(args.model_type)
-    if args.all_model_types:
-        if args.model is not None or args.distributed or args.train_steps:
-            raise UsageError(
-                "--all-model-types takes no --model, --distributed or --train: it verifies tiny checkpoints"
-            )
-        return _verify_every_model_type(args)
+    dtype = _dtype(args.dtype)
+    if args.all_model_types and (args.model is not None or args.distributed):
+        raise UsageError("--all-model-types takes no --model or --distributed: it verifies tiny checkpoints")
     distributed = _distributed_modes(args.distributed)
+    if distributed and (args.train_steps or dtype is not None):
+        raise UsageError("--distributed takes no --train or --dtype: it compares float32 logits across ranks")
     if args.model is not None:
         problem = checkpoint_problem(args.model)
         if problem is not None:
             raise UsageError(f"{problem} (or --model-type TYPE to verify on a tiny random model of that type)")
     selection = current_selection(args.packs or None, origin="hfpatch verify")
+    if args.all_model_types:
+        return _verify_every_model_type(args, selection, dtype)
     session = Session(selection, strict=False)
     jobs: list[tuple[str, str]] = []
     unverified: dict[str, str] = {str(getattr(error, "pack", "")) or "?": str(error) for error in selection.problems}
@@ -50,14 +52,21 @@ def cmd_verify(args: argparse.Namespace) -> int:
     if distributed:
         outcome = _distributed_outcome(_run(jobs, args, _on_two_ranks(modes=distributed)), unverified)
     else:
-        outcome = _equivalence_outcome(
-            _run(jobs, args, _on_one_process(args.train_steps)), unverified, args.train_steps
-        )
+        outcome = _verdict_outcome(_verdicts(jobs, args, dtype), unverified, args.train_steps)
     if args.json:
         print_json(outcome.to_json())
     else:
         print(outcome.text())
     return EXIT_OK if outcome.ok else EXIT_PROBLEMS
+
+
+def _dtype(name: str | None) -> Any:
+    """``--dtype``'s torch dtype (``None``: float32, the default everywhere)."""
+    if name is None or name == "float32":
+        return None
+    import torch
+
+    return {"bfloat16": torch.bfloat16, "float16": torch.float16}[name]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,16 +150,37 @@ def _run(jobs: Sequence[tuple[str, str]], args: argparse.Namespace, verifier: _V
     return reports
 
 
-def _on_one_process(train_steps: int) -> _Verifier:
-    from ..testing import Report, check_pack_equivalence
+def _verdicts(jobs: Sequence[tuple[str, str]], args: argparse.Namespace, dtype: Any) -> list[Any]:
+    """One verdict per (pack, model) job (``testing.zoo.verdict_of``: the zoo's), progress on stderr."""
+    from ..testing.zoo import verdict_of
 
-    def verify(name: str, checkpoint: str, target: str) -> list[Any]:
-        return [check_pack_equivalence(name, checkpoint, apply_path=True, train_steps=train_steps)]
+    rows: list[Any] = []
+    with tempfile.TemporaryDirectory(prefix="hfpatch-verify-") as scratch, quiet_transformers():
+        for index, (name, target) in enumerate(jobs, 1):
+            print(f"[{index}/{len(jobs)}] verifying {name} on {target} ...", file=sys.stderr, flush=True)
+            checkpoint = Path(target) if args.model else None
+            model_type = _model_type_of(checkpoint) if checkpoint is not None else target
+            row = verdict_of(
+                name,
+                model_type,
+                Path(scratch) / name,
+                checkpoint=checkpoint,
+                dtype=dtype,
+                train_steps=args.train_steps,
+                generate_tokens=20,
+            )
+            rows.append(row)
+            print(f"[{index}/{len(jobs)}] {name} on {model_type}: {row.verdict}", file=sys.stderr, flush=True)
+    return rows
 
-    def failed(name: str, target: str, message: str) -> list[Any]:
-        return [Report(pack=name, model_type=target, failures=[message])]
 
-    return _Verifier(verify, failed)
+def _model_type_of(checkpoint: Path) -> str:
+    import json
+
+    try:
+        return str(json.loads((checkpoint / "config.json").read_text()).get("model_type", checkpoint.name))
+    except (OSError, ValueError):
+        return checkpoint.name
 
 
 def _on_two_ranks(modes: Sequence[str]) -> _Verifier:
@@ -173,22 +203,27 @@ def _diff(value: float | None) -> str:
     return "-" if value is None else f"{value:.2e}"
 
 
-def _equivalence_outcome(reports: Sequence[Any], unverified: Mapping[str, str], train_steps: int) -> Outcome:
-    training = ("training",) if train_steps else ()
-    rows = tuple(
-        (
-            r.pack,
-            r.model_type,
-            ", ".join(f"{a}->{b}" for a, b in sorted(r.replaced.items())) or "-",
-            _diff(r.max_abs_diff),
-            _MATCH[r.generation_match],
-            _DONE[r.round_trip],
-            _DONE[r.apply_path],
-            *((_training_cell(r),) if train_steps else ()),
-            "PASS" if r.ok else "FAIL",
+def _verdict_outcome(rows: Sequence[Any], unverified: Mapping[str, str], train_steps: int) -> Outcome:
+    """The table of verdicts: the checks' measurements where they ran, the verdict, and under the
+    table each failure, refusal and missing checkpoint with its reason."""
+    table_rows = []
+    for row in rows:
+        r = row.report
+        cells = (
+            (
+                ", ".join(f"{a}->{b}" for a, b in sorted(r.replaced.items())) or "-",
+                _diff(r.max_abs_diff),
+                _MATCH[r.generation_match],
+                _DONE[r.round_trip],
+                _DONE[r.apply_path],
+                *((_training_cell(r),) if train_steps else ()),
+            )
+            if r is not None
+            else ("-",) * (6 if train_steps else 5)
         )
-        for r in reports
-    )
+        verified = row.verified if row.verified and not row.verified.endswith(f"({row.model_type})") else ""
+        label = f"{row.model_type} as {verified}" if verified else row.model_type
+        table_rows.append((row.pack, label, *cells, _VERDICT[row.verdict]))
     header = (
         "pack",
         "model type",
@@ -197,11 +232,25 @@ def _equivalence_outcome(reports: Sequence[Any], unverified: Mapping[str, str], 
         "generation",
         "round trip",
         "apply path",
-        *training,
+        *(("training",) if train_steps else ()),
         "verdict",
     )
-    details = tuple(f"{r.pack} on {r.model_type}: {failure}" for r in reports for failure in r.failures)
-    return Outcome.of("reports", reports, header, rows, details, unverified)
+    details: list[str] = []
+    for row in rows:
+        failures = row.report.failures if row.verdict == "failed" and row.report is not None else [row.detail]
+        if row.verdict in ("failed", "refused", "no checkpoint"):
+            details += [f"{row.pack} on {row.model_type}: {row.verdict}: {failure}" for failure in failures]
+    return Outcome.of("rows", rows, header, tuple(table_rows), tuple(details), unverified)
+
+
+#: How the table writes each verdict: a failure stands out.
+_VERDICT = {
+    "exact": "exact",
+    "failed": "FAILED",
+    "refused": "refused",
+    "not applicable": "not applicable",
+    "no checkpoint": "no checkpoint",
+}
 
 
 def _distributed_outcome(reports: Sequence[Any], unverified: Mapping[str, str]) -> Outcome:
@@ -226,12 +275,10 @@ def _distributed_outcome(reports: Sequence[Any], unverified: Mapping[str, str]) 
     return Outcome.of("distributed", reports, header, rows, details, unverified)
 
 
-def _verify_every_model_type(args: argparse.Namespace) -> int:
+def _verify_every_model_type(args: argparse.Namespace, selection: Any, dtype: Any) -> int:
     """``verify --all-model-types``: each selected pack on every model type, one verdict each."""
-    from .._pipeline.selection import current_selection
     from ..testing.zoo import VERDICTS, ZooRow, coverage, zoo
 
-    selection = current_selection(args.packs or None, origin="hfpatch verify")
     if selection.problems:
         for error in selection.problems:
             print(f"hfpatch: error: {error}", file=sys.stderr)
@@ -240,7 +287,12 @@ def _verify_every_model_type(args: argparse.Namespace) -> int:
     def progress(row: ZooRow, number: int, total: int) -> None:
         print(f"[{number}/{total}] {row.pack} on {row.model_type}: {row.verdict}", file=sys.stderr, flush=True)
 
-    rows = [row for name in sorted(selection.packs) for row in zoo(name, args.model_type, progress=progress)]
+    with quiet_transformers():
+        rows = [
+            row
+            for name in sorted(selection.packs)
+            for row in zoo(name, args.model_type, dtype=dtype, progress=progress)
+        ]
     if args.json:
         print_json(
             {

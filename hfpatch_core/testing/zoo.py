@@ -44,6 +44,10 @@ class ZooRow:
         detail: the replaced classes (``exact``), the first failure (``failed``), the
             reasons (``refused``), or why no checkpoint (``no checkpoint``); one line.
         seconds: how long the model type took.
+        verified: the class and config type the checks loaded (``Qwen3_5ForCausalLM
+            (qwen3_5_text)``: a composite model type's tiny checkpoint may be its text
+            model's), empty when no checkpoint was built.
+        report: the equivalence checks' ``Report`` where they ran (``None`` otherwise).
     """
 
     pack: str
@@ -51,13 +55,21 @@ class ZooRow:
     verdict: Verdict
     detail: str = ""
     seconds: float = 0.0
+    verified: str = ""
+    report: Any = dataclasses.field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.verdict not in VERDICTS:
             raise ValueError(f"ZooRow.verdict must be one of {VERDICTS}, got {self.verdict!r}")
 
+    @property
+    def ok(self) -> bool:
+        """Whether the row is no failure of the pack (every verdict but ``failed``)."""
+        return self.verdict != "failed"
+
     def to_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        fields = {field.name: getattr(self, field.name) for field in dataclasses.fields(self) if field.name != "report"}
+        return {**fields, "report": self.report.to_json() if self.report is not None else None}
 
 
 def causal_lm_model_types() -> list[str]:
@@ -129,24 +141,77 @@ def _vanilla_problem(checkpoint: Path, generate_tokens: int = 0) -> str | None:
     return None
 
 
-def verdict_of(pack: str, model_type: str, directory: Path, *, generate_tokens: int = 8) -> ZooRow:
-    """The verdict of ``pack`` on a tiny checkpoint of ``model_type`` built in ``directory``."""
+def verified_as(checkpoint: Path) -> str:
+    """What the checks load from ``checkpoint``, in words: its class and config type
+    (``Qwen3_5ForCausalLM (qwen3_5_text)``), or the config type alone."""
+    import json
+
+    try:
+        saved = json.loads((Path(checkpoint) / "config.json").read_text())
+    except (OSError, ValueError):
+        return ""
+    names = saved.get("architectures") or []
+    model_type = str(saved.get("model_type", ""))
+    return f"{names[0]} ({model_type})" if names else model_type
+
+
+def verdict_of(
+    pack: str,
+    model_type: str,
+    directory: Path,
+    *,
+    checkpoint: Path | None = None,
+    generate_tokens: int = 8,
+    dtype: Any = None,
+    apply_path: bool = True,
+    train_steps: int = 0,
+) -> ZooRow:
+    """The verdict of ``pack`` on a tiny checkpoint of ``model_type`` built in ``directory``.
+
+    The one verdict ``hfpatch verify`` (with or without ``--all-model-types``) and ``make zoo``
+    give a (pack, model type): a failure of the tooling (no tiny checkpoint builds, or vanilla
+    transformers cannot load and run it) is ``no checkpoint``, never the pack's ``failed``.
+
+    Args:
+        pack: the pack's name, installed in this environment.
+        model_type: the model type (a label only when ``checkpoint`` is given).
+        directory: where the tiny checkpoint is built (the caller owns it).
+        checkpoint: verify on this checkpoint directory instead of a tiny one.
+        generate_tokens: greedy tokens compared.
+        dtype: the dtype both models load in (default float32; in bfloat16 the logits bound is
+            calibrated in the run, ``check_pack_equivalence``).
+        apply_path: also apply the pack in place to the vanilla model and compare (``verify`` does).
+        train_steps: also train for this many steps and compare (``verify --train``).
+    """
+    import torch
+
     from .checkpoints import tiny_checkpoint
     from .equivalence import check_pack_equivalence
 
     start = time.perf_counter()
+    verified = ""
 
-    def row(verdict: Verdict, detail: str = "") -> ZooRow:
-        return ZooRow(pack, model_type, verdict, _one_line(detail), round(time.perf_counter() - start, 2))
+    def row(verdict: Verdict, detail: str = "", report: Any = None) -> ZooRow:
+        seconds = round(time.perf_counter() - start, 2)
+        return ZooRow(pack, model_type, verdict, _one_line(detail), seconds, verified, report)
 
-    try:
-        checkpoint = tiny_checkpoint(model_type, directory / model_type)
-    except Exception as exc:  # any model type may fail to build in its own way
-        return row("no checkpoint", f"{type(exc).__name__}: {exc}")
+    if checkpoint is None:
+        try:
+            checkpoint = tiny_checkpoint(model_type, directory / model_type)
+        except Exception as exc:  # any model type may fail to build in its own way
+            return row("no checkpoint", f"{type(exc).__name__}: {exc}")
+    verified = verified_as(checkpoint)
     try:
         if not _offers_anything(pack, checkpoint):
             return row("not applicable")
-        report = check_pack_equivalence(pack, checkpoint, generate_tokens=generate_tokens)
+        report = check_pack_equivalence(
+            pack,
+            checkpoint,
+            generate_tokens=generate_tokens,
+            dtype=dtype if dtype is not None else torch.float32,
+            apply_path=apply_path,
+            train_steps=train_steps,
+        )
     except Exception as exc:
         vanilla = _vanilla_problem(checkpoint, generate_tokens)
         return row("no checkpoint", vanilla) if vanilla else row("failed", f"{type(exc).__name__}: {exc}")
@@ -155,15 +220,17 @@ def verdict_of(pack: str, model_type: str, directory: Path, *, generate_tokens: 
         loading = [failure for failure in report.failures if failure.startswith("loading with pack")]
         if loading:
             vanilla = _vanilla_problem(checkpoint, generate_tokens)
-            return row("no checkpoint", vanilla) if vanilla else row("failed", loading[0])
-        return row("refused", "; ".join(refusals)) if refusals else row("not applicable")
+            return row("no checkpoint", vanilla, report) if vanilla else row("failed", loading[0], report)
+        if refusals:
+            return row("refused", "; ".join(refusals), report)
+        return row("not applicable", "", report)
     if report.failures:
         vanilla = _vanilla_problem(checkpoint, generate_tokens)
-        return row("no checkpoint", vanilla) if vanilla else row("failed", report.failures[0])
+        return row("no checkpoint", vanilla, report) if vanilla else row("failed", report.failures[0], report)
     replaced = ", ".join(f"{original} <- {replacement}" for original, replacement in sorted(report.replaced.items()))
     if refusals:
         replaced += f" (refused: {'; '.join(refusals)})"
-    return row("exact", replaced)
+    return row("exact", replaced, report)
 
 
 def zoo(
@@ -171,6 +238,7 @@ def zoo(
     model_types: Iterable[str] | None = None,
     *,
     generate_tokens: int = 8,
+    dtype: Any = None,
     progress: Callable[[ZooRow, int, int], None] | None = None,
 ) -> list[ZooRow]:
     """Verify ``pack`` on every causal-LM model type (or ``model_types``), one row each.
@@ -179,6 +247,7 @@ def zoo(
         pack: the pack's name, installed in this environment.
         model_types: the model types to verify (default: ``causal_lm_model_types()``).
         generate_tokens: greedy tokens compared per model type.
+        dtype: the dtype both models load in (default float32).
         progress: called after each model type with its row, its number and the total.
 
     Returns:
@@ -188,7 +257,7 @@ def zoo(
     rows = []
     with tempfile.TemporaryDirectory(prefix="hfpatch-zoo-") as directory:
         for number, model_type in enumerate(types, 1):
-            row = verdict_of(pack, model_type, Path(directory), generate_tokens=generate_tokens)
+            row = verdict_of(pack, model_type, Path(directory), generate_tokens=generate_tokens, dtype=dtype)
             rows.append(row)
             if progress is not None:
                 progress(row, number, len(types))

@@ -92,6 +92,25 @@ def table(rows_by_pack: dict[str, list[dict[str, object]]], version: str, date: 
     return "\n".join(lines) + "\n"
 
 
+def update_readmes(rows_by_pack: dict[str, list[dict[str, object]]], version: str) -> None:
+    """Rewrite every README's coverage statements (``<!-- zoo:PACK -->...<!-- /zoo -->``) from the
+    table just measured: the numbers the docs state have one source."""
+    from hfpatch_core.testing.zoo import coverage_sentence, update_zoo_markers
+
+    sentences = {}
+    for pack, rows in rows_by_pack.items():
+        counts = dict.fromkeys(SYMBOL, 0)
+        for row in rows:
+            counts[str(row["verdict"])] += 1
+        sentences[pack] = coverage_sentence(counts, version)
+    for readme in [ROOT / "README.md", *sorted(ROOT.glob("plugins/**/README.md"))]:
+        before = readme.read_text()
+        after = update_zoo_markers(before, sentences)
+        if after != before:
+            readme.write_text(after)
+            print(f"zoo: updated {readme.relative_to(ROOT)}", file=sys.stderr)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--packs", help="comma-separated packs (default: every first-party pack)")
@@ -109,6 +128,8 @@ def main() -> int:
     if args.write:
         args.write.write_text(text)
         print(f"zoo: wrote {args.write}", file=sys.stderr)
+        if args.packs is None and args.model_types is None:
+            update_readmes(results, transformers.__version__)
     else:
         print(text, end="")
     return 0

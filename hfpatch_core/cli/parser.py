@@ -116,7 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
     verifying.add_argument(
         "--all-model-types",
         action="store_true",
-        help="verify on a tiny checkpoint of every causal-LM model type (or of each --model-type): one verdict each "
+        help="verify on a tiny checkpoint of every causal-LM and image-text-to-text model type (or of each "
+        "--model-type): one verdict each "
         "(exact, failed, refused, not applicable, no checkpoint), the coverage table of docs/zoo.md",
     )
     verifying.add_argument("--json", action="store_true", help="machine-readable output")

@@ -1,6 +1,7 @@
 """A pack against every model type of the installed transformers: the measured coverage table.
 
-``zoo(pack)`` builds a tiny checkpoint of each causal-LM model type (``tiny_checkpoint``),
+``zoo(pack)`` builds a tiny checkpoint of each causal-LM and image-text-to-text model type
+(``zoo_model_types``, ``tiny_checkpoint``),
 plans the pack on it, and verifies it where it replaces something
 (``check_pack_equivalence``: weights, fp32 logits, greedy generation, the saved layout).
 Each model type gets one verdict:
@@ -25,7 +26,16 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
-__all__ = ["VERDICTS", "ZooRow", "causal_lm_model_types", "coverage", "coverage_sentence", "update_zoo_markers", "zoo"]
+__all__ = [
+    "VERDICTS",
+    "ZooRow",
+    "causal_lm_model_types",
+    "coverage",
+    "coverage_sentence",
+    "update_zoo_markers",
+    "zoo",
+    "zoo_model_types",
+]
 
 Verdict = Literal["exact", "failed", "refused", "not applicable", "no checkpoint"]
 
@@ -77,6 +87,15 @@ def causal_lm_model_types() -> list[str]:
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+
+
+def zoo_model_types() -> list[str]:
+    """The model types the zoo verifies: the causal-LM mapping's and the image-text-to-text
+    mapping's (composite models: llava, qwen2_5_vl, gemma3, mllama, ...), sorted."""
+    from transformers.models.auto import modeling_auto
+
+    composite = getattr(modeling_auto, "MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES", {})
+    return sorted({*causal_lm_model_types(), *composite})
 
 
 def _one_line(text: str, limit: int = 200) -> str:
@@ -241,11 +260,11 @@ def zoo(
     dtype: Any = None,
     progress: Callable[[ZooRow, int, int], None] | None = None,
 ) -> list[ZooRow]:
-    """Verify ``pack`` on every causal-LM model type (or ``model_types``), one row each.
+    """Verify ``pack`` on every model type of ``zoo_model_types()`` (or ``model_types``), one row each.
 
     Args:
         pack: the pack's name, installed in this environment.
-        model_types: the model types to verify (default: ``causal_lm_model_types()``).
+        model_types: the model types to verify (default: ``zoo_model_types()``).
         generate_tokens: greedy tokens compared per model type.
         dtype: the dtype both models load in (default float32).
         progress: called after each model type with its row, its number and the total.
@@ -253,7 +272,7 @@ def zoo(
     Returns:
         One ``ZooRow`` per model type, in the order given.
     """
-    types = list(model_types) if model_types is not None else causal_lm_model_types()
+    types = list(model_types) if model_types is not None else zoo_model_types()
     rows = []
     with tempfile.TemporaryDirectory(prefix="hfpatch-zoo-") as directory:
         for number, model_type in enumerate(types, 1):

@@ -212,11 +212,12 @@ def _own_classes(detection: Detection, model_class: type | None) -> set[str]:
 
 
 def converter_key(context: LoadContext) -> str:
-    """The conversion list a load's converters join: its model type, or for a sub-model whose class
-    has a list of its own in transformers (``SiglipVisionModel``), that class name, which
-    transformers looks up first."""
+    """The conversion list a load's converters join: its model type, or for a model whose class
+    has a list of its own in transformers (a sub-model's ``SiglipVisionModel``, a composite
+    model's ``Qwen2_5_VLForConditionalGeneration``), that class name, which transformers looks
+    up first (and then not the model type's)."""
     model_type = context.model_type or ""
-    if context.parent is None or not context.model_class_name:
+    if not context.model_class_name:
         return model_type
     try:
         from transformers.conversion_mapping import get_checkpoint_conversion_mapping

@@ -15,6 +15,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import tomllib
@@ -44,10 +45,22 @@ def run_pack(pack: str, model_types: list[str] | None) -> list[dict[str, object]
     for model_type in model_types or ():
         command += ["--model-type", model_type]
     env = {**os.environ, "USE_HUB_KERNELS": "0", "HF_PATCH_PACKS": pack}
-    result = subprocess.run(command, capture_output=True, text=True, env=env, check=False)
-    if result.returncode not in (0, 1):
-        raise SystemExit(f"zoo: {' '.join(command)} exited {result.returncode}:\n{result.stderr[-4000:]}")
-    rows: list[dict[str, object]] = json.loads(result.stdout)["rows"]
+    # verify's progress lines ("[12/290] fused-dense on llama: exact") are passed on as they come:
+    # a run takes tens of minutes
+    with tempfile.TemporaryFile(mode="w+") as out:  # a file: the JSON outgrows a pipe while stderr is read
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.PIPE, text=True, env=env)
+        assert process.stderr is not None
+        tail: list[str] = []
+        for line in process.stderr:
+            tail = [*tail[-40:], line]
+            if line.startswith("["):
+                print(f"zoo: {line}", end="", file=sys.stderr, flush=True)
+        process.wait()
+        out.seek(0)
+        stdout = out.read()
+    if process.returncode not in (0, 1):
+        raise SystemExit(f"zoo: {' '.join(command)} exited {process.returncode}:\n{''.join(tail)[-4000:]}")
+    rows: list[dict[str, object]] = json.loads(stdout)["rows"]
     print(f"zoo: {pack}: {len(rows)} model types", file=sys.stderr)
     return rows
 

@@ -89,7 +89,8 @@ $(PACK_TEST_SITE_OLDEST)/.installed: $(VENV_OLDEST)/.installed constraints-oldes
 venv: $(VENV)/.installed $(PACKS_SITE)/.installed $(PACK_TEST_SITE)/.installed
 venv-oldest: $(VENV_OLDEST)/.installed $(PACKS_SITE_OLDEST)/.installed $(PACK_TEST_SITE_OLDEST)/.installed
 
-demo: venv
+# the packs' test-only libraries (torchao, trl, datasets) are not the demo's: only the venv and the packs
+demo: $(VENV)/.installed $(PACKS_SITE)/.installed
 	PYTHONPATH=$(PACKS_SITE) $(BIN)/hfpatch demo
 
 # The wheels of hfpatch-core and of every first-party pack, in DIST: nothing is published

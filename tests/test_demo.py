@@ -86,3 +86,17 @@ def test_demo_of_a_model_without_a_choice_uses_the_installed_packs_that_apply(
     explicit = io.StringIO()
     assert not run_demo(str(llama_checkpoint), "qwen-only", out=explicit).ok  # an explicit choice is kept
     assert "FAIL  classes replaced: none" in explicit.getvalue()
+
+
+def test_a_truncated_safetensors_file_is_named_before_any_load(llama_checkpoint, tmp_path, capsys) -> None:
+    # issue 40: transformers' error for a truncated download names no file
+    import shutil
+
+    broken = tmp_path / "broken"
+    shutil.copytree(llama_checkpoint, broken)
+    weights = next(broken.glob("*.safetensors"))
+    weights.write_bytes(weights.read_bytes()[:100])
+    for command in (["demo", "--model", str(broken)], ["verify", "--model", str(broken)]):
+        assert main(command) == 2
+        error = capsys.readouterr().err
+        assert f"{weights.name} is not a readable safetensors file" in error and "save or download it again" in error

@@ -82,6 +82,23 @@ def checkpoint_problem(model_dir: str) -> str | None:
         return f"--model {model_dir!r}: not a directory; give a local checkpoint directory"
     if not (path / "config.json").is_file():
         return f"--model {model_dir!r}: no config.json in it; give a checkpoint directory saved by save_pretrained"
+    return _unreadable_weights(path)
+
+
+def _unreadable_weights(path: Path) -> str | None:
+    """Which of ``path``'s safetensors files cannot be read (a truncated download), by name: transformers'
+    own error names no file.  Only the headers are read."""
+    from safetensors import safe_open
+
+    for file in sorted(path.glob("*.safetensors")):
+        try:
+            with safe_open(str(file), framework="pt"):
+                pass
+        except Exception as exc:  # safetensors' own error types differ between releases
+            return (
+                f"--model {str(path)!r}: {file.name} is not a readable safetensors file "
+                f"({type(exc).__name__}: {exc}); save or download it again"
+            )
     return None
 
 

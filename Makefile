@@ -154,8 +154,11 @@ test:
 # The zoo table: every first-party pack against every causal-LM model type of the newest
 # supported transformers (hfpatch verify PACK --all-model-types, one process per pack), written
 # to docs/zoo.md. Not part of `make test` (tens of minutes); each pack's suite verifies a sample.
+# ZOO_DTYPE=bfloat16 verifies in bf16 (the logits bound calibrated in the run) into docs/zoo-bfloat16.md.
+ZOO_DTYPE ?= float32
+ZOO_TABLE := $(if $(filter float32,$(ZOO_DTYPE)),docs/zoo.md,docs/zoo-$(ZOO_DTYPE).md)
 zoo: venv
-	PYTHONPATH=$(PACKS_SITE) $(BIN)/python .ci/zoo.py --write docs/zoo.md
+	PYTHONPATH=$(PACKS_SITE) $(BIN)/python .ci/zoo.py --dtype $(ZOO_DTYPE) --write $(ZOO_TABLE)
 
 # Every release in range, newest first, in one reused venv: hfpatch verify of the
 # first-party packs and a core smoke run per release, as a table (docs/compatibility.md);

@@ -151,7 +151,7 @@ test:
 	$(MAKE) --no-print-directory core core-oldest
 	$(MAKE) --no-print-directory -j$(TEST_JOBS) -Otarget pack-suites pack-suites-oldest
 
-# The zoo table: every first-party pack against every causal-LM model type of the newest
+# The zoo table: every first-party pack against every causal-LM and image-text-to-text model type of the newest
 # supported transformers (hfpatch verify PACK --all-model-types, one process per pack), written
 # to docs/zoo.md. Not part of `make test` (tens of minutes); each pack's suite verifies a sample.
 # ZOO_DTYPE=bfloat16 verifies in bf16 (the logits bound calibrated in the run) into docs/zoo-bfloat16.md.

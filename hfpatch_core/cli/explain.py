@@ -24,7 +24,7 @@ from .._session.session import Session
 from ..context import LoadContext
 from ..conversion import describe_transform
 from ..plan import Claim, Plan
-from . import EXIT_OK
+from .exit_codes import EXIT_OK
 from .output import print_json, table
 
 

@@ -7,7 +7,7 @@ import argparse
 import warnings
 from typing import Any
 
-from . import EXIT_OK
+from .exit_codes import EXIT_OK
 from .output import print_json, table
 
 

@@ -15,8 +15,8 @@ from ..context import LoadContext
 from ..errors import HfPatchError
 from ..plan import Plan
 from ..settings import LOCK_ENV, PACKS_ENV, lock_from_env
-from . import EXIT_OK, EXIT_PROBLEMS
 from .check import check_model_types, targeted_model_types
+from .exit_codes import EXIT_OK, EXIT_PROBLEMS
 
 
 def plan_for(session: Session, source: str) -> Plan:

@@ -11,7 +11,7 @@ import warnings
 from collections.abc import Callable, Sequence
 
 from ..settings import LOCK_FILE
-from . import EXIT_BROKEN_PIPE, EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE
+from .exit_codes import EXIT_BROKEN_PIPE, EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE
 from .output import UsageError, show_warning, without_progress_bars
 
 

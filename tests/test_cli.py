@@ -30,7 +30,9 @@ CHECKOUT = str(_ROOT) if (_ROOT / "pyproject.toml").is_file() else ""
 
 def environment_with(site: Path | None) -> dict[str, str]:
     """This process's environment without hfpatch's variables, packs from ``site`` only."""
-    environment = {k: v for k, v in os.environ.items() if not k.startswith(("HF_PATCH", "HFPATCH"))}
+    environment = {
+        k: v for k, v in os.environ.items() if not k.startswith(("HF_PATCH", "HFPATCH")) or k == "HF_PATCH_CACHE"
+    }
     environment["PYTHONPATH"] = os.pathsep.join(path for path in (str(site) if site else "", CHECKOUT) if path)
     return environment
 

@@ -51,7 +51,11 @@ def timed(args: list[str], cache: Path, lock_dir: Path, **env: str) -> tuple[flo
         check=False,
     )
     elapsed = time.perf_counter() - started
-    imported = any(line.rstrip().endswith("| transformers") for line in completed.stderr.splitlines())
+    # -X importtime: "import time: self | cumulative | <indent>module", one line per module imported
+    imported = any(
+        line.startswith("import time:") and line.rsplit("|", 1)[-1].strip() == "transformers"
+        for line in completed.stderr.splitlines()
+    )
     return elapsed, completed.returncode, imported
 
 

@@ -108,6 +108,8 @@ def check_input(args: argparse.Namespace) -> None:
                     f"{args.model!r} is neither a checkpoint directory nor a model type known to transformers "
                     f"{installed_transformers_version()}{_close(args.model, names)}"
                 )
+    if command == "verify" and args.all_model_types:
+        models = None  # verify refuses --model with --all-model-types, which says more than a missing directory
     otherwise = " (or --model-type TYPE to verify on a tiny random model of that type)" if command == "verify" else ""
     for model in [models] if isinstance(models, str) else models or ():
         _directory("--model", model, otherwise=otherwise)

@@ -42,9 +42,33 @@ TEST_JOBS ?= 2
 # Subprocesses (the CLI, torchrun, docs commands) inherit it.
 SUITE_ENV := OMP_NUM_THREADS=1
 
-.PHONY: all venv venv-oldest demo dist test checks lint typecheck docs unit unit-oldest core core-oldest pack-suites pack-suites-oldest compat interop clean
+.PHONY: all help venv venv-oldest demo dist test checks lint typecheck docs unit unit-oldest core core-oldest pack-suites pack-suites-oldest zoo compat interop clean
 
 all: test
+
+# One line per target (tests/test_cli_inputs.py checks that every .PHONY target is listed).
+help:
+	@echo "all                 the same as test"
+	@echo "help                this list"
+	@echo "venv                .venv: the newest supported transformers, hfpatch-core editable, the first-party packs as wheels"
+	@echo "venv-oldest         .venv-oldest: the same on the oldest supported transformers (5.3.0)"
+	@echo "demo                load a tiny Qwen2-MoE with and without the qwen-moe pack and compare (the main job)"
+	@echo "dist                the wheels of hfpatch-core and of every first-party pack, in dist/"
+	@echo "test                everything CI runs (.ci/run): checks, the core and pack suites on both venvs"
+	@echo "checks              lint, typecheck and docs"
+	@echo "lint                ruff check, ruff format --check and import-linter"
+	@echo "typecheck           mypy"
+	@echo "docs                the documentation site, mkdocs build --strict, into .site/"
+	@echo "unit                core, then every first-party pack's suite, on .venv"
+	@echo "unit-oldest         the same on .venv-oldest"
+	@echo "core                the core suite (tests/) on .venv"
+	@echo "core-oldest         the core suite on .venv-oldest"
+	@echo "pack-suites         every first-party pack's own suite on .venv, two at a time"
+	@echo "pack-suites-oldest  the same on .venv-oldest"
+	@echo "zoo                 every first-party pack on every causal-LM model type, written to docs/zoo.md (tens of minutes)"
+	@echo "compat              every transformers release in range and Python 3.10 / 3.13, written to docs/compatibility.md"
+	@echo "interop             the llm-compressor interop suite, in .venv-interop"
+	@echo "clean               remove the venvs and the build and tool caches"
 
 $(VENV)/.installed: pyproject.toml constraints.txt requirements-dev.txt docs/requirements.txt _hfpatch_autorun.py
 	$(PYTHON) -m venv $(VENV)

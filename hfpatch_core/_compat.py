@@ -9,6 +9,7 @@ transformers than the caller already did.
 
 from __future__ import annotations
 
+import copy
 import functools
 import importlib
 import sys
@@ -39,6 +40,24 @@ def user_registered_conversions() -> set[str] | None:
     """transformers' record of the conversion keys user code registered (``None`` before 5.24)."""
     keys: set[str] | None = getattr(module("conversion_mapping"), "USER_REGISTERED_MAPPINGS", None)
     return keys
+
+
+#: conversion key -> the list in force before hfpatch registered one for a load still in
+#: progress (``None`` where there was none); kept by ``_runtime.application`` under ``LOAD_LOCK``.
+displaced_conversions: dict[str, Any] = {}
+
+
+def conversions_before_hfpatch(key: str) -> Any:
+    """transformers' conversion list for ``key`` as transformers and user code left it (a copy).
+
+    Inside a patched load the registry holds that load's composed list: a load nested in it
+    (a head class's base, built with ``AutoModel.from_config``) composes its own converters
+    with the list the enclosing registration displaced, as a root load does, not with the
+    enclosing load's result (whose ``replaces`` already removed what the nested claims replace).
+    """
+    if key in displaced_conversions:
+        return copy.deepcopy(displaced_conversions[key])
+    return module("conversion_mapping").get_checkpoint_conversion_mapping(key)
 
 
 def conversion_cache() -> dict[str, Any]:

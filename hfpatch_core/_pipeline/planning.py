@@ -262,12 +262,11 @@ def _decide(
     dropped = [(claim, unused[claim.index]) for claim in gathered.converters if claim.index in unused]
     if not kept:
         return decision, Conversions(lost=tuple(dropped))
-    conversion_mapping = _compat.module("conversion_mapping")
     scope = scope_for(context.model_type, context.model_class_name, kept)
     converters = resolve_converters(kept, overlap=scope.overlap)
     conversions = compose(
         converters.winners,
-        builtin=conversion_mapping.get_checkpoint_conversion_mapping,
+        builtin=_compat.conversions_before_hfpatch,
         scope=scope,
         lost=[*dropped, *converters.lost],
     )

@@ -335,11 +335,17 @@ def registered_conversions(conversions: Conversions) -> Iterator[None]:
         }
         before = {key: cache.get(key, _MISSING) for key in ours}
         user_before = {key: key in user_keys for key in ours} if user_keys is not None else {}
+        # the lists this registration displaces, for loads nested in this one (``_compat.conversions_before_hfpatch``)
+        displacing = [key for key in ours if key not in _compat.displaced_conversions]
+        for key in displacing:
+            _compat.displaced_conversions[key] = None if before[key] is _MISSING else before[key]
         try:
             for key, transforms in ours.items():
                 conversion_mapping.register_checkpoint_conversion_mapping(key, transforms, overwrite=True)
             yield
         finally:
+            for key in displacing:
+                del _compat.displaced_conversions[key]
             for key, transforms in ours.items():
                 if cache.get(key, _MISSING) is not transforms:
                     continue  # re-registered during the load: keep theirs

@@ -1,8 +1,10 @@
 """Making sure a patched model loads every weight and saves the original layout.
 
-After a patched load, any missing, unexpected or mismatched key under a module a pack
-touched is a ``WeightLayoutError`` (transformers would only
-warn, leaving randomly initialised weights).  Before a patched model is saved, the
+After a patched load, a module a pack touched whose checkpoint tensors the pack did not
+map (a key missing and a checkpoint key unused in it) is a ``WeightLayoutError``
+(transformers would only warn, leaving randomly initialised weights); weights the
+checkpoint itself lacks are reported, logged and initialised as transformers does,
+an error in strict mode (``check_loading_info``).  Before a patched model is saved, the
 reversed conversions are run on meta tensors and the result compared with the layout
 vanilla transformers gives the same config: a difference is an error instead of a
 checkpoint vanilla transformers cannot read.
@@ -11,6 +13,7 @@ checkpoint vanilla transformers cannot read.
 from __future__ import annotations
 
 import copy
+import logging
 import sys
 import warnings
 from collections.abc import Mapping
@@ -26,6 +29,8 @@ from ..errors import PackWarning, WeightLayoutError
 from ..plan import BUILTIN, Plan, plan_of
 from . import provenance
 from .state_dicts import guard_loading, reversible_conversions
+
+logger = logging.getLogger("hfpatch")
 
 #: The attribute of a patched model holding the unbound ``save_pretrained`` it shadows.
 _SAVE_GUARD = "_hfpatch_save_guard"
@@ -78,15 +83,40 @@ def _past_a_container(key: str, modules: Mapping[str, nn.Module], prefix: str) -
     return False
 
 
-def check_loading_info(model: nn.Module, plan: Plan, info: Mapping[str, Any]) -> None:
-    """Raise ``WeightLayoutError`` for every reported key a pack is responsible for."""
+def _replaced_module(key: str, owners: Mapping[str, str], prefix: str) -> str:
+    """The module a pack replaced that holds ``key`` (the key's grandparent, ``self_attn`` of
+    ``self_attn.q_proj.weight``, where no ancestor was replaced: a converter's tensors)."""
+    for candidate in (key, key.removeprefix(prefix + ".")) if prefix else (key,):
+        parts = candidate.split(".")
+        for end in range(len(parts) - 1, -1, -1):
+            if ".".join(parts[:end]) in owners:
+                return ".".join(parts[:end])
+    return key.rsplit(".", 2)[0]
+
+
+def check_loading_info(model: nn.Module, plan: Plan, info: Mapping[str, Any], *, strict: bool = True) -> None:
+    """Check every key transformers reports missing, unexpected or mismatched that a pack is responsible for.
+
+    A module with a key missing *and* a key of the checkpoint left unused is the pack's
+    failure: the checkpoint holds the module's tensors and the pack did not map them (no
+    converter, or patterns that miss): always a ``WeightLayoutError``.  Otherwise the
+    checkpoint itself lacks the weights, which vanilla transformers reports in
+    ``missing_keys`` (``output_loading_info=True``), logs and initialises: the same here,
+    with a warning on the ``hfpatch`` logger naming the pack, unless ``strict``
+    (``HF_PATCH_STRICT=1``, ``enable(strict=True)``) makes it an error.  A fused weight
+    some of whose parts are in the checkpoint never loads half random: the pack's
+    ``SizedConcatenate`` refuses the parts it gets, and the load raises.
+
+    Raises:
+        WeightLayoutError: a module the pack did not map, or ``strict`` and any reported key.
+    """
     kinds = ("missing_keys", "unexpected_keys", "mismatched_keys")
     if not any(info.get(kind) for kind in kinds):
         return  # the usual case: nothing to attribute, so no walk over the model
     owners = _module_owners(model, plan)
     prefix = getattr(model, "base_model_prefix", "") or ""
     modules = dict(model.named_modules())
-    problems = []
+    found: list[tuple[str, str, str, str]] = []  # (kind, key, label, pack)
     for kind, label in (
         ("missing_keys", "missing from the checkpoint (left randomly initialised)"),
         ("unexpected_keys", "in the checkpoint but not used by the model"),
@@ -98,15 +128,36 @@ def check_loading_info(model: nn.Module, plan: Plan, info: Mapping[str, Any]) ->
                 continue  # e.g. layer 3 of a checkpoint loaded with num_hidden_layers=2: not a pack's doing
             pack = owner_of(key, owners, plan, prefix)
             if pack is not None:
-                problems.append(f"{key}: {label}; touched by pack {pack!r}")
-    if problems:
-        shown = "\n  ".join(problems[:20])
-        more = f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else ""
+                found.append((kind, key, label, pack))
+    if not found:
+        return
+    missing_in = {_replaced_module(key, owners, prefix) for kind, key, _, _ in found if kind == "missing_keys"}
+    unmapped = any(
+        kind == "unexpected_keys" and _replaced_module(key, owners, prefix) in missing_in for kind, key, _, _ in found
+    )
+    problems = [f"{key}: {label}; touched by pack {pack!r}" for _, key, label, pack in found]
+    shown = "\n  ".join(problems[:20])
+    more = f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else ""
+    if unmapped:
         raise WeightLayoutError(
             f"{type(model).__name__}: the patched model does not match the checkpoint ({len(problems)} keys):\n"
             f"  {shown}{more}\nThe pack needs a converter (provide_converters) that maps these checkpoint "
             "tensors onto its modules, or a patch that keeps the original parameter names and shapes."
         )
+    if strict:
+        raise WeightLayoutError(
+            f"{type(model).__name__}: the checkpoint lacks weights of modules a pack replaced ({len(problems)} "
+            f"keys):\n  {shown}{more}\nVanilla transformers would load it and initialise them; strict mode "
+            "(HF_PATCH_STRICT=1) makes it an error."
+        )
+    logger.warning(
+        "hfpatch: %s: the checkpoint lacks weights of modules a pack replaced (%d keys), reported in the loading "
+        "info and initialised as transformers does (HF_PATCH_STRICT=1 makes this an error):\n  %s%s",
+        type(model).__name__,
+        len(problems),
+        shown,
+        more,
+    )
 
 
 def _meta_state_dict(model: Any) -> dict[str, torch.Tensor]:
@@ -277,17 +328,43 @@ def guard_saving(model: nn.Module, plan: Plan) -> None:
     object.__setattr__(model, _SAVE_GUARD, True)
 
 
-def secure(model: nn.Module, plan: Plan, loading_info: Mapping[str, Any] | None) -> None:
+def _signature(transform: Any) -> tuple[str, tuple[str, ...], tuple[str, ...]]:
+    return type(transform).__name__, tuple(source_patterns_of(transform)), tuple(target_patterns_of(transform))
+
+
+def _save_with_all_conversions(model: nn.Module, recorded: list[Any]) -> None:
+    """Make a patched model loaded from a checkpoint save the original layout whatever layout it loaded.
+
+    transformers records the conversions a load *used*, and a save reverses only those: a
+    checkpoint already in the model's layout (``save_pretrained(save_original_format=False)``,
+    ``from_pretrained(None, state_dict=model.state_dict())``: mixtral's stacked experts) used
+    none of its stacking and renamings, or only a pack's split of it, and would be saved in
+    neither layout, which the save guard refuses.  Where the recorded conversions are some of
+    the model's own (nothing else: no prefix change, no user ``key_mapping``), the model saves
+    with all of them reversed, as one built from its config does: the original layout.
+    """
+    every = reversible_conversions(model)
+    known = {_signature(transform) for transform in every}
+    subset = len(recorded) < len(every) and all(_signature(transform) in known for transform in recorded)
+    if subset and not _quantized(model):  # a quantizer's conversions are not among the model's own
+        object.__setattr__(model, "_weight_conversions", every)
+
+
+def secure(model: nn.Module, plan: Plan, loading_info: Mapping[str, Any] | None, *, strict: bool = True) -> None:
     """What a patched root model gets once built: every weight a pack touches checked
     (``loading_info`` of ``from_pretrained``; ``None`` for a model built from a config,
     which instead keeps the conversions its save must reverse), the save guard, a
     ``load_state_dict`` that takes the original layout (also with no pack applied, where
     the load ran transformers' own conversions), and, where a replacement declares packed
-    modules or ``hfpatch_hidden_from_adapters``, PEFT's injection hooked (``adapters``)."""
+    modules or ``hfpatch_hidden_from_adapters``, PEFT's injection hooked (``adapters``).
+    ``strict``: weights the checkpoint lacks are an error, not a warning (``check_loading_info``)."""
     if loading_info is not None and plan.touches_weights:
-        check_loading_info(model, plan, loading_info)
-    if loading_info is None and plan.conversions and getattr(model, "_weight_conversions", None) is None:
+        check_loading_info(model, plan, loading_info, strict=strict)
+    recorded = getattr(model, "_weight_conversions", None)
+    if loading_info is None and plan.conversions and recorded is None:
         object.__setattr__(model, "_weight_conversions", reversible_conversions(model))
+    elif loading_info is not None and plan.touches_weights and recorded is not None:
+        _save_with_all_conversions(model, recorded)
     guard_saving(model, plan)
     # Trainer's resume loads the original layout (hfpatch_core._runtime.state_dicts): a model a pack
     # touched needs it, and so does one whose load ran transformers' own conversions (5.25

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import sys
 import types
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager
@@ -29,7 +30,7 @@ from .._runtime import application, provenance, recorders
 from .._runtime.frames import Loader, blame, unwind_entered_contexts
 from .._runtime.layout import secure
 from .._runtime.parallel_plans import add_declared_plans
-from .._scope import LOAD_LOCK, in_vanilla_block
+from .._scope import LOAD_LOCK, in_vanilla_block, vanilla
 from ..errors import HfPatchError
 from ..plan import PLAN_ATTRIBUTE, Plan
 from ..settings import log_level_from_env
@@ -100,7 +101,7 @@ def _managed(cls: type, load: Callable[[], Any], code: types.CodeType, *, loadin
             return result
         # sub-models are checked with the model holding them
         if isinstance(model, nn.Module) and session.in_root_load():
-            secure(model, plan, info)
+            secure(model, plan, info, strict=session.strict)
         log.restore(model if isinstance(model, nn.Module) else None)
     attach(model, plan)
     if all(outer.loader is None for outer in session.frames()):  # a root load (its frame is gone)
@@ -193,9 +194,28 @@ def _wrap_from_config(original: classmethod) -> classmethod:
 
     @functools.wraps(function)
     def _from_config(cls: type, config: Any, **kwargs: Any) -> Any:
+        session = live_session()
+        if session is not None and not session.frames() and _in_a_model_constructor(sys._getframe(1)):
+            # transformers' generic heads (``LlamaForQuestionAnswering``, ``...ForSequenceClassification``)
+            # build their base with ``AutoModel.from_config`` in ``__init__``: inside a model built by its
+            # constructor, which hfpatch does not patch (no loader, so no plan, no save guard), a patched
+            # base would be saved in the packs' layout unchecked, a checkpoint no load reads back.  The
+            # base is built as the head is: vanilla.  Inside a load (``from_pretrained``, ``from_config``
+            # of the head) it is a nested load, patched with the head.
+            with vanilla():
+                return function(cls, config, **kwargs)
         return _managed(cls, lambda: function(cls, config, **kwargs), function.__code__)
 
     return classmethod(_from_config)
+
+
+def _in_a_model_constructor(frame: types.FrameType | None) -> bool:
+    """Whether ``frame`` or a caller of it is the ``__init__`` of a transformers model being built."""
+    while frame is not None:
+        if frame.f_code.co_name == "__init__" and isinstance(frame.f_locals.get("self"), PreTrainedModel):
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _composing(patch_output_recorders: Callable[[Any], None]) -> Callable[[Any], None]:

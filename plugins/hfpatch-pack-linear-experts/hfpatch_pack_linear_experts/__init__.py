@@ -38,7 +38,14 @@ import hfpatch_core
 from hfpatch_core import Converter, LoadContext, Patch, Refusal
 from hfpatch_core.conversion import source_patterns_of, target_patterns_of
 
-from .conversion import ExpertsSlicing, SplitExperts, SplitExpertsConverter, StackExperts, split_converters
+from .conversion import (
+    ExpertsSlicing,
+    LoadOnlySplitConverter,
+    SplitExperts,
+    SplitExpertsConverter,
+    StackExperts,
+    split_converters,
+)
 from .discovery import Candidate, Discovery, discover, per_expert_names
 from .experts import DEFAULT_NAMES, ExpertLinears, Layout, LinearExperts, linear_experts_class
 
@@ -54,6 +61,7 @@ __all__ = [
     "ExpertsSlicing",
     "Layout",
     "LinearExperts",
+    "LoadOnlySplitConverter",
     "SplitExperts",
     "SplitExpertsConverter",
     "StackExperts",
@@ -216,12 +224,15 @@ def provide_patches(context: LoadContext) -> list[Patch | Refusal]:
 @hfpatch_core.hookimpl
 def provide_converters(context: LoadContext) -> list[Converter]:
     """Per experts class: remove transformers' stacking of the per-expert tensors, which then load
-    unchanged into the per-expert modules (no stacked copy is made), and save unchanged; or, for
+    unchanged into the per-expert modules (no stacked copy is made), and save unchanged, while the
+    stacked layout transformers' own model holds (``save_original_format=False``, an unpatched
+    model's ``state_dict``) is split at load only (``LoadOnlySplitConverter``); or, for
     checkpoints storing the experts 3-D, split each 3-D tensor at load and stack it back on save.
     Tied to the classes' patches, so that a class another pack wins keeps transformers' conversion."""
     model_type = _conversion_key(context)
     converters: list[Converter] = []
-    removals: dict[tuple[str, ...], list[str]] = {}
+    # transformers' stacking patterns -> (class, its load-only split converters) per class they stack
+    removals: dict[tuple[str, ...], list[tuple[str, tuple[SplitExpertsConverter, ...]]]] = {}
     for candidate in discovery_for(context).candidates:
         target = candidate.original.__name__
         if candidate.stored_3d:
@@ -234,9 +245,24 @@ def provide_converters(context: LoadContext) -> list[Converter]:
                 )
             )
         else:
-            removals.setdefault(candidate.stacking, []).append(target)
-    for patterns, targets in removals.items():
-        converters.append(Converter(model_type, (), replaces=patterns, priority=PRIORITY, patch_targets=tuple(targets)))
+            # the per-expert checkpoint loads unchanged; the stacked layout transformers' own model
+            # holds (its state dict, save_pretrained(save_original_format=False)) is split at load
+            transforms = tuple(
+                t
+                for path in candidate.paths
+                for t in split_converters(path, _split_parameters(candidate.layout), load_only=True)
+            )
+            removals.setdefault(candidate.stacking, []).append((target, transforms))
+    for patterns, entries in removals.items():
+        converters.append(
+            Converter(
+                model_type,
+                tuple(t for _, transforms in entries for t in transforms),
+                replaces=patterns,
+                priority=PRIORITY,
+                patch_targets=tuple(target for target, _ in entries),
+            )
+        )
     return converters
 
 

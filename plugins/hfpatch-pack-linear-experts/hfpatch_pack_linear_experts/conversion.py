@@ -24,9 +24,16 @@ import dataclasses
 from typing import Any
 
 import torch
-from transformers.core_model_loading import ConversionOps, WeightConverter
+from transformers.core_model_loading import ConversionOps, WeightConverter, WeightRenaming
 
-__all__ = ["ExpertsSlicing", "SplitExperts", "SplitExpertsConverter", "StackExperts", "split_converters"]
+__all__ = [
+    "ExpertsSlicing",
+    "LoadOnlySplitConverter",
+    "SplitExperts",
+    "SplitExpertsConverter",
+    "StackExperts",
+    "split_converters",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -196,8 +203,31 @@ class SplitExpertsConverter(WeightConverter):
         return renamed, pattern
 
 
+#: A key no checkpoint or model has (a ``-`` never occurs in a parameter name): the pattern of
+#: ``LoadOnlySplitConverter``'s reverse, which therefore renames nothing.
+_NO_KEY = "hfpatch-load-only-no-key"
+
+
+class LoadOnlySplitConverter(SplitExpertsConverter):
+    """A ``SplitExpertsConverter`` for a second layout at load only: a save writes what the model holds.
+
+    For families whose checkpoints store the experts per expert (mixtral, qwen3_moe),
+    transformers' own ``save_pretrained(save_original_format=False)`` and the state dict of
+    an unpatched model hold the experts stacked 3-D, as its experts class does; vanilla
+    loads both.  This converter splits such a stacked tensor into the per-expert modules at
+    load; the per-expert keys of the original layout load unchanged, and are what a save
+    writes, so its reverse is a renaming that matches no key (a save stacking them would
+    write the other layout).  hfpatch's save guard makes a model loaded from the stacked
+    layout save with all of its conversions reversed (the renamings of the original layout
+    included, which such a load did not use): the original layout.
+    """
+
+    def reverse_transform(self) -> WeightRenaming:
+        return WeightRenaming(source_patterns=_NO_KEY, target_patterns=_NO_KEY)
+
+
 def split_converters(
-    path: str, parameters: dict[str, tuple[tuple[str, ...], ExpertsSlicing]]
+    path: str, parameters: dict[str, tuple[tuple[str, ...], ExpertsSlicing]], *, load_only: bool = False
 ) -> list[SplitExpertsConverter]:
     """One converter per 3-D tensor of the experts at ``path`` (``"mlp.experts"``).
 
@@ -206,11 +236,14 @@ def split_converters(
             checkpoint's keys end (after transformers' renamings).
         parameters: per 3-D parameter name (``"gate_up_proj"``), the per-expert suffixes
             it is cut into, in order (``("gate_proj.weight", "up_proj.weight")``), and how.
+        load_only: the stacked tensors are a second layout the model loads, not the one
+            it saves (``LoadOnlySplitConverter``).
     """
+    kind = LoadOnlySplitConverter if load_only else SplitExpertsConverter
     converters = []
     for name, (suffixes, slicing) in parameters.items():
         # a name boundary, not an anchor: transformers drops lookarounds when it reverses the pattern
         source = f"{path}.{name}(?!\\w)"
         targets = [f"{path}.*.{suffix}" for suffix in suffixes]
-        converters.append(SplitExpertsConverter(source, targets, operations=[SplitExperts(slicing)]))
+        converters.append(kind(source, targets, operations=[SplitExperts(slicing)]))
     return converters

@@ -243,32 +243,6 @@ def _transformers_modules() -> list[types.ModuleType]:
     return _index.current()
 
 
-#: The module attributes ``apply_mapping`` blocks in progress have replaced, outermost first.
-_in_force: list[list[tuple[types.ModuleType, str, object]]] = []
-
-
-@contextmanager
-def originals() -> Iterator[None]:
-    """transformers' own classes back in its modules for the block, the replacements of the loads
-    in progress put back afterwards.
-
-    Packs' hooks run under it: a sub-model's load is planned while the outer load's
-    replacements are in force, and a hook that looks up or builds the classes of a modeling
-    module (a probe) must see transformers' classes, not another claim's replacement.
-    """
-    with LOAD_LOCK:
-        undone: list[tuple[types.ModuleType, str, object]] = []
-        try:
-            for replaced in reversed(_in_force):
-                for module, name, original in reversed(replaced):
-                    undone.append((module, name, getattr(module, name)))
-                    setattr(module, name, original)
-            yield
-        finally:
-            for module, name, current in reversed(undone):
-                setattr(module, name, current)
-
-
 @contextmanager
 def apply_mapping(mapping: Mapping[str, type]) -> Iterator[list[tuple[types.ModuleType, str, object]]]:
     """Replace, for the block, every class attribute of a loaded ``transformers*`` module
@@ -299,11 +273,8 @@ def apply_mapping(mapping: Mapping[str, type]) -> Iterator[list[tuple[types.Modu
                     setattr(module, name, replacement)
                 except Exception:  # a name that fails to resolve (an import error, a missing backend) is skipped
                     continue
-            _in_force.append(replaced)
             yield replaced
         finally:
-            if _in_force and _in_force[-1] is replaced:
-                _in_force.pop()
             for module, name, original in reversed(replaced):
                 setattr(module, name, original)
 

@@ -464,20 +464,18 @@ def _plain_torch_state() -> Iterator[None]:
     ``from_pretrained`` often under ``torch.inference_mode()``.  A probe that saw those
     would refuse, or fail, and its cached verdict would hold for every later load.  A probe
     that builds a composite model (its ``__init__`` calls ``from_config`` for the text model)
-    must not start a load of hfpatch's inside the one being planned, and a sub-model's hook
-    must find transformers' classes in the modeling modules, not the outer load's replacements.
+    must not start a load of hfpatch's inside the one being planned.
     """
     import torch
 
     from .._scope import vanilla
-    from .application import originals
 
     # under the lock (vanilla() holds it): the default dtype is process-wide, and only hfpatch's loads change it here
     with vanilla():
         dtype = torch.get_default_dtype()
         torch.set_default_dtype(torch.float32)
         try:
-            with originals(), torch.device("cpu"), torch.inference_mode(False), torch.enable_grad():
+            with torch.device("cpu"), torch.inference_mode(False), torch.enable_grad():
                 yield
         finally:
             torch.set_default_dtype(dtype)

@@ -145,7 +145,10 @@ def _converted_by_the_composite(context: LoadContext, found: Discovery) -> dict[
         from transformers.conversion_mapping import get_checkpoint_conversion_mapping
     except ImportError:  # a release without the table converts nothing by key
         return {}
-    keys = [root.model_class_name, root.model_type]
+    # the lists of the load that claims are its own (a head's base model, built in a load of its own
+    # inside the head's, reads the same model type's list): only another model's count
+    own = {context.model_type, _conversion_key(context)} if root is not context else set()
+    keys = [key for key in (root.model_class_name, root.model_type) if key not in own]
     if root is context:  # the composite claims: its sub-models' lists apply to the tensors too
         keys += _sub_model_keys(root.model_type or "", config)
     # converters only: a renaming of legacy names (aria's experts.fc1) leaves the tensors as they are;

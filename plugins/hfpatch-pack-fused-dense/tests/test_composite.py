@@ -86,3 +86,15 @@ def test_a_composite_model_is_refused_where_one_list_serves_the_whole_model() ->
     nested = LoadContext(model_type="llama", model_class_name="LlamaModel", config=config, parent=parent)
     assert hfpatch_pack_fused_dense.provide_patches(nested) == []
     assert hfpatch_pack_fused_dense.provide_converters(nested) == []
+
+
+@scoped
+def test_a_sub_model_whose_parts_the_outer_list_builds_is_refused(tmp_path) -> None:
+    """kimi_k25's own conversion list splits its vision tower's ``wqkv`` into q_proj and k_proj, unscoped:
+    the vision tower's load refuses its attention with that reason (its load failed: the parts never
+    reached the fused converter), and the text model's MLP is still fused, exact."""
+    from hfpatch_core.testing.zoo import verdict_of
+
+    row = verdict_of(PACK, "kimi_k25", tmp_path, generate_tokens=4)
+    assert row.verdict == "exact", row
+    assert "Kimi_K25VisionAttention: transformers' own conversion for 'kimi_k25' builds q_proj" in row.detail

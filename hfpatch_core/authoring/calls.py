@@ -34,6 +34,7 @@ import functools
 import inspect
 import textwrap
 from collections.abc import Sequence
+from typing import Any
 
 __all__ = ["builds_by_name", "forward_owner", "same_input"]
 
@@ -131,13 +132,35 @@ def builds_by_name(cls: type, name: str) -> bool:
         init = vars(base).get("__init__")
         if init is None or base.__module__.startswith(("torch.", "builtins")):
             continue
-        try:
-            tree = ast.parse(textwrap.dedent(inspect.getsource(inspect.unwrap(init))))
-        except (OSError, TypeError, SyntaxError):
-            continue
-        for node in ast.walk(tree):
-            if (isinstance(node, ast.Name) and node.id == name) or (
-                isinstance(node, ast.Attribute) and node.attr == name
-            ):
-                return True
+        for function in _wrapped_inits(init):
+            try:
+                tree = ast.parse(textwrap.dedent(inspect.getsource(function)))
+            except (OSError, TypeError, SyntaxError):
+                continue
+            for node in ast.walk(tree):
+                if (isinstance(node, ast.Name) and node.id == name) or (
+                    isinstance(node, ast.Attribute) and node.attr == name
+                ):
+                    return True
     return False
+
+
+def _wrapped_inits(init: Any) -> list[Any]:
+    """``init`` and the ``__init__`` functions it wraps: through ``__wrapped__`` (``functools.wraps``)
+    and through its closure, where a decorator that keeps no ``__wrapped__`` holds the original
+    (transformers' ``@use_kernelized_func`` on Qwen3Attention, Gemma3Attention, OlmoeAttention)."""
+    found: list[Any] = []
+    pending = [init]
+    while pending:
+        function = inspect.unwrap(pending.pop())
+        if function in found:
+            continue
+        found.append(function)
+        for cell in getattr(function, "__closure__", None) or ():
+            try:
+                value = cell.cell_contents
+            except ValueError:  # an empty cell
+                continue
+            if inspect.isfunction(value) and value.__name__ == "__init__":
+                pending.append(value)
+    return found

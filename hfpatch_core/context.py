@@ -54,6 +54,13 @@ class LoadContext:
         object.__setattr__(self, "parallel", parallel)
 
     @property
+    def model_class(self) -> type | None:
+        """The class ``model_class_name`` names in transformers (``transformers.LlamaForCausalLM``), or
+        ``None`` where transformers exports no class of that name (a custom-code model)."""
+        found = getattr(transformers, self.model_class_name, None)
+        return found if isinstance(found, type) else None
+
+    @property
     def root(self) -> LoadContext:
         """The outermost load this context belongs to (itself for a top-level load)."""
         context = self

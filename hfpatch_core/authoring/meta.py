@@ -18,11 +18,12 @@ import torch
 import torch.nn as nn
 
 from .._scope import vanilla
+from ..context import LoadContext
 
 __all__ = ["build_on_meta"]
 
 
-def build_on_meta(model_class: type[nn.Module], config: Any) -> nn.Module:
+def build_on_meta(model_class: type[nn.Module] | LoadContext, config: Any = None) -> nn.Module:
     """``model_class(config)`` built on the meta device, as vanilla transformers builds it.
 
     Safe to call from a hook during a load: no pack applies to it, hfpatch's loader wrappers
@@ -30,8 +31,12 @@ def build_on_meta(model_class: type[nn.Module], config: Any) -> nn.Module:
     that what ``__init__`` writes into it does not reach the load's config.
 
     Args:
-        model_class: a transformers model class (``LlamaForCausalLM``, a composite model).
-        config: the config to build it from.
+        model_class: a transformers model class (``LlamaForCausalLM``, a composite model),
+            or a hook's ``LoadContext``: the load's class (``context.model_class``) and config.
+        config: the config to build it from (default: the context's).
+
+    Raises:
+        ValueError: a context whose class transformers does not export, or with no config.
 
     Returns:
         The model, every parameter and buffer on the meta device.
@@ -39,6 +44,13 @@ def build_on_meta(model_class: type[nn.Module], config: Any) -> nn.Module:
     Raises:
         Exception: whatever building the model raises (some models cannot be built on meta).
     """
+    if isinstance(model_class, LoadContext):
+        context = model_class
+        found, config = context.model_class, config if config is not None else context.config
+        if found is None or config is None:
+            missing = "no config" if config is None else f"transformers exports no class {context.model_class_name!r}"
+            raise ValueError(f"build_on_meta({context.model_class_name} load): {missing}; pass a class and a config")
+        model_class = found
     with vanilla(), torch.device("meta"), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # what building on the meta device says is not the load's business
         return model_class(copy.deepcopy(config))

@@ -33,6 +33,7 @@ __all__ = [
     "coverage",
     "coverage_sentence",
     "update_zoo_markers",
+    "verdict_of",
     "zoo",
     "zoo_model_types",
 ]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import weakref
 from collections.abc import Callable
@@ -251,6 +252,8 @@ def install(model: PreTrainedModel, *, chunk: int = DEFAULT_CHUNK) -> Installed:
     state = _State()
     handle = decoder.register_forward_hook(decoder_hook)
 
+    # wraps: Trainer reads the forward's signature (the dataset columns it keeps, loss kwargs)
+    @functools.wraps(original)
     def forward(*args: Any, **kwargs: Any) -> Any:
         bound = signature.bind(*args, **kwargs)
         arguments = dict(bound.arguments)

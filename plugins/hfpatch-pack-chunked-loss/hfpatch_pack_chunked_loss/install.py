@@ -71,6 +71,11 @@ def _with_hidden(output: Any, hidden: torch.Tensor) -> Any:
     return output
 
 
+def _sharded(head: nn.Linear) -> bool:
+    # a head sharded after install (fully_shard, a tp_plan) is seen at each step: vanilla's step runs
+    return any(type(p).__name__ == "DTensor" for p in (head.weight, head.bias) if p is not None)
+
+
 def _fit_transform(probe: torch.Tensor, out: torch.Tensor, dtype: torch.dtype) -> HeadTransform:
     """The transform that makes ``out`` from ``probe`` exactly, among scale and soft-cap."""
     flat_probe, flat_out = probe.reshape(-1), out.reshape(-1)
@@ -123,6 +128,11 @@ def detect(model: PreTrainedModel) -> HeadTransform:
     head = model.get_output_embeddings()
     if type(head) is not nn.Linear:
         raise ChunkedLossRefused(f"the LM head is a {type(head).__name__}, not a plain nn.Linear")
+    if _sharded(head):
+        raise ChunkedLossRefused(
+            "the LM head's weight is a DTensor (FSDP2 or tensor parallelism): the chunked loss is not "
+            "tested on sharded heads"
+        )
     parameters = inspect.signature(model.forward).parameters
     missing = [name for name in ("labels", "logits_to_keep") if name not in parameters]
     if missing:
@@ -266,6 +276,7 @@ def install(model: PreTrainedModel, *, chunk: int = DEFAULT_CHUNK) -> Installed:
             or not torch.is_grad_enabled()
             or current is not head
             or type(current) is not nn.Linear
+            or _sharded(current)
             or arguments.get("logits_to_keep", 0) != 0
         ):
             return original(*args, **kwargs)

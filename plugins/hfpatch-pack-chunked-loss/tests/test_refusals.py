@@ -76,3 +76,17 @@ def test_installing_twice(checkpoints: dict[str, Path]) -> None:
     chunked.install(model)
     with pytest.raises(ValueError, match="already has the chunked loss"):
         chunked.install(model)
+
+
+def test_a_sharded_head(checkpoints: dict[str, Path], tmp_path: Path) -> None:
+    """FSDP2 and tensor parallelism make the head's weight a DTensor: refused (one gloo rank here)."""
+    from torch.distributed.tensor import Replicate, distribute_tensor, init_device_mesh
+
+    torch.distributed.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        model = load(checkpoints["llama"])
+        mesh = init_device_mesh("cpu", (1,))
+        model.lm_head.weight = nn.Parameter(distribute_tensor(model.lm_head.weight.detach(), mesh, [Replicate()]))
+        assert "the LM head's weight is a DTensor (FSDP2 or tensor parallelism)" in _refused(model)
+    finally:
+        torch.distributed.destroy_process_group()

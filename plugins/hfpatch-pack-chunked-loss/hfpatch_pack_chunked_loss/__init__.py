@@ -1,0 +1,33 @@
+"""hfpatch pack ``chunked-loss``: the causal-LM training loss without the tokens x vocabulary logits.
+
+``install(model)`` finds the model's head and loss path by structure and by probing the model's
+own forward (``detect``): the head must be a plain ``nn.Linear`` fed by the decoder's last hidden
+state, the loss transformers' ``ForCausalLMLoss``, and what the forward does between them the
+identity, a scale (cohere's ``logit_scale``, granite's ``logits_scaling``) or a soft-cap (gemma2's
+``final_logit_softcapping``); the chunked loss is then compared with vanilla's own loss and
+gradients on a probe.  Anything else is refused with the reason (``ChunkedLossRefused``).
+
+Afterwards a training step (``labels`` given, ``model.train()``, autograd on) computes the loss
+and its gradients chunk by chunk of tokens (``hfpatch_pack_chunked_loss.loss``), and ``.logits``
+holds the last position's logits only; every other forward is vanilla's.  ``uninstall(model)``
+reverts it.
+"""
+
+from __future__ import annotations
+
+from .install import DEFAULT_CHUNK, ChunkedLossRefused, Installed, detect, install, installed, uninstall
+from .loss import HeadTransform, chunked_causal_lm_loss
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "DEFAULT_CHUNK",
+    "ChunkedLossRefused",
+    "HeadTransform",
+    "Installed",
+    "chunked_causal_lm_loss",
+    "detect",
+    "install",
+    "installed",
+    "uninstall",
+]

@@ -1,0 +1,81 @@
+"""TRL's ``SFTTrainer`` (default settings: gradient checkpointing on) on a model with the chunked loss installed."""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+from typing import Any
+
+import hfpatch_pack_chunked_loss as chunked
+import pytest
+import torch
+from datasets import Dataset
+from peft import LoraConfig
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+from trl import SFTConfig, SFTTrainer
+
+from conftest import VOCAB, load
+
+# the module (the package's ``install`` is the function)
+install_module = importlib.import_module("hfpatch_pack_chunked_loss.install")
+
+
+def _tokenizer() -> PreTrainedTokenizerFast:
+    """A word-level tokenizer over the tiny vocabulary (no download): token ``t<i>`` is id ``i``."""
+    words = Tokenizer(models.WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t1"))
+    words.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=words, pad_token="t0", unk_token="t1", eos_token="t2")
+
+
+def _sft(checkpoint: Path, install: bool, out: Path) -> list[dict[str, float]]:
+    generator = torch.Generator().manual_seed(7)
+    rows = [torch.randint(3, VOCAB, (10 + i,), generator=generator).tolist() for i in range(6)]
+    model = load(checkpoint)
+    if install:
+        chunked.install(model, chunk=5)
+    config = SFTConfig(
+        output_dir=str(out),
+        max_steps=2,
+        per_device_train_batch_size=3,
+        learning_rate=1e-3,
+        bf16=False,  # fp32, where the bound is the fp32 one
+        logging_steps=1,
+        report_to=[],
+        save_strategy="no",
+        seed=1234,
+        use_cpu=True,
+        dataloader_num_workers=0,
+    )
+    torch.manual_seed(1234)  # the adapters are drawn when the trainer wraps the model
+    trainer = SFTTrainer(
+        model=model,
+        args=config,
+        train_dataset=Dataset.from_dict({"input_ids": rows}),
+        processing_class=_tokenizer(),
+        peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
+    )
+    trainer.train()
+    return [entry for entry in trainer.state.log_history if "loss" in entry]
+
+
+def test_sft_trains_as_on_vanilla(
+    checkpoints: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    vanilla = _sft(checkpoints["llama"], False, tmp_path / "vanilla")
+    calls = []
+    loss = install_module.chunked_causal_lm_loss
+
+    def counted(*args: Any, **kwargs: Any) -> torch.Tensor:
+        calls.append(args[0].shape)
+        return loss(*args, **kwargs)
+
+    monkeypatch.setattr(install_module, "chunked_causal_lm_loss", counted)
+    ours = _sft(checkpoints["llama"], True, tmp_path / "chunked")
+    # install's probe only: TRL's SFTTrainer (1.16) computes its loss through its own tiled head
+    # (trl.trainer.utils.add_fused_lm_head, fused_lm_head=True), so its steps never reach the pack,
+    # and installing it changes nothing there
+    assert len(calls) == 1
+    assert len(ours) == len(vanilla) == 2
+    for a, b in zip(ours, vanilla, strict=True):
+        assert abs(a["loss"] - b["loss"]) <= 1e-5 * abs(b["loss"])

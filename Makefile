@@ -42,9 +42,33 @@ TEST_JOBS ?= 2
 # Subprocesses (the CLI, torchrun, docs commands) inherit it.
 SUITE_ENV := OMP_NUM_THREADS=1
 
-.PHONY: all venv venv-oldest demo dist test checks lint typecheck docs unit unit-oldest core core-oldest pack-suites pack-suites-oldest compat interop clean
+.PHONY: all help venv venv-oldest demo dist test checks lint typecheck docs unit unit-oldest core core-oldest pack-suites pack-suites-oldest zoo compat interop clean
 
 all: test
+
+# One line per target (tests/test_cli_inputs.py checks that every .PHONY target is listed).
+help:
+	@echo "all                 the same as test"
+	@echo "help                this list"
+	@echo "venv                .venv: the newest supported transformers, hfpatch-core editable, the first-party packs as wheels"
+	@echo "venv-oldest         .venv-oldest: the same on the oldest supported transformers (5.3.0)"
+	@echo "demo                load a tiny Qwen2-MoE with and without the qwen-moe pack and compare (the main job)"
+	@echo "dist                the wheels of hfpatch-core and of every first-party pack, in dist/"
+	@echo "test                everything CI runs (.ci/run): checks, the core and pack suites on both venvs"
+	@echo "checks              lint, typecheck and docs"
+	@echo "lint                ruff check, ruff format --check and import-linter"
+	@echo "typecheck           mypy"
+	@echo "docs                the documentation site, mkdocs build --strict, into .site/"
+	@echo "unit                core, then every first-party pack's suite, on .venv"
+	@echo "unit-oldest         the same on .venv-oldest"
+	@echo "core                the core suite (tests/) on .venv"
+	@echo "core-oldest         the core suite on .venv-oldest"
+	@echo "pack-suites         every first-party pack's own suite on .venv, two at a time"
+	@echo "pack-suites-oldest  the same on .venv-oldest"
+	@echo "zoo                 every first-party pack on every causal-LM model type, written to docs/zoo.md (tens of minutes)"
+	@echo "compat              every transformers release in range and Python 3.10 / 3.13, written to docs/compatibility.md"
+	@echo "interop             the llm-compressor interop suite, in .venv-interop"
+	@echo "clean               remove the venvs and the build and tool caches"
 
 $(VENV)/.installed: pyproject.toml constraints.txt requirements-dev.txt docs/requirements.txt _hfpatch_autorun.py
 	$(PYTHON) -m venv $(VENV)
@@ -89,7 +113,8 @@ $(PACK_TEST_SITE_OLDEST)/.installed: $(VENV_OLDEST)/.installed constraints-oldes
 venv: $(VENV)/.installed $(PACKS_SITE)/.installed $(PACK_TEST_SITE)/.installed
 venv-oldest: $(VENV_OLDEST)/.installed $(PACKS_SITE_OLDEST)/.installed $(PACK_TEST_SITE_OLDEST)/.installed
 
-demo: venv
+# the packs' test-only libraries (torchao, trl, datasets) are not the demo's: only the venv and the packs
+demo: $(VENV)/.installed $(PACKS_SITE)/.installed
 	PYTHONPATH=$(PACKS_SITE) $(BIN)/hfpatch demo
 
 # The wheels of hfpatch-core and of every first-party pack, in DIST: nothing is published
@@ -150,11 +175,14 @@ test:
 	$(MAKE) --no-print-directory core core-oldest
 	$(MAKE) --no-print-directory -j$(TEST_JOBS) -Otarget pack-suites pack-suites-oldest
 
-# The zoo table: every first-party pack against every causal-LM model type of the newest
+# The zoo table: every first-party pack against every causal-LM and image-text-to-text model type of the newest
 # supported transformers (hfpatch verify PACK --all-model-types, one process per pack), written
 # to docs/zoo.md. Not part of `make test` (tens of minutes); each pack's suite verifies a sample.
+# ZOO_DTYPE=bfloat16 verifies in bf16 (the logits bound calibrated in the run) into docs/zoo-bfloat16.md.
+ZOO_DTYPE ?= float32
+ZOO_TABLE := $(if $(filter float32,$(ZOO_DTYPE)),docs/zoo.md,docs/zoo-$(ZOO_DTYPE).md)
 zoo: venv
-	PYTHONPATH=$(PACKS_SITE) $(BIN)/python .ci/zoo.py --write docs/zoo.md
+	PYTHONPATH=$(PACKS_SITE) $(BIN)/python .ci/zoo.py --dtype $(ZOO_DTYPE) --write $(ZOO_TABLE)
 
 # Every release in range, newest first, in one reused venv: hfpatch verify of the
 # first-party packs and a core smoke run per release, as a table (docs/compatibility.md);

@@ -29,11 +29,18 @@ LOG_ENV = "HF_PATCH_LOG"
 AUTOLOAD_ENV = "HF_PATCH_AUTOLOAD"
 
 #: A lock file written by ``hfpatch lock``: every load checks its packs and plan against it
-#: before any weight is read (``LockError``); an unset ``HF_PATCH_PACKS`` then means no pack.
+#: before any weight is read (``LockError``); an unset ``HF_PATCH_PACKS`` then means the lock's
+#: selection (the lock is the explicit choice).
 LOCK_ENV = "HF_PATCH_LOCK"
 
 #: The file ``hfpatch lock`` writes by default.
 LOCK_FILE = "hfpatch.lock"
+
+#: Where the ``hfpatch`` command keeps what it computes slowly and what only the installed
+#: versions decide (``hfpatch list``'s conflicts, the plans ``hfpatch lock --check`` compares,
+#: the model type names): a directory; ``off`` (or ``0``, ``none``) keeps nothing.  Unset or
+#: empty: ``$XDG_CACHE_HOME/hfpatch``, else ``~/.cache/hfpatch``.
+CACHE_ENV = "HF_PATCH_CACHE"
 
 #: Set by ``hfpatch run``; makes every Python process that inherits it enable hfpatch
 #: when transformers' modeling code is first imported.
@@ -103,3 +110,18 @@ def log_level_from_env() -> int | None:
         f"{LOG_ENV}={os.environ[LOG_ENV]!r} is not a log level; use one of {', '.join(_LOG_LEVELS)} "
         "(info logs which packs each load applied), or unset it."
     )
+
+
+def cache_dir_from_env() -> str | None:
+    """The directory ``HF_PATCH_CACHE`` names (default ``$XDG_CACHE_HOME/hfpatch``, else
+    ``~/.cache/hfpatch``), or ``None`` when it turns the cache off (``off``, ``0``, ``none``...)."""
+    raw = os.environ.get(CACHE_ENV, "").strip()
+    if raw.lower() in _FALSE - {""} or raw.lower() == "none":
+        return None
+    if raw:
+        return os.path.expanduser(raw)
+    # the XDG base directory spec: a relative XDG_CACHE_HOME is invalid and ignored
+    base = os.environ.get("XDG_CACHE_HOME", "").strip()
+    if not os.path.isabs(base):
+        base = os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "hfpatch")

@@ -100,10 +100,15 @@ def snapshot() -> Snapshot:
 
 
 @pytest.fixture(autouse=True)
-def _isolation(hfpatch_isolation: HfPatchIsolation) -> Iterator[HfPatchIsolation]:
+def _isolation(
+    hfpatch_isolation: HfPatchIsolation, tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[HfPatchIsolation]:
     """The shipped ``hfpatch_isolation`` on every test (hfpatch disabled and its variables unset
-    before, the global state restored after, a leak fails the test), and the test packs'
-    modules and ``sys.path`` entries removed afterwards."""
+    before, the global state restored after, a leak fails the test), the test packs'
+    modules and ``sys.path`` entries removed afterwards, and the command's cache
+    (``HF_PATCH_CACHE``) a directory of the test's own: no test reads what another computed."""
+    # beside the test's tmp_path, not in it: a test that lists its tmp_path finds only its own files
+    monkeypatch.setenv("HF_PATCH_CACHE", str(tmp_path_factory.mktemp("hfpatch-cache")))
     modules = set(sys.modules)
     path = list(sys.path)
     yield hfpatch_isolation

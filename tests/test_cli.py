@@ -30,7 +30,9 @@ CHECKOUT = str(_ROOT) if (_ROOT / "pyproject.toml").is_file() else ""
 
 def environment_with(site: Path | None) -> dict[str, str]:
     """This process's environment without hfpatch's variables, packs from ``site`` only."""
-    environment = {k: v for k, v in os.environ.items() if not k.startswith(("HF_PATCH", "HFPATCH"))}
+    environment = {
+        k: v for k, v in os.environ.items() if not k.startswith(("HF_PATCH", "HFPATCH")) or k == "HF_PATCH_CACHE"
+    }
     environment["PYTHONPATH"] = os.pathsep.join(path for path in (str(site) if site else "", CHECKOUT) if path)
     return environment
 
@@ -630,3 +632,20 @@ def test_run_help_says_what_python_means() -> None:
     result = run(HFPATCH, "run", "--help")
     assert result.returncode == 0
     assert "'python' or 'python3' as CMD is this environment's interpreter" in " ".join(result.stdout.split())
+
+
+def test_no_command_module_imports_the_cli_package_back() -> None:
+    """``hfpatch_core.cli`` dispatches to ``parser`` lazily; a command module taking a name from the
+    package ``__init__`` (the exit codes once lived there) closes an import cycle."""
+    import ast
+
+    package = Path(hfpatch_core.__file__).parent / "cli"
+    submodules = {path.stem for path in package.glob("*.py")}
+    found = []
+    for path in sorted(package.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and node.level == 1 and node.module is None:
+                found += [f"{path.name}: {alias.name}" for alias in node.names if alias.name not in submodules]
+            elif isinstance(node, ast.ImportFrom) and node.level == 2 and node.module == "cli":
+                found.append(f"{path.name}: from ..cli import ...")
+    assert not found, found

@@ -68,3 +68,35 @@ def test_bad_input_is_exit_2_before_any_work(install, monkeypatch, capsys, tmp_p
 
 def _no_work(*args: object, **kwargs: object) -> None:
     raise AssertionError("a checkpoint was built for bad input")
+
+
+def test_demo_of_a_model_without_a_choice_uses_the_installed_packs_that_apply(
+    install, llama_checkpoint, monkeypatch
+) -> None:
+    # issue 40: `hfpatch demo --model ./tiny-llama` with HF_PATCH_PACKS unset picked qwen-moe ("classes replaced: none")
+    from packs import NORM_PATTERN_PACK
+
+    qwen_only = MLP_PACK.replace('context.model_type == "llama"', 'context.model_type == "qwen2_moe"')
+    install(PackSpec("mlp", MLP_PACK), PackSpec("qwen-only", qwen_only), PackSpec("norms", NORM_PATTERN_PACK))
+    monkeypatch.delenv("HF_PATCH_PACKS", raising=False)
+    out = io.StringIO()
+    report = run_demo(str(llama_checkpoint), out=out)
+    assert report.ok and report.replaced == {"LlamaMLP": "PackMLP", "LlamaRMSNorm": "PackNorm"}
+    assert "then with HF_PATCH_PACKS=mlp,norms ..." in out.getvalue()
+    explicit = io.StringIO()
+    assert not run_demo(str(llama_checkpoint), "qwen-only", out=explicit).ok  # an explicit choice is kept
+    assert "FAIL  classes replaced: none" in explicit.getvalue()
+
+
+def test_a_truncated_safetensors_file_is_named_before_any_load(llama_checkpoint, tmp_path, capsys) -> None:
+    # issue 40: transformers' error for a truncated download names no file
+    import shutil
+
+    broken = tmp_path / "broken"
+    shutil.copytree(llama_checkpoint, broken)
+    weights = next(broken.glob("*.safetensors"))
+    weights.write_bytes(weights.read_bytes()[:100])
+    for command in (["demo", "--model", str(broken)], ["verify", "--model", str(broken)]):
+        assert main(command) == 2
+        error = capsys.readouterr().err
+        assert f"{weights.name} is not a readable safetensors file" in error and "save or download it again" in error

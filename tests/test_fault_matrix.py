@@ -36,6 +36,7 @@ import hfpatch_core
 import hfpatch_core.cli as cli
 from conftest import Snapshot
 from hfpatch_core import DuplicatePackError, PackError, PackWarning, SelectionError, plan_of
+from hfpatch_core.cli.exit_codes import EXIT_PROBLEMS
 from packs import MLP_PACK, PackSpec
 
 Outcome = Literal["raise@enable", "raise@load", "warn@enable", "warn@load", "quiet"]
@@ -444,7 +445,7 @@ def test_fault(case: str, mode: str, install, llama_checkpoint, monkeypatch, cap
         capsys.readouterr()
         code = cli.main(["check", "bad"])
         output = capsys.readouterr().out
-        assert code == cli.EXIT_PROBLEMS, output
+        assert code == EXIT_PROBLEMS, output
         assert re.search(fault.check, output, re.S), output
         assert "FAIL" in output
         snapshot.assert_unchanged()

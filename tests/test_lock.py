@@ -13,6 +13,7 @@ from transformers import LlamaForCausalLM
 
 import hfpatch_core
 from conftest import tiny_llama_config
+from hfpatch_core._pipeline.locking import LockedPlan
 from hfpatch_core.cli import main
 from hfpatch_core.plan import plan_of
 from hfpatch_core.testing import install_pack
@@ -68,7 +69,8 @@ def test_the_lock_holds_the_packs_and_plans_and_a_load_that_matches_passes(locke
     with hfpatch_core.enabled(lock=lock):
         model = load()
     assert type(model.model.layers[0].mlp).__name__ == "PackMLP"
-    assert plan_of(model).fingerprint == plan["fingerprint"]
+    assert LockedPlan.of(plan_of(model)).decision == plan["decision"]
+    assert plan["from"] == "default config"
     capsys.readouterr()
     assert main(["lock", "--check", str(lock)]) == 0
     assert "matches" in capsys.readouterr().out
@@ -140,7 +142,8 @@ def test_a_different_plan_with_the_same_packs_fails_the_load(install, monkeypatc
         "model type 'llama': LlamaMLP is replaced by hfpatch_test_pack_switching.SecondMLP [switching==1.0.0] "
         "(locked: hfpatch_test_pack_switching.FirstMLP [switching==1.0.0])"
     ) in str(caught.value)
-    assert main(["lock", "--check", str(lock)]) == 1
+    # the plan follows a variable, not the installed files that key the cache: --no-cache plans again
+    assert main(["--no-cache", "lock", "--check", str(lock)]) == 1
 
 
 def test_a_model_type_the_lock_has_no_plan_for_fails_only_when_patched(install, monkeypatch, tmp_path) -> None:
@@ -170,14 +173,24 @@ def test_lock_check_exit_codes_and_a_missing_lock(locked, install, monkeypatch, 
         hfpatch_core.enable(lock=tmp_path / "absent.lock")
 
 
-def test_under_a_lock_an_unset_selection_means_no_pack(locked, monkeypatch) -> None:
-    _, lock = locked
+def test_under_a_lock_an_unset_selection_means_the_locked_selection(locked, monkeypatch, capsys) -> None:
+    site, lock = locked
     monkeypatch.delenv("HF_PATCH_PACKS")
+    monkeypatch.setenv("HF_PATCH_AUTOLOAD", "0")  # the lock is the explicit choice: it wins over autoload off
     with hfpatch_core.enabled(lock=lock) as selection:
-        assert not selection.packs
-        assert selection.status["mlp"] == "disabled: HF_PATCH_PACKS unset under a lock (HF_PATCH_LOCK)"
-        with pytest.raises(hfpatch_core.LockError, match="set HF_PATCH_PACKS='mlp'"):
-            load()
+        assert list(selection.packs) == ["mlp"]
+        assert selection.spec.quoted == "the selection of the lock (HF_PATCH_LOCK) 'mlp'"
+        assert type(load().model.layers[0].mlp).__name__ == "PackMLP"
+    assert main(["lock", "--check", str(lock)]) == 0
+    monkeypatch.setenv("HF_PATCH_LOCK", str(lock))
+    capsys.readouterr()
+    assert main(["list", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["packs"][0]["status"] == "enabled"
+    # a pack installed after the lock was written is not in its selection ('mlp'): nothing changes
+    write_pack(site.with_name(site.name + "-more"), PackSpec("extra", mlp_pack("ExtraMLP", priority=1)))
+    with hfpatch_core.enabled(lock=lock) as selection:
+        assert list(selection.packs) == ["mlp"]
+        assert type(load().model.layers[0].mlp).__name__ == "PackMLP"
 
 
 def test_autoload_off_makes_an_unset_selection_mean_no_pack(install, monkeypatch) -> None:
@@ -286,3 +299,82 @@ def test_every_torchrun_rank_checks_the_lock_alike(locked, tmp_path) -> None:
     edited = ranks("edited")
     assert edited[0] == edited[1] and edited[0]["error"].startswith("LockError: ")
     assert "edited since installed: hfpatch_test_pack_mlp.py" in edited[0]["error"]
+
+
+@pytest.fixture(scope="session")
+def fused_dense_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The first-party fused-dense pack, built as a wheel and installed (once) on a path entry of its own:
+    its converters carry the sizes of the config they are made for (``SizedConcatenate(sizes=[...])``)."""
+    from hfpatch_core.testing import install_wheel
+
+    site = tmp_path_factory.mktemp("fused-dense") / "site"
+    install_wheel(Path(hfpatch_core.__file__).resolve().parents[1] / "plugins" / "hfpatch-pack-fused-dense", site)
+    return site
+
+
+def _checkpoint(directory: Path, **sizes: int) -> Path:
+    with hfpatch_core.enabled(packs="none"):
+        LlamaForCausalLM(tiny_llama_config(**sizes)).save_pretrained(directory)
+    return directory
+
+
+#: A second llama size: every dimension of the fused projections differs from tiny_llama_config's.
+LARGER = {"hidden_size": 64, "intermediate_size": 96, "num_attention_heads": 8, "num_key_value_heads": 4}
+
+
+def test_one_lock_holds_loads_of_two_sizes_of_a_model_type(fused_dense_site, monkeypatch, tmp_path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    monkeypatch.syspath_prepend(str(fused_dense_site))
+    monkeypatch.setenv("HF_PATCH_PACKS", "fused-dense")
+    small, large = _checkpoint(tmp_path / "small"), _checkpoint(tmp_path / "large", **LARGER)
+    lock = tmp_path / "hfpatch.lock"
+    data = write_lock(lock)  # once, from llama's default config (4096 wide)
+    converters = data["plans"]["llama"]["converters"]["llama"]
+    assert any("[SizedConcatenate]" in line for line in converters), converters
+    assert not any("sizes" in line or "4096" in line for line in converters), converters
+    plans = []
+    for checkpoint in (small, large):
+        with hfpatch_core.enabled(lock=lock):
+            model = AutoModelForCausalLM.from_pretrained(checkpoint)
+        assert type(model.model.layers[0].self_attn).__name__.startswith("FusedQKV")
+        plan = plan_of(model)
+        assert LockedPlan.of(plan).decision == data["plans"]["llama"]["decision"]
+        plans.append(plan)
+    # the two loads converted with different sizes (and their plans' fingerprints differ) under one lock
+    assert plans[0].fingerprint != plans[1].fingerprint
+    # --model DIR of both sizes: one plan for llama, as the packs decide alike for both
+    both = write_lock(tmp_path / "both.lock", "--model", str(small), "--model", str(large))
+    assert both["plans"]["llama"]["decision"] == data["plans"]["llama"]["decision"]
+    assert both["plans"]["llama"]["from"] == str(small)
+
+
+def test_the_lock_is_the_same_file_from_any_working_directory(install, monkeypatch, tmp_path) -> None:
+    install(PackSpec("mlp", MLP_PACK))
+    monkeypatch.setenv("HF_PATCH_PACKS", "mlp")
+    plain, crowded = tmp_path / "plain", tmp_path / "crowded"
+    plain.mkdir()
+    # a folder named like the model type, holding another model type's checkpoint config
+    from transformers import Qwen2Config
+
+    Qwen2Config(hidden_size=32, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2).save_pretrained(
+        crowded / "llama"
+    )
+    written = []
+    for where in (plain, crowded):
+        monkeypatch.chdir(where)
+        assert main(["lock", "-o", str(tmp_path / f"{where.name}.lock")]) == 0
+        written.append((tmp_path / f"{where.name}.lock").read_bytes())
+    assert written[0] == written[1]
+    assert json.loads(written[1])["plans"]["llama"]["model_class"] == "LlamaForCausalLM"
+    # and lock --check from the crowded directory plans llama from its default config too
+    assert main(["lock", "--check", str(tmp_path / "plain.lock")]) == 0
+
+
+def test_a_lock_of_the_previous_format_is_refused_with_how_to_write_it_again(locked) -> None:
+    _, lock = locked
+    data = json.loads(lock.read_text())
+    data["hfpatch_lock"] = 1
+    lock.write_text(json.dumps(data))
+    with pytest.raises(hfpatch_core.LockError, match=r"not an hfpatch lock of format 2 .*hfpatch lock -o"):
+        hfpatch_core.enable(lock=lock)

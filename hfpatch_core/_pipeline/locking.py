@@ -6,6 +6,12 @@
 read.  A pack is hashed over the files its distribution's ``RECORD`` lists, once per
 process: after that only the files' ``stat`` is read, so an edit made while the process
 runs is still seen.
+
+A plan is locked by what the packs decide, not by what a config's sizes make: the classes
+replaced and by what, the winning claims, and each converter's kind and weight patterns
+(``SizedConcatenate``, not ``SizedConcatenate(sizes=[4096, ...])``), so that one lock holds
+every size of a model type (an 8B and a 70B Llama).  Importing this module imports neither
+torch nor transformers (``hfpatch lock --check`` reads a lock without them).
 """
 
 from __future__ import annotations
@@ -18,17 +24,19 @@ import os
 import threading
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ..conversion import describe_transform
 from ..errors import LockError
-from ..plan import Plan
 from ..settings import PACKS_ENV
 from .discovery import PackInfo
 from .selection import Selection
 
-#: The format written in ``hfpatch_lock``; a reader refuses any other.
-FORMAT = 1
+if TYPE_CHECKING:
+    from ..plan import Plan
+
+#: The format written in ``hfpatch_lock``; a reader refuses any other.  2: plans are locked by
+#: decision (converter kinds, no sizes) and keyed by a ``decision`` hash, not ``Plan.fingerprint``.
+FORMAT = 2
 
 #: Files of a ``*.dist-info`` that say how, not what, was installed: the same wheel installed
 #: by pip or uv, from an index or a path, is the same pack.
@@ -184,6 +192,20 @@ class LockedPack:
         }
 
 
+def converter_kind(transform: Any) -> str:
+    """A converter as the lock holds it: its class, weight patterns and operations' classes, no
+    sizes (``WeightConverter(['q', 'k'] -> ['qk'], [SizedConcatenate])``): the same for every
+    config of a model type that the pack converts the same way."""
+    from ..conversion import source_patterns_of, target_patterns_of
+
+    operations = [type(operation).__name__ for operation in getattr(transform, "operations", None) or ()]
+    kinds = f", [{', '.join(operations)}]" if operations else ""
+    return (
+        f"{type(transform).__name__}({list(source_patterns_of(transform))!r} -> "
+        f"{list(target_patterns_of(transform))!r}{kinds})"
+    )
+
+
 def _claim_line(claim: Any) -> str:
     overwrite = ", overwrite" if claim.patch.overwrite else ""
     return f"{claim.target} -> {claim.patch.replacement_name} [{claim.label}, priority {claim.priority}{overwrite}]"
@@ -195,48 +217,61 @@ class LockedPlan:
 
     Attributes:
         model_type: the model type.
-        source: what it was planned from: the model type (its default config) or a
-            checkpoint directory (``hfpatch lock --model DIR``).
-        model_class: the class planned for.
-        fingerprint: ``Plan.fingerprint``.
+        source: what it was planned from: ``""`` for the model type's default config, or a
+            checkpoint directory (``hfpatch lock --model DIR``).  Shown, not compared.
+        model_class: the class planned for (shown, not compared: every head class of the
+            model type loads under the same plan).
         claims: the winning claims, one line each (target, replacement, pack, priority).
         replaced: for each class of the model type replaced, the replacement and its pack.
-        converters: for each conversion key registered, its composed list, one line each.
+        converters: for each conversion key registered, its composed list, one line each, by
+            kind (``converter_kind``: no sizes).
     """
 
     model_type: str
     source: str
     model_class: str
-    fingerprint: str
     claims: tuple[str, ...] = ()
     replaced: Mapping[str, str] = dataclasses.field(default_factory=dict)
     converters: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
 
+    @property
+    def decision(self) -> str:
+        """A short hash of what the packs decided (claims, classes replaced, converter kinds): two
+        loads of the model type with the same decision pass the same lock, whatever their sizes."""
+        digest = hashlib.sha256()
+        for line in self.claims:
+            digest.update(f"claim {line}\n".encode())
+        for name, replacement in sorted(self.replaced.items()):
+            digest.update(f"replaced {name} {replacement}\n".encode())
+        for key, lines in sorted(self.converters.items()):
+            for line in lines:
+                digest.update(f"convert {key} {line}\n".encode())
+        return digest.hexdigest()[:12]
+
     @classmethod
     def of(cls, plan: Plan, source: str = "") -> LockedPlan:
-        """``plan`` as the lock records it (``source``: see the attribute; default the model type)."""
+        """``plan`` as the lock records it (``source``: see the attribute)."""
         context = plan.context
         model_type = (context.model_type if context is not None else None) or ""
         return cls(
             model_type=model_type,
-            source=source or model_type,
+            source=source,
             model_class=context.model_class_name if context is not None else "",
-            fingerprint=plan.fingerprint,
             claims=tuple(_claim_line(claim) for claim in plan.entries),
             replaced={
                 name: f"{claim.patch.replacement_name} [{claim.label}]" for name, claim in sorted(plan.replaced.items())
             },
             converters={
-                key: tuple(f"{describe_transform(entry.transform)} [{entry.origin}]" for entry in entries)
+                key: tuple(f"{converter_kind(entry.transform)} [{entry.origin}]" for entry in entries)
                 for key, entries in sorted(plan.conversions.lists.items())
             },
         )
 
     def to_json(self) -> dict[str, Any]:
         return {
-            "from": self.source,
+            "from": self.source or "default config",
             "model_class": self.model_class,
-            "fingerprint": self.fingerprint,
+            "decision": self.decision,
             "claims": list(self.claims),
             "replaced": dict(self.replaced),
             "converters": {key: list(lines) for key, lines in self.converters.items()},
@@ -261,8 +296,21 @@ class LockedPlan:
             found += [f"{where}: claim {claim} is new" for claim in added]
             found += [f"{where}: locked claim {claim} is gone" for claim in removed]
         if not found:
-            found.append(f"{where}: plan {now.fingerprint} (locked: {self.fingerprint})")
+            found.append(f"{where}: decision {now.decision} (locked: {self.decision})")
         return found
+
+    @classmethod
+    def from_json(cls, model_type: str, plan: Mapping[str, Any]) -> LockedPlan:
+        """The plan ``to_json`` wrote for ``model_type``."""
+        source = str(plan.get("from", ""))
+        return cls(
+            model_type,
+            "" if source == "default config" else source,
+            str(plan.get("model_class", "")),
+            tuple(map(str, plan.get("claims", ()))),
+            {str(k): str(v) for k, v in dict(plan.get("replaced", {})).items()},
+            {str(k): tuple(map(str, v)) for k, v in dict(plan.get("converters", {})).items()},
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -345,16 +393,7 @@ class Lock:
                 for name, pack in dict(data["packs"]).items()
             }
             plans = {
-                model_type: LockedPlan(
-                    model_type,
-                    str(plan.get("from", model_type)),
-                    str(plan.get("model_class", "")),
-                    str(plan["fingerprint"]),
-                    tuple(map(str, plan.get("claims", ()))),
-                    {str(k): str(v) for k, v in dict(plan.get("replaced", {})).items()},
-                    {str(k): tuple(map(str, v)) for k, v in dict(plan.get("converters", {})).items()},
-                )
-                for model_type, plan in dict(data["plans"]).items()
+                model_type: LockedPlan.from_json(model_type, plan) for model_type, plan in dict(data["plans"]).items()
             }
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise LockError(
@@ -414,13 +453,19 @@ class Lock:
         """How ``plan`` differs from the locked plan of its model type, one phrase each; a model
         type the lock has no plan for differs when the plan replaces or converts anything."""
         now = LockedPlan.of(plan, source)
+        if now.model_type not in self.plans and not plan.entries and not plan.conversions:
+            return []
+        return self.decision_changes(now)
+
+    def decision_changes(self, now: LockedPlan) -> list[str]:
+        """How ``now`` (a plan as the lock records it) differs from the locked plan of its model type."""
         locked = self.plans.get(now.model_type)
         if locked is None:
-            if not plan.entries and not plan.conversions:
+            if not now.claims and not now.converters:
                 return []
             what = ", ".join([*now.claims, *(f"conversions for {key!r}" for key in now.converters)])
             return [f"model type {now.model_type or '?'!r} has no plan in the lock, and the packs would apply {what}"]
-        if locked.fingerprint == now.fingerprint:
+        if locked.decision == now.decision:
             return []
         return locked.differences(now)
 

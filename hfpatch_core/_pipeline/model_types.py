@@ -43,11 +43,16 @@ def unknown_model_type(model_type: str) -> str | None:
 
 
 def load_config(model: str) -> Any:
-    """The config of a local checkpoint directory, or the default config of a model type."""
+    """The config of a local checkpoint directory, or the default config of a model type.
+
+    A model type's name is read as a directory only when written as a path (``./llama``):
+    a folder named ``llama`` in the working directory is not llama's default config.
+    """
+    as_path = os.sep in model or "/" in model or model.startswith(".")
+    if model in CONFIG_MAPPING_NAMES and not as_path:
+        return AutoConfig.for_model(model)
     if os.path.isdir(model):
         return AutoConfig.from_pretrained(model)
-    if model in CONFIG_MAPPING_NAMES:
-        return AutoConfig.for_model(model)
     close = difflib.get_close_matches(model, list(CONFIG_MAPPING_NAMES), n=3)
     hint = f"; did you mean {', '.join(repr(name) for name in close)}?" if close else ""
     raise ModelNotFoundError(

@@ -175,13 +175,19 @@ def _mapped(names: Mapping[str, Any], model_type: str) -> str | None:
 
 def default_class_names(config: Any, model_type: str | None) -> list[str]:
     """The classes a checkpoint of ``config`` (or a bare ``model_type``) loads as, most likely first:
-    its ``architectures``, then the model type's causal LM, then its base model."""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_MAPPING_NAMES
+    its ``architectures``, then the model type's causal LM, then its image-text-to-text model (a
+    composite model's class with the LM head: ``LlavaForConditionalGeneration``), then its base model."""
+    from transformers.models.auto import modeling_auto
 
     names = list(getattr(config, "architectures", None) or ())
     if model_type:
-        names += [name for name in (_mapped(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, model_type),) if name]
-        names += [name for name in (_mapped(MODEL_MAPPING_NAMES, model_type),) if name]
+        for mapping in (
+            "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES",
+            "MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES",
+            "MODEL_MAPPING_NAMES",
+        ):
+            name = _mapped(getattr(modeling_auto, mapping, {}), model_type)
+            names += [name] if name else []
     return list(dict.fromkeys(names))
 
 

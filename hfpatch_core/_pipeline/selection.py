@@ -92,23 +92,26 @@ def _join(spec: object) -> str:
     return ",".join(items)
 
 
-def unset_selection(*, locked: bool = False) -> SelectionSpec:
-    """What an unset ``HF_PATCH_PACKS`` selects: every installed pack, or none when
-    ``HF_PATCH_AUTOLOAD`` is off or a lock is in force (``locked``).
+def unset_selection(*, locked: str | None = None) -> SelectionSpec:
+    """What an unset ``HF_PATCH_PACKS`` selects: the selection of the lock in force (``locked``,
+    the lock's ``selection``: the lock is the explicit choice), else every installed pack, or
+    none when ``HF_PATCH_AUTOLOAD`` is off.
 
     Raises:
         ValueError: ``HF_PATCH_AUTOLOAD`` is not a boolean.
+        SelectionError: the lock's selection is malformed.
     """
     from ..settings import AUTOLOAD_ENV, LOCK_ENV, autoload_from_env
 
-    if not autoload_from_env():
+    autoload = autoload_from_env()
+    if locked is not None:
+        return parse_selection(locked, origin=f"the selection of the lock ({LOCK_ENV})")
+    if not autoload:
         return SelectionSpec(mode="none", source=UNSET, unset_none=f"{PACKS_ENV} unset and {AUTOLOAD_ENV}=0")
-    if locked:
-        return SelectionSpec(mode="none", source=UNSET, unset_none=f"{PACKS_ENV} unset under a lock ({LOCK_ENV})")
     return SelectionSpec(mode="all", source=UNSET)
 
 
-def spec_from_env(*, locked: bool = False) -> SelectionSpec:
+def spec_from_env(*, locked: str | None = None) -> SelectionSpec:
     """The choice ``HF_PATCH_PACKS`` makes (``unset_selection`` when it is unset).
 
     Raises:
@@ -276,13 +279,13 @@ def installed_transformers_version() -> str:
 
 
 def current_selection(
-    packs: str | Iterable[str] | None = None, *, origin: str = PACKS_ENV, locked: bool = False
+    packs: str | Iterable[str] | None = None, *, origin: str = PACKS_ENV, locked: str | None = None
 ) -> Selection:
     """Discover the installed packs and apply ``packs`` (``None``: ``HF_PATCH_PACKS``) to them.
 
     ``origin`` names where ``packs`` came from in messages (``parse_selection``); when
     ``packs`` is ``None`` the choice is the variable's, and its being unset means what
-    ``unset_selection`` says (``locked``: a lock is in force).
+    ``unset_selection`` says (``locked``: the selection of the lock in force).
 
     Imports neither torch, transformers nor any pack.
     """

@@ -30,6 +30,7 @@ from transformers.utils.import_utils import _LazyModule
 from .. import _compat
 from .._pipeline.resolution import find_replacement
 from .._scope import LOAD_LOCK
+from ..conversion import source_patterns_of, target_patterns_of
 from ..plan import Conversions, Plan
 
 _MISSING: Any = object()
@@ -300,7 +301,9 @@ def registered_conversions(conversions: Conversions) -> Iterator[None]:
     with LOAD_LOCK:
         cache = _compat.conversion_cache()
         user_keys = _compat.user_registered_conversions()
-        ours: dict[str, list[Any]] = {key: conversions.transforms(key) for key in conversions.lists}
+        ours: dict[str, list[Any]] = {
+            key: _distinct_patterns(key, conversions.transforms(key), cache) for key in conversions.lists
+        }
         before = {key: cache.get(key, _MISSING) for key in ours}
         user_before = {key: key in user_keys for key in ours} if user_keys is not None else {}
         # the lists this registration displaces, for loads nested in this one (``_compat.conversions_before_hfpatch``)
@@ -323,3 +326,38 @@ def registered_conversions(conversions: Conversions) -> Iterator[None]:
                     cache[key] = before[key]
                 if user_keys is not None and not user_before[key]:
                     user_keys.discard(key)
+
+
+def _distinct_patterns(key: str, transforms: list[Any], cache: Mapping[str, Any]) -> list[Any]:
+    """``transforms``, each converter whose source patterns another registered list has too given
+    patterns of its own that match the same keys.
+
+    transformers' loader collects a load's converters in one dict keyed by source pattern
+    (``pattern_to_converter``), whatever list and sub-model scope they come from: two
+    sub-models' converters with the same patterns (a llava's llama and CLIP attention, both
+    ``self_attn.q_proj.weight``) meet there, and the later one converts both sub-models'
+    tensors with its own sizes.  A zero-width look-ahead naming the list (``(?!@clip_vision_model)``)
+    makes the strings differ and matches what the plain pattern matches; transformers strips
+    look-arounds from a target (which it writes as a name), and a save reverses the
+    converters: the targets become the patterns, so they get one too.
+    """
+    taken = {
+        patterns
+        for other, items in cache.items()
+        if other != key and isinstance(items, list)
+        for item in items
+        if hasattr(item, "operations")
+        for patterns in (tuple(source_patterns_of(item)), tuple(target_patterns_of(item)))
+    }
+    distinct = []
+    for transform in transforms:
+        sources, targets = tuple(source_patterns_of(transform)), tuple(target_patterns_of(transform))
+        if hasattr(transform, "operations") and (sources in taken or targets in taken):
+            # on the targets too: a save reverses the converters, and their targets become the patterns
+            transform = type(transform)(
+                source_patterns=[f"{pattern}(?!@{key})" for pattern in sources],
+                target_patterns=[f"{pattern}(?!@{key})" for pattern in targets],
+                operations=list(transform.operations),
+            )
+        distinct.append(transform)
+    return distinct

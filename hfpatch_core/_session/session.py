@@ -291,7 +291,7 @@ def new_session(
     """Discover and select packs as ``enable()`` would, without enabling anything."""
     locked = lock_for(lock)
     return Session(
-        current_selection(packs, locked=locked is not None),
+        current_selection(packs, locked=locked.selection if locked is not None else None),
         strict=strict_from_env() if strict is None else strict,
         lock=locked,
     )

@@ -35,8 +35,8 @@ from .._session.session import Session
 from ..context import LoadContext
 from ..errors import ConverterConflictError, HfPatchError, PatchConflictError
 from ..plan import Plan
-from . import EXIT_OK, EXIT_PROBLEMS
 from .drift import Drift, DriftRecord, RecordError, Target, compare, read_record, record_path
+from .exit_codes import EXIT_OK, EXIT_PROBLEMS
 from .explain import nesting_warnings
 from .output import UsageError, transformers_version
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import sys
 
-from . import EXIT_USAGE
+from .exit_codes import EXIT_USAGE
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:

@@ -1,7 +1,8 @@
 """``hfpatch demo``: load a tiny model without and with packs, and show that they agree.
 
 The packs are those ``--packs`` (or, without it, ``HF_PATCH_PACKS``) selects, as for
-every other command.  When neither is given: the ``qwen-moe`` pack when it is installed
+every other command.  When neither is given: with ``--model``, every installed pack that
+offers something for that model; else the ``qwen-moe`` pack when it is installed
 (``make demo`` installs it), else the example pack shipped with hfpatch-core.  The
 checkpoint is ``--model``, else a tiny random Qwen2-MoE when ``qwen-moe`` is selected,
 else a tiny llama.
@@ -55,10 +56,21 @@ class DemoError(HfPatchError, ValueError):
     """``hfpatch demo`` was given a checkpoint it cannot read."""
 
 
-def _default_pack() -> str:
+def _default_pack(model_dir: str | None) -> str:
+    """The packs a demo without a choice shows: for ``--model``, every installed pack that offers
+    something for that model (asked without loading a weight); else qwen-moe on its tiny
+    Qwen2-MoE, or the example pack when qwen-moe is not installed."""
     from .._pipeline.selection import current_selection
 
-    return FIRST_PARTY_PACK if FIRST_PARTY_PACK in current_selection("all").packs else EXAMPLE_PACK
+    installed = current_selection("all").packs
+    if model_dir is not None:
+        from ..testing.zoo import _offers_anything
+
+        applying = [name for name in sorted(installed) if _offers_anything(name, Path(model_dir))]
+        if applying:
+            return ",".join(applying)
+        return "none"
+    return FIRST_PARTY_PACK if FIRST_PARTY_PACK in installed else EXAMPLE_PACK
 
 
 def checkpoint_problem(model_dir: str) -> str | None:
@@ -70,6 +82,23 @@ def checkpoint_problem(model_dir: str) -> str | None:
         return f"--model {model_dir!r}: not a directory; give a local checkpoint directory"
     if not (path / "config.json").is_file():
         return f"--model {model_dir!r}: no config.json in it; give a checkpoint directory saved by save_pretrained"
+    return _unreadable_weights(path)
+
+
+def _unreadable_weights(path: Path) -> str | None:
+    """Which of ``path``'s safetensors files cannot be read (a truncated download), by name: transformers'
+    own error names no file.  Only the headers are read."""
+    from safetensors import safe_open
+
+    for file in sorted(path.glob("*.safetensors")):
+        try:
+            with safe_open(str(file), framework="pt"):
+                pass
+        except Exception as exc:  # safetensors' own error types differ between releases
+            return (
+                f"--model {str(path)!r}: {file.name} is not a readable safetensors file "
+                f"({type(exc).__name__}: {exc}); save or download it again"
+            )
     return None
 
 
@@ -112,7 +141,10 @@ def run_demo(model_dir: str | None = None, packs: str | None = None, *, out: Tex
         _check_model_dir(model_dir)
     with tempfile.TemporaryDirectory(prefix="hfpatch-demo-") as tmp, _quiet_transformers():
         if choice is None:
-            choice = _default_pack()
+            choice = _default_pack(model_dir)
+            if model_dir is not None and choice == "none":
+                write(f"No installed pack offers anything for {model_dir}: nothing to demonstrate.")
+                return None
         if EXAMPLE_PACK in parse_selection(choice).named:
             _install_example_pack(Path(tmp) / "site")
         selection = current_selection(choice, origin=PACKS_ENV if packs is None else "hfpatch demo --packs")

@@ -24,7 +24,7 @@ from .._session.session import Session
 from ..context import LoadContext
 from ..conversion import describe_transform
 from ..plan import Claim, Plan
-from . import EXIT_OK
+from .exit_codes import EXIT_OK
 from .output import print_json, table
 
 
@@ -195,8 +195,17 @@ def explain(model: str, session: Session, *, registered: Mapping[str, type] | No
         classes=classes,
         unused=unused,
         warnings=tuple(nesting_warnings(instance, plan)),
-        provenance=provenance.read(model) if Path(model).is_dir() else None,
+        provenance=provenance.read(model) if Path(model).is_dir() and _read_as_directory(model) else None,
     )
+
+
+def _read_as_directory(model: str) -> bool:
+    # load_config's rule: a model type's name is a directory only when written as a path
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    from .inputs import given_as_path
+
+    return given_as_path(model) or model not in CONFIG_MAPPING_NAMES
 
 
 def _matching(claim: Claim, names: Iterable[str]) -> list[str]:

@@ -7,7 +7,7 @@ import argparse
 import warnings
 from typing import Any
 
-from . import EXIT_OK
+from .exit_codes import EXIT_OK
 from .output import print_json, table
 
 
@@ -15,10 +15,12 @@ def cmd_list(args: argparse.Namespace) -> int:
     from .._pipeline.discovery import discover, required_by
     from .._pipeline.selection import installed_transformers_version, select, spec_from_env
     from ..settings import PACKS_ENV, lock_from_env
+    from .lock import locked_selection
 
     discovery = discover()
     version = installed_transformers_version()
-    selection = select(spec_from_env(locked=lock_from_env() is not None), discovery, version)
+    # as a load selects: under HF_PATCH_LOCK an unset HF_PATCH_PACKS is the lock's selection
+    selection = select(spec_from_env(locked=locked_selection(lock_from_env())), discovery, version)
     infos = [*discovery.packs.values(), *(info for infos in discovery.duplicates.values() for info in infos)]
     infos.sort(key=lambda info: (info.name, info.distribution))
     requirers = required_by(info.distribution for info in infos)
@@ -38,11 +40,12 @@ def cmd_list(args: argparse.Namespace) -> int:
                 {
                     "conflicts": [
                         {
-                            "model_type": conflict.model_type,
-                            "target": conflict.target,
-                            "with": [pack for pack in conflict.packs if pack != info.name],
+                            "model_type": conflict["model_type"],
+                            "target": conflict["target"],
+                            "with": [pack for pack in conflict["packs"] if pack != info.name],
                         }
-                        for conflict in conflicts.of(info.name)
+                        for conflict in conflicts["conflicts"]
+                        if info.name in conflict["packs"]
                     ]
                 }
                 if conflicts is not None
@@ -54,8 +57,8 @@ def cmd_list(args: argparse.Namespace) -> int:
     if args.json:
         data: dict[str, Any] = {"transformers_version": version, "packs": rows}
         if conflicts is not None:
-            data["conflicts_checked_on"] = list(conflicts.model_types)
-            data["settled_by"] = None if conflicts.selection is None else {PACKS_ENV: conflicts.selection}
+            data["conflicts_checked_on"] = list(conflicts["model_types"])
+            data["settled_by"] = None if conflicts["selection"] is None else {PACKS_ENV: conflicts["selection"]}
         print_json(data)
         return EXIT_OK
     if not rows:
@@ -85,37 +88,57 @@ def cmd_list(args: argparse.Namespace) -> int:
             ["pack", "distribution", "version", "required by", "status", "transformers", "description"],
         )
     )
-    if conflicts is not None and conflicts.conflicts:
+    if conflicts is not None and conflicts["conflicts"]:
         shown = selection.spec.text
         where = f"{PACKS_ENV}={shown}" if shown is not None else f"{PACKS_ENV} unset"
         print(f"\nConflicts: with {where}, every load of these model types raises PatchConflictError:")
-        for conflict in conflicts.conflicts:
-            print(f"  {conflict.model_type}: {conflict.message}")
-        checked = ", ".join(conflicts.model_types)
-        if conflicts.selection is not None:
+        for conflict in conflicts["conflicts"]:
+            print(f"  {conflict['model_type']}: {conflict['message']}")
+        checked = ", ".join(conflicts["model_types"])
+        if conflicts["selection"] is not None:
             print(
-                f"{PACKS_ENV}={conflicts.selection} settles every one: the resolver decided each model type two or "
-                f"more enabled packs target ({checked}) with it and found no tie."
+                f"{PACKS_ENV}={conflicts['selection']} settles every one: the resolver decided each model type two "
+                f"or more enabled packs target ({checked}) with it and found no tie."
             )
         else:
             print(
-                f"No selection settles every one among the {conflicts.checked} the resolver checked on {checked}; "
-                f"choose the packs to run with {PACKS_ENV}=a,b."
+                f"No selection settles every one among the {conflicts['checked']} the resolver checked on "
+                f"{checked}; choose the packs to run with {PACKS_ENV}=a,b."
             )
-    elif conflicts is not None and conflicts.model_types:
-        checked = ", ".join(conflicts.model_types)
+    elif conflicts is not None and conflicts["model_types"]:
+        checked = ", ".join(conflicts["model_types"])
         print(f"\nNo conflict on {checked} (the model types two or more enabled packs target).")
     if any(r["enabled"] for r in rows):
         print("\n'enabled' packs are selected; hfpatch check imports them and calls their hooks.")
     return EXIT_OK
 
 
-def conflicts_of(selection: Any) -> Any:
-    """``inspection.find_conflicts`` of the selection, with the configs ``check`` asks packs with;
-    warnings from building models' configs and importing packs are not list's to show."""
+def conflicts_of(selection: Any) -> dict[str, Any]:
+    """``check.find_conflicts`` of the selection (with the configs ``check`` asks packs with) as
+    JSON, from the cache when the installed versions and packs' files are those it was found
+    with: finding them imports every enabled pack and plans every model type two of them target.
+    Warnings from building models' configs and importing packs are not list's to show."""
+    import json
+
+    from .cache import Cache, environment_key
+
+    cache = Cache("conflicts", environment_key())
+    offsets = selection.spec.priority_offsets
+    name = json.dumps(sorted([pack, offsets.get(pack, 0)] for pack in selection.packs))
+    found = cache.get(name)
+    if isinstance(found, dict):
+        return found
+    import dataclasses
 
     from .check import find_conflicts, probe_config
+    from .output import Progress
 
+    progress = Progress(f"finding the conflicts between {len(selection.packs)} enabled packs", 1)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return find_conflicts(selection, config_for=probe_config)
+        conflicts = find_conflicts(selection, config_for=probe_config)
+    progress.step("every model type")
+    progress.finish()
+    value = dataclasses.asdict(conflicts)
+    cache.put(name, value)
+    return dict(cache.get(name) or value)

@@ -85,3 +85,44 @@ def quiet_transformers() -> Iterator[None]:
             yield
     finally:
         hf_logging.set_verbosity(verbosity)
+
+
+class Progress:
+    """Progress of a long step on stderr (stdout stays the command's result): a line when it
+    starts, one per item at most every ``every`` seconds, and one when it ends with the time taken.
+
+    Used by the steps that import transformers and the packs and plan many model types
+    (``hfpatch lock``, ``lock --check``, ``list``'s conflicts) when nothing is cached.
+    """
+
+    def __init__(self, what: str, total: int, *, every: float = 2.0) -> None:
+        import time
+
+        self._clock = time.monotonic
+        self.what = what
+        self.total = total
+        self.every = every
+        self.done = 0
+        self.started = self._clock()
+        self._shown = self.started
+        count = f"{total} to do; " if total > 1 else ""
+        _progress(f"{what} ({count}kept in the cache for the next run)...")
+
+    def step(self, item: str) -> None:
+        """One item is about to be computed (``item`` names it)."""
+        self.done += 1
+        now = self._clock()
+        if now - self._shown >= self.every:
+            self._shown = now
+            _progress(f"{self.what}: {self.done}/{self.total} ({item})")
+
+    def finish(self) -> None:
+        """The step is over."""
+        count = f"{self.done} " if self.total > 1 else ""
+        _progress(f"{self.what}: done, {count}in {self._clock() - self.started:.1f} s")
+
+
+def _progress(line: str) -> None:
+    with contextlib.suppress(OSError):  # progress never stops the command
+        sys.stderr.write(f"hfpatch: {line}\n")
+        sys.stderr.flush()

@@ -11,7 +11,7 @@ import warnings
 from collections.abc import Callable, Sequence
 
 from ..settings import LOCK_FILE
-from . import EXIT_BROKEN_PIPE, EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE
+from .exit_codes import EXIT_BROKEN_PIPE, EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE
 from .output import UsageError, show_warning, without_progress_bars
 
 
@@ -66,13 +66,52 @@ def _lazy(module: str, name: str) -> Callable[[argparse.Namespace], int]:
     return handler
 
 
+def version_text() -> str:
+    """What ``hfpatch --version`` prints: hfpatch-core's version, transformers' and every installed
+    pack's, from the distributions' metadata (nothing imported)."""
+    import importlib_metadata
+
+    from .._pipeline.discovery import discover
+    from .output import transformers_version
+
+    try:
+        core = str(importlib_metadata.version("hfpatch-core"))
+    except importlib_metadata.PackageNotFoundError:  # a source tree on the path
+        from .. import __version__ as core
+    discovery = discover()
+    infos = [*discovery.packs.values(), *(info for infos in discovery.duplicates.values() for info in infos)]
+    packs = ", ".join(
+        f"{info.name} {info.version} ({info.distribution})" for info in sorted(infos, key=lambda i: i.name)
+    )
+    return f"hfpatch-core {core}\ntransformers {transformers_version()}\npacks: {packs or 'none installed'}"
+
+
+class _Version(argparse.Action):
+    """``--version``: the versions are read when asked for, not every time the parser is built."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, **kwargs: object) -> None:
+        super().__init__(
+            option_strings, dest, nargs=0, help="show hfpatch-core's, transformers' and the packs' versions"
+        )
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: object, **kwargs: object) -> None:
+        print(version_text())
+        parser.exit(EXIT_OK)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="hfpatch",
         description="List, explain, check and run 🤗 Transformers patch packs.",
         epilog="Exit codes: 0 ok, 1 problems found, 2 bad input. HF_PATCH_PACKS chooses the packs.",
     )
+    parser.add_argument("--version", action=_Version)
     parser.add_argument("--debug", action="store_true", help="show tracebacks")
+    parser.add_argument(
+        "--no-cache",
+        action="store_true",
+        help="compute what list, lock and lock --check keep in the cache (HF_PATCH_CACHE) again, and keep nothing",
+    )
     commands = parser.add_subparsers(dest="command_name", required=True, metavar="COMMAND")
 
     listing = commands.add_parser("list", help="installed packs and whether they are enabled")
@@ -116,7 +155,8 @@ def build_parser() -> argparse.ArgumentParser:
     verifying.add_argument(
         "--all-model-types",
         action="store_true",
-        help="verify on a tiny checkpoint of every causal-LM model type (or of each --model-type): one verdict each "
+        help="verify on a tiny checkpoint of every causal-LM and image-text-to-text model type (or of each "
+        "--model-type): one verdict each "
         "(exact, failed, refused, not applicable, no checkpoint), the coverage table of docs/zoo.md",
     )
     verifying.add_argument("--json", action="store_true", help="machine-readable output")
@@ -209,14 +249,23 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-#: The commands that load models: transformers' progress bars are off while they run.
-_LOADING_COMMANDS = frozenset({"verify", "demo", "explain", "lock"})
+#: The commands that load models: transformers' progress bars are off while they run (``lock``
+#: builds no model, and a ``lock --check`` answered from the cache must not import transformers).
+_LOADING_COMMANDS = frozenset({"verify", "demo", "explain"})
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
+        if args.no_cache:
+            from . import cache
+
+            cache.disabled = True
+        # before any command imports torch, transformers or a pack: bad input is reported in a moment
+        from .inputs import check_input
+
+        check_input(args)
         with warnings.catch_warnings(), contextlib.ExitStack() as stack:
             # installed here, by the command, never on import: a program using the library keeps its own
             warnings.showwarning = show_warning

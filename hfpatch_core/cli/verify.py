@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from .._session.session import Session
-from . import EXIT_OK, EXIT_PROBLEMS
+from .exit_codes import EXIT_OK, EXIT_PROBLEMS
 from .output import UsageError, print_json, quiet_transformers, table
 
 

@@ -315,6 +315,7 @@ def _shrunk(config: Any, overrides: Mapping[str, Any], text_hidden: int | None =
     _follow_vocabulary(values, current, names)
     _latent_attention(values, current, names)
     _head_dim(values, current, names)
+    _rope_sections(values, current, cls)
     _follow_heads(values, current, names, derived)
     _state_space(values, current, names)
     _experts(values, current, names)
@@ -462,6 +463,30 @@ def _head_dim(values: dict[str, Any], current: Mapping[str, Any], names: set[str
     if "rotary_dim" in names and _is_int(rotary) and old_head:
         head = values.get("head_dim", new_head)
         values["rotary_dim"] = max(2, (rotary * head // old_head) // 2 * 2)
+    if old_head:
+        values["_head"] = values.get("head_dim", new_head)
+
+
+def _rope_sections(values: dict[str, Any], current: Mapping[str, Any], cls: type) -> None:
+    """Multimodal rope sections (qwen2_vl's ``mrope_section`` [16, 24, 24]) add up to half the rotary
+    dims of a head: they shrink with the head, each kept at least 1, their sum scaled exactly.  A
+    config that leaves them to the model's default (``[16, 24, 24]`` in qwen2_5_vl's modeling code;
+    the config declares the key in ``ignore_keys_at_rope_validation``) gets them at that default's
+    proportions of the shrunk head's rotary dims."""
+    head = values.pop("_head", None)
+    rope = current.get("rope_parameters")
+    declared = "mrope_section" in (getattr(cls, "ignore_keys_at_rope_validation", None) or ())
+    if head is None or not isinstance(rope, dict) or not (declared or "mrope_section" in rope):
+        return
+    sections = rope.get("mrope_section")
+    partial = rope.get("partial_rotary_factor", current.get("partial_rotary_factor")) or 1.0
+    total = max(3, int(head * float(partial)) // 2)
+    if not isinstance(sections, list) or not sections or not all(map(_is_int, sections)):
+        sections = [16, 24, 24]
+    scaled = [max(1, section * total // sum(sections)) for section in sections]
+    scaled[-1] += total - sum(scaled)
+    if scaled[-1] >= 1 and scaled != sections:
+        values["rope_parameters"] = {**rope, **values.get("rope_parameters", {}), "mrope_section": scaled}
 
 
 def _experts(values: dict[str, Any], current: Mapping[str, Any], names: set[str]) -> None:

@@ -168,6 +168,8 @@ class HeldRouting:
         self, call: int, scores: torch.Tensor, forced: torch.Tensor, own: torch.Tensor, dim: int, largest: bool
     ) -> None:
         """Count the rows where ``forced`` differs from ``own``; report those that are not a tie."""
+        if forced.numel() == 0:  # a top-0 (glm5_next's indexer when nothing is to select) decides nothing
+            return
         with torch.no_grad():
             k = forced.shape[dim] if forced.dim() else 1
             rows_forced, rows_own = forced.movedim(dim, -1).reshape(-1, k), own.movedim(dim, -1).reshape(-1, k)

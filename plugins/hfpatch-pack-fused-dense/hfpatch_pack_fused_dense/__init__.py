@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from collections.abc import Iterable
 from typing import Any
 
 from transformers.core_model_loading import WeightConverter
@@ -109,35 +110,46 @@ def detection_for(config: Any, model_class_name: str | None = None) -> Detection
     return detect(config, model_class)
 
 
-def _builtin_conversion_problems(model_type: str | None, detection: Detection) -> dict[str, str]:
-    """Classes whose parts transformers' own conversion for ``model_type`` builds from other tensors.
+def _builtin_conversion_problems(keys: Iterable[str | None], detection: Detection) -> dict[str, str]:
+    """Classes whose parts transformers' own conversion lists ``keys`` build from other tensors.
 
     Some model types publish fused checkpoints that transformers splits into ``q_proj`` /
     ``k_proj`` / ``v_proj`` (or ``gate_proj`` / ``up_proj``) while loading (a
     ``WeightConverter``); a converter of this pack would have to run after that one, which
     no release supports.  Renamings (``c_fc_0`` to ``gate_proj``) run before converters
-    and compose.
+    and compose.  ``keys``: every list the load reads (the model type's, its class's, and in
+    a composite model the outer model's, which transformers applies to every sub-model:
+    kimi_k25's splits its vision tower's ``wqkv``).
     """
     try:
         from transformers.conversion_mapping import get_checkpoint_conversion_mapping
-
-        builtin = get_checkpoint_conversion_mapping(model_type) if model_type else None
     except Exception:  # a release without the table converts nothing itself
-        builtin = None
+        return {}
     problems: dict[str, str] = {}
-    # a renaming (legacy names to q_proj, ...) runs before any converter: it composes
-    for transform in (each for each in builtin or () if isinstance(each, WeightConverter)):
-        targets = [str(pattern) for pattern in getattr(transform, "target_patterns", None) or ()]
-        for name in detection.originals:
-            for parts in detection.groups(name).values():
-                named = [part for part in parts for target in targets if re.search(rf"(?<!\w){part}(?!\w)", target)]
-                if named:
-                    problems.setdefault(
-                        name,
-                        f"transformers' own conversion for {model_type!r} builds {named[0]} from the checkpoint's "
-                        f"{list(getattr(transform, 'source_patterns', []))}: a second conversion cannot follow it",
-                    )
+    for key in dict.fromkeys(key for key in keys if key):
+        builtin = get_checkpoint_conversion_mapping(key)
+        # a renaming (legacy names to q_proj, ...) runs before any converter: it composes
+        for transform in (each for each in builtin or () if isinstance(each, WeightConverter)):
+            targets = [str(pattern) for pattern in getattr(transform, "target_patterns", None) or ()]
+            for name in detection.originals:
+                for parts in detection.groups(name).values():
+                    named = [part for part in parts for target in targets if re.search(rf"(?<!\w){part}(?!\w)", target)]
+                    if named:
+                        problems.setdefault(
+                            name,
+                            f"transformers' own conversion for {key!r} builds {named[0]} from the checkpoint's "
+                            f"{list(getattr(transform, 'source_patterns', []))}: a second conversion cannot follow it",
+                        )
     return problems
+
+
+def _lists_read(context: LoadContext) -> list[str | None]:
+    """The conversion lists a load's tensors go through: its own (model type, class) and, for a
+    sub-model, the outer model's, which transformers applies unscoped to every sub-model."""
+    keys: list[str | None] = [context.model_type, converter_key(context)]
+    if context.parent is not None:
+        keys += [context.root.model_class_name, context.root.model_type]
+    return keys
 
 
 def refusals(config: Any, model_class_name: str | None = None) -> dict[str, str]:
@@ -165,7 +177,7 @@ def refusals(config: Any, model_class_name: str | None = None) -> dict[str, str]
     )
     return {
         **detection.rejected,
-        **_builtin_conversion_problems(getattr(config, "model_type", None), detection),
+        **_builtin_conversion_problems([getattr(config, "model_type", None), model_class_name], detection),
         **composite,
     }
 
@@ -212,11 +224,12 @@ def _own_classes(detection: Detection, model_class: type | None) -> set[str]:
 
 
 def converter_key(context: LoadContext) -> str:
-    """The conversion list a load's converters join: its model type, or for a sub-model whose class
-    has a list of its own in transformers (``SiglipVisionModel``), that class name, which
-    transformers looks up first."""
+    """The conversion list a load's converters join: its model type, or for a model whose class
+    has a list of its own in transformers (a sub-model's ``SiglipVisionModel``, a composite
+    model's ``Qwen2_5_VLForConditionalGeneration``), that class name, which transformers looks
+    up first (and then not the model type's)."""
     model_type = context.model_type or ""
-    if context.parent is None or not context.model_class_name:
+    if not context.model_class_name:
         return model_type
     try:
         from transformers.conversion_mapping import get_checkpoint_conversion_mapping
@@ -254,7 +267,7 @@ def fusions_for(context: LoadContext) -> list[Fusion]:
         if composite
         else set(detection.originals)
     )
-    refused = _builtin_conversion_problems(context.model_type, detection)
+    refused = _builtin_conversion_problems(_lists_read(context), detection)
     fusions = [
         Fusion(original, fused_class(original, detection.groups(name)), detection.classes()[name])
         for name, original in detection.originals.items()

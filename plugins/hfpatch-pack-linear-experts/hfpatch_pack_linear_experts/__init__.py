@@ -30,8 +30,13 @@ qwen2_moe / qwen3_moe's experts and this pack the other families.
 
 from __future__ import annotations
 
+import importlib
+import re
+from typing import Any
+
 import hfpatch_core
 from hfpatch_core import Converter, LoadContext, Patch, Refusal
+from hfpatch_core.conversion import source_patterns_of, target_patterns_of
 
 from .conversion import (
     ExpertsSlicing,
@@ -81,7 +86,129 @@ def discovery_for(context: LoadContext) -> Discovery:
     """What the pack replaces and refuses in the model of ``context`` (nothing without a config)."""
     if context.config is None or context.model_type is None:
         return Discovery()
-    return discover(context.config, context.model_type, context.model_class_name)
+    found = _own_classes(context, discover(context.config, context.model_type, context.model_class_name))
+    converted = _converted_by_the_composite(context, found)
+    if not converted:
+        return found
+    return Discovery(
+        tuple(c for c in found.candidates if c.original.__name__ not in converted), {**found.refused, **converted}
+    )
+
+
+def _own_classes(context: LoadContext, found: Discovery) -> Discovery:
+    """``found`` without the classes a composite model builds in a sub-model load of another modeling
+    module (kimi_k25's deepseek_v3 text model): that load claims them, or refuses them with its reason,
+    with its own converters; claimed here, they would be replaced with the composite's."""
+    config = context.config
+    text = config.get_text_config() if config is not None and hasattr(config, "get_text_config") else config
+    if context.parent is not None or text is config or not found.candidates:
+        return found
+    from transformers.models.auto.configuration_auto import model_type_to_module_name
+
+    name = model_type_to_module_name(context.model_type or "")
+    module = f"transformers.models.{name}.modeling_{name}"
+    return Discovery(tuple(c for c in found.candidates if c.original.__module__ == module), found.refused)
+
+
+def _conversion_key(context: LoadContext) -> str:
+    """The list the load's converters join: the model type's, or the class's where transformers keeps
+    a list for the model's class (``Kimi_K25ForConditionalGeneration``): it reads that one first,
+    and then not the model type's."""
+    if context.model_class_name:
+        try:
+            from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+
+            if get_checkpoint_conversion_mapping(context.model_class_name) is not None:
+                return context.model_class_name
+        except ImportError:  # a release without the table
+            pass
+    return context.model_type or ""
+
+
+def _converted_by_the_composite(context: LoadContext, found: Discovery) -> dict[str, str]:
+    """The experts classes of a composite model whose tensors another conversion list of the load
+    converts, other than the stacking the pack replaces (kimi_k25 stacks its text model's
+    per-expert weights in its own list, inkling2's text model re-interleaves ``w13_weight``), with
+    the reason they are refused.
+
+    transformers applies the composite's list unscoped and before a sub-model's (and each
+    sub-model's scoped to it), so the converters of the load that claims the experts (the
+    split into per-expert linears, or the removal of the stacking) would not see the
+    tensors as the checkpoint stores them: the per-expert linears would be left random.
+    """
+    root = context.root
+    config = root.config
+    text = config.get_text_config() if config is not None and hasattr(config, "get_text_config") else config
+    if (root is context and text is config) or not found.candidates:
+        return {}
+    try:
+        from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+    except ImportError:  # a release without the table converts nothing by key
+        return {}
+    # the lists of the load that claims are its own (a head's base model, built in a load of its own
+    # inside the head's, reads the same model type's list): only another model's count
+    own = {context.model_type, _conversion_key(context)} if root is not context else set()
+    keys = [key for key in (root.model_class_name, root.model_type) if key not in own]
+    if root is context:  # the composite claims: its sub-models' lists apply to the tensors too
+        keys += _sub_model_keys(root.model_type or "", config)
+    # converters only: a renaming of legacy names (aria's experts.fc1) leaves the tensors as they are;
+    # and transformers' own (the outer load registered this pack's split where it claims the class)
+    transforms = [
+        t
+        for key in dict.fromkeys(keys)
+        if key
+        for t in get_checkpoint_conversion_mapping(key) or ()
+        if getattr(t, "operations", None) and not type(t).__module__.startswith(__name__)
+    ]
+    refused = {}
+    for candidate in found.candidates:
+        for transform in transforms:
+            sources = source_patterns_of(transform)
+            patterns = [*sources, *target_patterns_of(transform)]
+            # a claim in the composite's own load replaces its stacking in every list the load reads; a
+            # sub-model's claim replaces it in the sub-model's list only, not in the composite's
+            replaced = root is context and set(sources) & set(candidate.stacking)
+            if replaced or not any(_EXPERTS.search(p) for p in patterns):
+                continue
+            refused[candidate.original.__name__] = (
+                f"the composite model's conversion lists ({', '.join(k for k in dict.fromkeys(keys) if k)}) "
+                f"convert its experts' tensors ({patterns[0]!r}) where the pack's converters do not "
+                "reach them: the per-expert linears would not receive them"
+            )
+            break
+    return refused
+
+
+#: A pattern about experts' tensors (``mlp.experts.gate_up_proj``, ``experts\\.(\\d+)\\.w1``), not ``shared_experts``.
+_EXPERTS = re.compile(r"(?<![A-Za-z_])experts(?![A-Za-z_])")
+
+
+def _sub_model_keys(model_type: str, config: Any) -> list[str]:
+    """The conversion list keys of a composite model's sub-models: each one's model type, and the
+    class of the composite's modeling module built from its config (``UnlimitedOcrTextModel``:
+    transformers looks a class's list up first)."""
+    import inspect
+
+    from transformers.models.auto.configuration_auto import model_type_to_module_name
+
+    name = model_type_to_module_name(model_type)
+    try:
+        module = importlib.import_module(f"transformers.models.{name}.modeling_{name}")
+    except ImportError:
+        module = None
+    keys = []
+    for sub in _sub_configs(config):
+        keys.append(str(getattr(sub, "model_type", "")))
+        for cls_name, cls in inspect.getmembers(module, inspect.isclass) if module is not None else ():
+            if getattr(cls, "config_class", None) is type(sub):
+                keys.append(cls_name)
+    return [key for key in keys if key]
+
+
+def _sub_configs(config: Any) -> list[Any]:
+    """The sub-configs of a composite config (its text, vision, audio configs)."""
+    names = getattr(type(config), "sub_configs", None) or {}
+    return [sub for name in names if (sub := getattr(config, name, None)) is not None]
 
 
 @hfpatch_core.hookimpl
@@ -105,7 +232,7 @@ def provide_converters(context: LoadContext) -> list[Converter]:
     model's ``state_dict``) is split at load only (``LoadOnlySplitConverter``); or, for
     checkpoints storing the experts 3-D, split each 3-D tensor at load and stack it back on save.
     Tied to the classes' patches, so that a class another pack wins keeps transformers' conversion."""
-    model_type = context.model_type or ""
+    model_type = _conversion_key(context)
     converters: list[Converter] = []
     # transformers' stacking patterns -> (class, its load-only split converters) per class they stack
     removals: dict[tuple[str, ...], list[tuple[str, tuple[SplitExpertsConverter, ...]]]] = {}

@@ -1,0 +1,109 @@
+"""Wall time of the ``hfpatch`` commands a new user waits on, cold and warm cache, in one run.
+
+Every command runs in a fresh process (as from a shell), with the packs the environment
+selects (the four first-party ones with ``PYTHONPATH=.venv/first-party-packs`` and
+``HF_PATCH_PACKS`` unset), and ``HF_PATCH_CACHE`` a temporary directory: *cold* is its first
+run there (nothing cached: transformers and the packs imported, the model types planned),
+*warm* a later one (median of ``--rounds``).  Measured:
+
+* ``hfpatch list`` (with two or more packs enabled it finds their conflicts);
+* ``hfpatch lock`` and ``hfpatch lock --check`` (cold: ``--no-cache``);
+* ``hfpatch explain`` with bad input: an unknown model type (its names cached per transformers
+  version, so cold imports transformers once), a pack that is not installed, a ``--model``
+  that does not exist.
+
+Goal (issue 40): ``list`` and ``lock --check`` under 5 s warm; bad input reported in well under
+a second warm.  Also whether each run imported transformers (``python -X importtime``).
+
+    PYTHONPATH=.venv/first-party-packs .venv/bin/python bench/cli_timings.py  # ~5-8 min cold; --rounds
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from _common import REPO, machine_info, table, verdict
+
+HFPATCH = str(Path(sys.executable).with_name("hfpatch"))
+
+
+def timed(args: list[str], cache: Path, lock_dir: Path, **env: str) -> tuple[float, int, bool]:
+    """Seconds, exit code, and whether transformers was imported, of ``hfpatch ARGS``."""
+    # the commands run in a scratch directory: PYTHONPATH entries are made absolute first
+    path = os.pathsep.join(
+        os.path.abspath(entry) for entry in os.environ.get("PYTHONPATH", "").split(os.pathsep) if entry
+    )
+    environment = {**os.environ, "PYTHONPATH": path, "HF_PATCH_CACHE": str(cache), "USE_HUB_KERNELS": "0", **env}
+    started = time.perf_counter()
+    completed = subprocess.run(
+        [sys.executable, "-X", "importtime", HFPATCH, *args],
+        capture_output=True,
+        text=True,
+        env=environment,
+        cwd=lock_dir,
+        check=False,
+    )
+    elapsed = time.perf_counter() - started
+    # -X importtime: "import time: self | cumulative | <indent>module", one line per module imported
+    imported = any(
+        line.startswith("import time:") and line.rsplit("|", 1)[-1].strip() == "transformers"
+        for line in completed.stderr.splitlines()
+    )
+    return elapsed, completed.returncode, imported
+
+
+#: issue 40's goals for the warm runs: list and lock --check under 5 s, bad input under a second
+_GOALS = {"list": 5.0, "lock --check": 5.0, "explain": 1.0, "lock --model": 1.0}
+
+
+def _goal(row: list[str]) -> str:
+    for prefix, goal in _GOALS.items():
+        if row[0].startswith(prefix):
+            return f"< {goal:g} s: {verdict(float(row[3]), goal)}"
+    return "-"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=5, help="warm runs per command (median)")
+    options = parser.parse_args()
+    for line in machine_info(torch_and_transformers=False):
+        print(line)
+    packs = subprocess.run([HFPATCH, "--version"], capture_output=True, text=True, check=True).stdout
+    print(packs.strip())
+    print(f"HF_PATCH_PACKS={os.environ.get('HF_PATCH_PACKS', '<unset>')}\n")
+    rows = []
+    with tempfile.TemporaryDirectory() as work:
+        cache, here = Path(work) / "cache", Path(work)
+        lock = str(here / "hfpatch.lock")
+
+        def measure(name: str, args: list[str], cold_args: list[str] | None = None, **env: str) -> None:
+            cold = timed(cold_args or args, cache, here, **env)
+            print(f"  {name}: cold {cold[0]:.1f} s (exit {cold[1]})", file=sys.stderr, flush=True)
+            samples = [timed(args, cache, here, **env) for _ in range(options.rounds)]
+            median = statistics.median(sample[0] for sample in samples)
+            codes = "/".join(sorted({str(cold[1]), *(str(sample[1]) for sample in samples)}))
+            warm_imports = "yes" if any(sample[2] for sample in samples) else "no"
+            rows.append([name, f"{cold[0]:.2f}", "yes" if cold[2] else "no", f"{median:.2f}", warm_imports, codes])
+
+        # bad input first, while nothing is cached: the cold column is a new user's first run
+        measure("explain lama (unknown model type)", ["explain", "lama"])
+        measure("explain llama, HF_PATCH_PACKS=nosuch", ["explain", "llama"], HF_PATCH_PACKS="nosuch")
+        measure("lock --model ./absent", ["lock", "--model", "./absent"])
+        measure("list", ["list"])
+        measure("lock", ["lock", "-o", lock])
+        measure("lock --check (cold: --no-cache)", ["lock", "--check", lock], ["--no-cache", "lock", "--check", lock])
+    header = ["command", "cold s", "imports transformers", f"warm s (median of {options.rounds})"]
+    print(table([*header, "imports transformers", "exit", "goal (warm)"], [[*row, _goal(row)] for row in rows]))
+    print(f"\nrepository: {REPO}")
+
+
+if __name__ == "__main__":
+    main()

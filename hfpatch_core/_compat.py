@@ -50,10 +50,10 @@ displaced_conversions: dict[str, Any] = {}
 def conversions_before_hfpatch(key: str) -> Any:
     """transformers' conversion list for ``key`` as transformers and user code left it (a copy).
 
-    Inside a patched load the registry holds that load's composed list: a load nested in it
-    (a head class's base, built with ``AutoModel.from_config``) composes its own converters
-    with the list the enclosing registration displaced, as a root load does, not with the
-    enclosing load's result (whose ``replaces`` already removed what the nested claims replace).
+    Inside a patched load the registry holds that load's composed list, which a load nested
+    in it (a head class's base, built with ``AutoModel.from_config``) composes its own
+    converters with; what the enclosing load's converters replaced is gone from it, and a
+    nested converter replacing the same transform is no error (``planning``).
     """
     if key in displaced_conversions:
         return copy.deepcopy(displaced_conversions[key])

@@ -38,16 +38,16 @@ from hfpatch_core.testing import tiny_config
 PACKS_SITE = Path(sys.prefix) / "first-party-packs"
 
 #: family -> the first-party packs that apply to it (fused-dense on dense and MoE attention,
-#: linear-experts on MoE experts, qwen-moe on qwen3_moe)
+#: linear-experts on MoE experts, qwen-moe on qwen3_moe), alone and together
 PACKS = {
     "llama": ("fused-dense",),
     "qwen2": ("fused-dense",),
     "mistral": ("fused-dense",),
     "gemma2": ("fused-dense",),
-    "mixtral": ("fused-dense", "linear-experts"),
-    "qwen3_moe": ("fused-dense", "linear-experts", "qwen-moe"),
+    "mixtral": ("fused-dense", "linear-experts", "fused-dense,linear-experts"),
+    "qwen3_moe": ("fused-dense", "linear-experts", "qwen-moe", "fused-dense,linear-experts"),
     "deepseek_v3": ("linear-experts",),
-    "gpt_oss": ("fused-dense", "linear-experts"),
+    "gpt_oss": ("fused-dense", "linear-experts", "fused-dense,linear-experts"),
 }
 CASES = [(family, pack) for family, packs in PACKS.items() for pack in packs]
 

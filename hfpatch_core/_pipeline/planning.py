@@ -22,6 +22,7 @@ import torch.nn as nn
 
 from .. import _compat
 from ..context import LoadContext
+from ..conversion import source_patterns_of
 from ..errors import ConverterConflictError, ForeignPatchError, HfPatchError, PackError, PatchConflictError
 from ..plan import Conversions, Foreign, Plan
 from .composition import compose, scope_for
@@ -262,15 +263,24 @@ def _decide(
     dropped = [(claim, unused[claim.index]) for claim in gathered.converters if claim.index in unused]
     if not kept:
         return decision, Conversions(lost=tuple(dropped))
+    conversion_mapping = _compat.module("conversion_mapping")
     scope = scope_for(context.model_type, context.model_class_name, kept)
     converters = resolve_converters(kept, overlap=scope.overlap)
     conversions = compose(
         converters.winners,
-        builtin=_compat.conversions_before_hfpatch,
+        builtin=conversion_mapping.get_checkpoint_conversion_mapping,
         scope=scope,
         lost=[*dropped, *converters.lost],
     )
     return decision, conversions
+
+
+def _replaced_by_an_enclosing_load(key: str, pattern: str) -> bool:
+    """Whether ``pattern`` names a transform of transformers' list for ``key`` that the load this one
+    is nested in has already replaced (a head class's base, built inside the head's load: its
+    lists start from the enclosing load's, without what that load's converters replaced)."""
+    before = _compat.conversions_before_hfpatch(key) if key in _compat.displaced_conversions else None
+    return any(pattern in source_patterns_of(transform) for transform in before or ())
 
 
 def plan_load(
@@ -321,6 +331,7 @@ def plan_load(
             "which matches no transform registered for that key; check the source pattern.",
         )
         for claim, pattern in conversions.unmatched
+        if not _replaced_by_an_enclosing_load(claim.key, pattern)
     )
     foreign = foreign_replacements(
         modeling_module(context.model_type, load=False) if context.model_type else None,

@@ -328,6 +328,15 @@ def registered_conversions(conversions: Conversions) -> Iterator[None]:
                     user_keys.discard(key)
 
 
+def _marked(pattern: str, key: str) -> str:
+    """``pattern`` with the look-ahead naming list ``key``, before a trailing ``$``: transformers
+    (5.3) drops a trailing ``$`` before the look-arounds when it reverses a pattern into a name,
+    so ``down_proj$(?!@gpt_oss)`` would be saved as ``down_proj$``."""
+    if pattern.endswith("$"):
+        return f"{pattern[:-1]}(?!@{key})$"
+    return f"{pattern}(?!@{key})"
+
+
 def _distinct_patterns(key: str, transforms: list[Any], cache: Mapping[str, Any]) -> list[Any]:
     """``transforms``, each converter whose source patterns another registered list has too given
     patterns of its own that match the same keys.
@@ -355,8 +364,8 @@ def _distinct_patterns(key: str, transforms: list[Any], cache: Mapping[str, Any]
         if hasattr(transform, "operations") and (sources in taken or targets in taken):
             # on the targets too: a save reverses the converters, and their targets become the patterns
             transform = type(transform)(
-                source_patterns=[f"{pattern}(?!@{key})" for pattern in sources],
-                target_patterns=[f"{pattern}(?!@{key})" for pattern in targets],
+                source_patterns=[_marked(pattern, key) for pattern in sources],
+                target_patterns=[_marked(pattern, key) for pattern in targets],
                 operations=list(transform.operations),
             )
         distinct.append(transform)

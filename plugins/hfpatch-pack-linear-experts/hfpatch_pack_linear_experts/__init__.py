@@ -232,12 +232,14 @@ def provide_converters(context: LoadContext) -> list[Converter]:
     model's ``state_dict``) is split at load only (``LoadOnlySplitConverter``); or, for
     checkpoints storing the experts 3-D, split each 3-D tensor at load and stack it back on save.
     Tied to the classes' patches, so that a class another pack wins keeps transformers' conversion."""
-    model_type = _conversion_key(context)
+    load_key = _conversion_key(context)
     converters: list[Converter] = []
-    # transformers' stacking patterns -> (class, its load-only split converters) per class they stack
-    removals: dict[tuple[str, ...], list[tuple[str, tuple[SplitExpertsConverter, ...]]]] = {}
+    # (list, transformers' stacking patterns) -> (class, its load-only split converters) per class they stack
+    removals: dict[tuple[str, tuple[str, ...]], list[tuple[str, tuple[SplitExpertsConverter, ...]]]] = {}
     for candidate in discovery_for(context).candidates:
         target = candidate.original.__name__
+        # the list transformers converts these experts with (a sub-model class's, dots3_note_text's) else the load's
+        model_type = candidate.list_key or load_key
         if candidate.stored_3d:
             transforms = tuple(
                 t for path in candidate.paths for t in split_converters(path, _split_parameters(candidate.layout))
@@ -255,11 +257,11 @@ def provide_converters(context: LoadContext) -> list[Converter]:
                 for path in candidate.paths
                 for t in split_converters(path, _split_parameters(candidate.layout), load_only=True)
             )
-            removals.setdefault(candidate.stacking, []).append((target, transforms))
-    for patterns, entries in removals.items():
+            removals.setdefault((model_type, candidate.stacking), []).append((target, transforms))
+    for (key, patterns), entries in removals.items():
         converters.append(
             Converter(
-                model_type,
+                key,
                 tuple(t for _, transforms in entries for t in transforms),
                 replaces=patterns,
                 priority=PRIORITY,

@@ -76,6 +76,8 @@ class Candidate:
         stored_3d: the checkpoint stores the experts 3-D: the pack's converters split each
             3-D tensor into the per-expert modules at load and stack them back on save
             (``conversion.split_converters``).
+        list_key: the conversion list transformers converts these experts with
+            (``conversion_list_key``), where the converters go; empty: the load's own.
     """
 
     original: type[nn.Module]
@@ -83,6 +85,7 @@ class Candidate:
     paths: tuple[str, ...]
     stacking: tuple[str, ...]
     stored_3d: bool = False
+    list_key: str = ""
 
     @property
     def layout(self) -> Layout:
@@ -213,7 +216,9 @@ def _decide(
     if isinstance(probe, str):
         return probe
     sharding = plans_for(probe, stored_3d, (path for path, _ in found), plans)
-    return Candidate(cls, linear_experts_class(cls, probe, sharding.attributes()), paths, stacking, stored_3d)
+    key = conversion_list_key(model_type)
+    replacement = linear_experts_class(cls, probe, sharding.attributes())
+    return Candidate(cls, replacement, paths, stacking, stored_3d, key if key != model_type else "")
 
 
 def moe_default_gate() -> Any:
@@ -256,6 +261,24 @@ def _unescape(pattern: str) -> str:
     return pattern.replace("\\", "")
 
 
+def conversion_list_key(model_type: str) -> str:
+    """The key of the conversion list transformers reads for ``model_type``'s experts: the model type's,
+    or where it has none the list transformers keeps for its base model class (dots3_note_text's
+    experts are stacked by the ``Dots3NoteTextModel`` list, which a load reaches through that sub-model)."""
+    from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+    from transformers.models.auto.modeling_auto import MODEL_MAPPING_NAMES
+
+    try:
+        if get_checkpoint_conversion_mapping(model_type) is not None:
+            return model_type
+        base = MODEL_MAPPING_NAMES.get(model_type)
+        if isinstance(base, str) and get_checkpoint_conversion_mapping(base) is not None:
+            return base
+    except Exception:  # a release without the table
+        pass
+    return model_type
+
+
 def per_expert_names(model_type: str, layout: Layout) -> tuple[tuple[str, ...], tuple[str, str, str]] | str | None:
     """``(stacking source patterns, (gate, up, down) names)`` for ``model_type``'s experts, from transformers'
     conversion mapping: the first source pattern of each stacking converter (what ``replaces`` names), and
@@ -269,7 +292,7 @@ def per_expert_names(model_type: str, layout: Layout) -> tuple[tuple[str, ...], 
     from transformers.core_model_loading import Concatenate, MergeModulelist, WeightConverter
 
     try:
-        transforms = get_checkpoint_conversion_mapping(model_type) or []
+        transforms = get_checkpoint_conversion_mapping(conversion_list_key(model_type)) or []
     except Exception:
         transforms = []
     first = "gate_up_proj" if layout.has_gate else "up_proj"
@@ -338,7 +361,7 @@ def stored_3d_conversion(model_type: str, layout: Layout) -> tuple[str, ...] | s
     from hfpatch_core.authoring import source_patterns_of, target_patterns_of
 
     try:
-        transforms = get_checkpoint_conversion_mapping(model_type) or []
+        transforms = get_checkpoint_conversion_mapping(conversion_list_key(model_type)) or []
     except Exception:
         transforms = []
     names = {f"experts.{parameter}" for parameter in layout.parameters}

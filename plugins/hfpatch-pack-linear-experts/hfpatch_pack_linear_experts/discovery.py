@@ -31,6 +31,7 @@ import dataclasses
 import json
 import re
 import threading
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -159,7 +160,7 @@ def _discover(config: Any, model_type: str, model_class: type[nn.Module]) -> Dis
         if is_declared_experts(type(module)):
             instances.setdefault(type(module), []).append((path, module))
     candidates = []
-    refused: dict[str, str] = {}
+    refused: dict[str, str] = _undeclared_experts(model, config, instances)
     plans = model_plans(model)
     for cls, found in instances.items():
         result = _decide(cls, found, model_type, plans)
@@ -168,6 +169,48 @@ def _discover(config: Any, model_type: str, model_class: type[nn.Module]) -> Dis
         else:
             candidates.append(result)
     return Discovery(tuple(sorted(candidates, key=lambda c: c.original.__name__)), refused)
+
+
+#: Config fields that count a model's routed experts (mixtral's num_local_experts, deepseek's n_routed_experts, ...).
+_EXPERT_COUNT = re.compile(r"^(num|n)_(local_|routed_)?experts$|^moe_num_experts$")
+
+
+def _undeclared_experts(model: nn.Module, config: Any, declared: Mapping[type, Any]) -> dict[str, str]:
+    """Experts classes transformers does not declare through ``use_experts_implementation`` (dbrx,
+    jetmoe, llama4's text experts), found by what they hold: parameters with one slice per routed
+    expert (3-D, or as dbrx's, 2-D with every expert's rows one after another).  The pack reads an
+    experts class's layout (gated, transposed, concatenated) from that declaration, so it refuses
+    these with the reason instead of calling them not applicable."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    counts = {
+        value
+        for source in (config, text, getattr(config, "ffn_config", None))
+        if source is not None
+        for name, value in vars(source).items()
+        if _EXPERT_COUNT.match(name) and isinstance(value, int) and not isinstance(value, bool) and value > 1
+    }
+    refused: dict[str, str] = {}
+    for path, module in model.named_modules():
+        cls = type(module)
+        if cls in declared or cls.__name__ in refused or not counts:
+            continue
+        own = list(module.named_parameters(recurse=False))
+        stacked = [name for name, parameter in own if parameter.dim() == 3 and parameter.shape[0] in counts]
+        # dbrx keeps each projection of every expert in one 2-D parameter, the experts' rows one after another
+        flattened = [
+            name
+            for name, parameter in own
+            if parameter.dim() == 2 and any(parameter.shape[0] % count == 0 for count in counts)
+        ]
+        if not stacked and len(flattened) >= 2 and len(flattened) == len(own):
+            stacked = flattened
+        if stacked:
+            refused[cls.__name__] = (
+                f"{path}: holds its experts' weights stacked ({', '.join(stacked)}: one slice per expert) but "
+                "transformers does not declare it through use_experts_implementation, whose layout (gated, transposed, "
+                "concatenated) the pack reads: not split into per-expert linears yet"
+            )
+    return refused
 
 
 def _attribute_path(path: str) -> str:

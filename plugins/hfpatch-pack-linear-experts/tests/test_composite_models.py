@@ -50,3 +50,16 @@ NEWEST_VERDICTS_HOLD_FROM = {"kimi_k25", "unlimited_ocr"} if "kimi_k25" in CONFI
 def test_at_least_one_composite_moe_model_is_in_this_transformers() -> None:
     # the oldest supported release has aria and glm4v_moe: the parametrised test above runs there too
     assert PRESENT
+
+
+UNDECLARED = [t for t in ("dbrx", "jetmoe", "llama4_text") if t in CONFIG_MAPPING_NAMES]
+
+
+@pytest.mark.parametrize("model_type", UNDECLARED)
+def test_experts_not_declared_through_use_experts_implementation_are_refused_with_the_reason(
+    model_type: str, tmp_path: Path
+) -> None:
+    # issue 37.7: they were "not applicable", a blind spot of the zoo's denominator
+    row = verdict_of(PACK, model_type, tmp_path, generate_tokens=4)
+    assert row.verdict == "refused", row
+    assert "one slice per expert" in row.detail and "does not declare it" in row.detail

@@ -62,6 +62,7 @@ SHRINK: Mapping[str, int] = {
     "mlp_dim": 128,
     "num_kv_heads": 2,
     "emb_dim": 64,
+    "embed_dim": 64,
     "n_heads": 4,
     "n_layers": 2,
     "vocab_size_per_layer_input": 256,
@@ -475,7 +476,9 @@ def _rope_sections(values: dict[str, Any], current: Mapping[str, Any], cls: type
     proportions of the shrunk head's rotary dims."""
     head = values.pop("_head", None)
     rope = current.get("rope_parameters")
-    declared = "mrope_section" in (getattr(cls, "ignore_keys_at_rope_validation", None) or ())
+    declared = "mrope_section" in (getattr(cls, "ignore_keys_at_rope_validation", None) or ()) or _names(
+        cls, "mrope_section"
+    )
     if head is None or not isinstance(rope, dict) or not (declared or "mrope_section" in rope):
         return
     sections = rope.get("mrope_section")
@@ -487,6 +490,15 @@ def _rope_sections(values: dict[str, Any], current: Mapping[str, Any], cls: type
     scaled[-1] += total - sum(scaled)
     if scaled[-1] >= 1 and scaled != sections:
         values["rope_parameters"] = {**rope, **values.get("rope_parameters", {}), "mrope_section": scaled}
+
+
+def _names(cls: type, key: str) -> bool:
+    """Whether the source of config class ``cls`` names ``key`` (up to 5.3 the rope keys a config leaves
+    to its model are an argument of ``__init__``'s validation call, not a class attribute)."""
+    try:
+        return key in inspect.getsource(cls)
+    except (OSError, TypeError):
+        return False
 
 
 def _experts(values: dict[str, Any], current: Mapping[str, Any], names: set[str]) -> None:

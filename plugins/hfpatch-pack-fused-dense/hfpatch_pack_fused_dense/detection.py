@@ -206,6 +206,7 @@ def inspect_model(model: nn.Module, prefix: str = "") -> Detection:
     paths: dict[tuple[str, Kind], set[str]] = {}
     modules = dict(model.named_modules())
     names = {type(module).__name__ for module in modules.values()}
+    lists: dict[str, list[Any]] = {}
     for path, module in modules.items():
         kinds = candidate_kinds(module)
         if not kinds or getattr(type(module), "hfpatch_packed_modules", None):
@@ -215,7 +216,11 @@ def inspect_model(model: nn.Module, prefix: str = "") -> Detection:
             rejected.setdefault(name, f"two classes named {name} ({classes[name].__module__}, {cls.__module__})")
             continue
         where = path.removeprefix(f"{prefix}.") if prefix else path
-        problem = _registry_problem(name, names) or _builder_problem(path, name, modules)
+        problem = (
+            _registry_problem(name, names)
+            or _builder_problem(path, name, modules)
+            or _converted_above(path, kinds, modules, lists)
+        )
         if problem is not None:
             rejected.setdefault(name, f"{path or '<model>'}: {problem}")
             continue
@@ -286,6 +291,44 @@ def _builder_problem(path: str, name: str, modules: Mapping[str, nn.Module]) -> 
             "the patch registry could not replace it"
         )
     return None
+
+
+def _converted_above(
+    path: str, kinds: Iterable[Kind], modules: Mapping[str, nn.Module], lists: dict[str, list[Any]]
+) -> str | None:
+    """Why transformers' own conversion list of a module above ``path`` (or of the module itself)
+    builds a part of ``kinds`` from other tensors, or ``None``.
+
+    transformers converts a sub-module's tensors with the list of the sub-module's class, scoped to its
+    path (5.25: unlimited_ocr's ``UnlimitedOcrVisionEncoder`` splits the checkpoint's ``qkv_proj`` into
+    ``q_proj`` / ``k_proj`` / ``v_proj``); a converter of this pack would have to run after that one,
+    which no release supports.  The root model's lists are ``_builtin_conversion_problems``'s."""
+    parts = [part for kind in kinds for part in KINDS[kind][1]]
+    prefix = ""
+    for name in path.split(".") if path else []:
+        prefix = f"{prefix}.{name}" if prefix else name
+        owner = type(modules[prefix]).__name__
+        if owner not in lists:
+            lists[owner] = _own_list(owner)
+        for transform in lists[owner]:
+            targets = [str(pattern) for pattern in getattr(transform, "target_patterns", None) or ()]
+            named = [part for part in parts for target in targets if re.search(rf"(?<!\w){part}(?!\w)", target)]
+            if named:
+                return (
+                    f"transformers' own conversion for {owner!r} (at {prefix}) builds {named[0]} from the "
+                    f"checkpoint's {list(getattr(transform, 'source_patterns', []))}: a second conversion cannot follow it"
+                )
+    return None
+
+
+def _own_list(class_name: str) -> list[Any]:
+    """The converters (not the renamings, which compose) of transformers' conversion list for ``class_name``."""
+    try:
+        from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+        from transformers.core_model_loading import WeightConverter
+    except ImportError:  # a release without the table converts nothing itself
+        return []
+    return [each for each in get_checkpoint_conversion_mapping(class_name) or () if isinstance(each, WeightConverter)]
 
 
 def _pattern_problem(site: Site, keys: Iterable[str], paths: set[str]) -> str | None:

@@ -98,3 +98,18 @@ def test_a_sub_model_whose_parts_the_outer_list_builds_is_refused(tmp_path) -> N
     row = verdict_of(PACK, "kimi_k25", tmp_path, generate_tokens=4)
     assert row.verdict == "exact", row
     assert "Kimi_K25VisionAttention: transformers' own conversion for 'kimi_k25' builds q_proj" in row.detail
+
+
+@scoped
+def test_a_module_whose_parts_its_own_class_list_builds_is_refused(tmp_path) -> None:
+    """unlimited_ocr's vision encoder is a sub-module (no load of its own) whose class has its own
+    conversion list, which splits the checkpoint's fused ``qkv_proj`` into q_proj, k_proj and v_proj:
+    its attention is refused with that reason (fused, its parts never reached the pack's converter and
+    the load failed), and the text model's attention and MLP are still fused, exact."""
+    from hfpatch_core.testing.zoo import verdict_of
+
+    row = verdict_of(PACK, "unlimited_ocr", tmp_path, generate_tokens=4)
+    assert row.verdict == "exact", row
+    assert row.detail.startswith("UnlimitedOcrTextAttention <- FusedQKVUnlimitedOcrTextAttention"), row.detail
+    reason = refusals(tiny_config("unlimited_ocr"), "UnlimitedOcrForConditionalGeneration")["UnlimitedOcrAttention"]
+    assert "transformers' own conversion for 'UnlimitedOcrVisionEncoder'" in reason and "builds q_proj" in reason

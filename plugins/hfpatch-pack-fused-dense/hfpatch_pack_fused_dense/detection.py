@@ -314,9 +314,10 @@ def _converted_above(
             targets = [str(pattern) for pattern in getattr(transform, "target_patterns", None) or ()]
             named = [part for part in parts for target in targets if re.search(rf"(?<!\w){part}(?!\w)", target)]
             if named:
+                sources = list(getattr(transform, "source_patterns", []))
                 return (
                     f"transformers' own conversion for {owner!r} (at {prefix}) builds {named[0]} from the "
-                    f"checkpoint's {list(getattr(transform, 'source_patterns', []))}: a second conversion cannot follow it"
+                    f"checkpoint's {sources}: a second conversion cannot follow it"
                 )
     return None
 

@@ -51,16 +51,6 @@ PACKS = {
 }
 CASES = [(family, pack) for family, packs in PACKS.items() for pack in packs]
 
-#: qwen-moe keeps qwen3_moe's experts per expert, with no converter from the stacked layout
-#: transformers' own model holds: a checkpoint in that layout is refused (WeightLayoutError,
-#: every per-expert weight missing).  Listed in docs/adapters.md; strict, so a fix shows here.
-_QWEN_MOE_STACKED = pytest.mark.xfail(
-    raises=WeightLayoutError, strict=True, reason="qwen-moe loads no stacked experts (docs/adapters.md)"
-)
-STACKED_CASES = [
-    pytest.param(family, pack, marks=_QWEN_MOE_STACKED) if pack == "qwen-moe" else (family, pack)
-    for family, pack in CASES
-]
 
 #: the head classes transformers builds on a family's base model (``all_model_classes``)
 _HEADS = (
@@ -172,7 +162,7 @@ def test_a_head_built_from_its_config_saves_the_original_layout(first_party, tmp
         assert {k: v.shape for k, v in written.items()} == {k: v.shape for k, v in expected.items()}
 
 
-@pytest.mark.parametrize(("family", "pack"), STACKED_CASES)
+@pytest.mark.parametrize(("family", "pack"), CASES)
 def test_can_load_from_already_mapped_keys(first_party, tmp_path, family, pack) -> None:
     """transformers' ``test_can_load_from_already_mapped_keys``: a checkpoint saved with
     ``save_original_format=False`` (the layout transformers' model holds: mixtral's stacked
@@ -189,7 +179,7 @@ def test_can_load_from_already_mapped_keys(first_party, tmp_path, family, pack) 
     assert_same_state(load_file(tmp_path / "saved" / "model.safetensors"), expected)
 
 
-@pytest.mark.parametrize(("family", "pack"), STACKED_CASES)
+@pytest.mark.parametrize(("family", "pack"), CASES)
 def test_from_pretrained_no_checkpoint(first_party, family, pack) -> None:
     """transformers' ``test_from_pretrained_no_checkpoint``: ``from_pretrained(None, config=...,
     state_dict=model.state_dict())`` of a vanilla model gives its weights (issue 37.2)."""

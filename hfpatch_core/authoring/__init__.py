@@ -13,6 +13,9 @@ within a minor release:
 * ``views``: fusing them without re-writing the forward: the parts become views of one
   projection computed once per input (``fused_views_class``, ``fuse_as_views``,
   ``fusable_parts``, ``SharedProjection``, ``ProjectionView``);
+* ``experts``: loading experts stored 3-D (``[experts, ...]``, transformers' own layout) into
+  one module per expert and saving them back (``split_converters``, ``ExpertsSlicing``,
+  ``SplitExpertsConverter``, ``LoadOnlySplitConverter``, ``SplitExperts`` / ``StackExperts``);
 * ``calls``: proving from a forward's source that it gives several children the same
   input (``same_input``);
 * ``peft``: what PEFT sees of a patched model (``HIDDEN_FROM_ADAPTERS``);
@@ -26,9 +29,17 @@ within a minor release:
 from __future__ import annotations
 
 from ..conversion import source_patterns_of, target_patterns_of
-from . import calls, fusion, meta, packing, peft, probes, sized, views
+from . import calls, experts, fusion, meta, packing, peft, probes, sized, views
 from ._pages import release as release_pages
 from .calls import same_input
+from .experts import (
+    ExpertsSlicing,
+    LoadOnlySplitConverter,
+    SplitExperts,
+    SplitExpertsConverter,
+    StackExperts,
+    split_converters,
+)
 from .fusion import QKV_PROJECTIONS, FusedQKVAttentionBase, forward_for, fuse_projections, linear_like, local_sizes
 from .meta import build_on_meta
 from .packing import PACKED_MODULES, PACKED_SIZES, PackedLinear, PackedPart, packed_modules, packed_outputs
@@ -42,17 +53,23 @@ __all__ = [
     "PACKED_MODULES",
     "PACKED_SIZES",
     "QKV_PROJECTIONS",
+    "ExpertsSlicing",
     "FusedQKVAttentionBase",
     "FusedViewsMixin",
+    "LoadOnlySplitConverter",
     "PackedLinear",
     "PackedPart",
     "ProjectionView",
     "SharedProjection",
     "SizedConcatenate",
     "SizedSplit",
+    "SplitExperts",
+    "SplitExpertsConverter",
+    "StackExperts",
     "build_on_meta",
     "calls",
     "class_keys_supported",
+    "experts",
     "forward_for",
     "fusable_parts",
     "fuse_as_views",
@@ -72,6 +89,7 @@ __all__ = [
     "same_input",
     "sized",
     "source_patterns_of",
+    "split_converters",
     "target_patterns_of",
     "views",
 ]

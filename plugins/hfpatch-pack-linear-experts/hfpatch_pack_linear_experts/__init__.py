@@ -36,9 +36,7 @@ from typing import Any
 
 import hfpatch_core
 from hfpatch_core import Converter, LoadContext, Patch, Refusal
-from hfpatch_core.conversion import source_patterns_of, target_patterns_of
-
-from .conversion import (
+from hfpatch_core.authoring.experts import (
     ExpertsSlicing,
     LoadOnlySplitConverter,
     SplitExperts,
@@ -46,6 +44,8 @@ from .conversion import (
     StackExperts,
     split_converters,
 )
+from hfpatch_core.conversion import source_patterns_of, target_patterns_of
+
 from .discovery import Candidate, Discovery, discover, per_expert_names
 from .experts import DEFAULT_NAMES, ExpertLinears, Layout, LinearExperts, linear_experts_class
 

@@ -28,7 +28,7 @@ from transformers.core_model_loading import WeightConverter
 
 import hfpatch_core
 from hfpatch_core import Converter, LoadContext, Patch
-from hfpatch_core.authoring import SizedConcatenate
+from hfpatch_core.authoring import ExpertsSlicing, SizedConcatenate, split_converters
 
 from .attention import FusedQKVAttention, Qwen2MoeFusedQKVAttention, Qwen3MoeFusedQKVAttention
 from .experts import ExpertMLP, PerExpertExperts
@@ -54,6 +54,15 @@ __all__ = [
 BUILTIN_EXPERT_FUSION = ("mlp.experts.*.gate_proj.weight", "mlp.experts.*.down_proj.weight")
 
 _QKV_PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
+
+#: transformers' own layout of the experts (its experts class's, what an unpatched model's
+#: ``state_dict()`` and ``save_pretrained(save_original_format=False)`` hold): ``gate_up_proj``
+#: ``[E, 2 * I, H]`` (gate rows, then up rows) and ``down_proj`` ``[E, H, I]``, split into the
+#: per-expert linears at load only (a save writes the checkpoint's per-expert layout).
+STACKED_EXPERTS = {
+    "gate_up_proj": (("gate_proj.weight", "up_proj.weight"), ExpertsSlicing(halves="concatenated")),
+    "down_proj": (("down_proj.weight",), ExpertsSlicing()),
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,9 +131,10 @@ def provide_patches(context: LoadContext) -> list[Patch]:
 def provide_converters(context: LoadContext) -> list[Converter]:
     """The conversions the patches need, keyed by the model type.
 
-    * experts: no transform of its own; it ``replaces`` transformers' built-in fusion
-      of ``mlp.experts.*.{gate,up,down}_proj.weight`` so that those checkpoint tensors
-      load, unchanged, into ``PerExpertExperts`` (and save unchanged);
+    * experts: it ``replaces`` transformers' built-in fusion of
+      ``mlp.experts.*.{gate,up,down}_proj.weight`` so that those checkpoint tensors load,
+      unchanged, into ``PerExpertExperts`` (and save unchanged); a checkpoint in
+      transformers' own stacked layout (``STACKED_EXPERTS``) is split into them at load;
     * attention (only with a config, which gives the sizes): q/k/v weights, and biases
       where the config gives them, concatenated into ``qkv_proj`` by
       ``SizedConcatenate``, which ``save_pretrained``
@@ -134,7 +144,8 @@ def provide_converters(context: LoadContext) -> list[Converter]:
     family = FAMILIES.get(model_type)
     if family is None:
         return []
-    converters = [Converter(model_type, (), replaces=BUILTIN_EXPERT_FUSION)]
+    stacked = tuple(split_converters("mlp.experts", STACKED_EXPERTS, load_only=True))
+    converters = [Converter(model_type, stacked, replaces=BUILTIN_EXPERT_FUSION)]
     config = context.config
     if config is not None:
         sizes = qkv_sizes(config)

@@ -94,7 +94,9 @@ def test_hooks_target_only_the_two_families_and_need_a_config_for_attention() ->
             (family.experts, PerExpertExperts)
         ]
         (converter,) = hfpatch_pack_qwen_moe.provide_converters(bare)
-        assert converter.key == model_type and converter.transforms == ()
+        # the stacked experts of transformers' own layout split at load, nothing else
+        assert converter.key == model_type
+        assert [type(t).__name__ for t in converter.transforms] == ["LoadOnlySplitConverter"] * 2
         assert converter.replaces == BUILTIN_EXPERT_FUSION
 
 
@@ -105,7 +107,12 @@ def test_qkv_converter_sizes_follow_the_config(name: str) -> None:
     patches = hfpatch_pack_qwen_moe.provide_patches(context)
     family = FAMILIES[config.model_type]
     assert [p.target for p in patches] == [family.experts, family.attention]
-    fused = [t for c in hfpatch_pack_qwen_moe.provide_converters(context) for t in c.transforms]
+    fused = [
+        t
+        for c in hfpatch_pack_qwen_moe.provide_converters(context)
+        for t in c.transforms
+        if type(t).__name__ != "LoadOnlySplitConverter"
+    ]
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     expected = (4 * head_dim, 2 * head_dim, 2 * head_dim)
     assert qkv_sizes(config) == expected

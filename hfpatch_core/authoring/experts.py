@@ -1,5 +1,10 @@
 """Loading checkpoints that store the experts 3-D into per-expert ``nn.Linear`` modules, and saving them back.
 
+A pack that holds a MoE model's experts as one module per expert (linear-experts, qwen-moe)
+meets the 3-D layout twice: as the checkpoint's own (below), and as a second layout of
+families whose checkpoints are per expert, which transformers' own experts class holds and
+``save_pretrained(save_original_format=False)`` writes (``LoadOnlySplitConverter``).
+
 Families such as gpt_oss, granitemoe or aria store each experts tensor as one
 ``[experts, ...]`` tensor (``mlp.experts.gate_up_proj``), which is what their experts
 class holds, so transformers' conversion mapping has nothing to stack.  Here, one

@@ -120,3 +120,52 @@ def test_hooks_see_a_plain_torch_state_whatever_the_load_runs_under(install, lla
     assert {"llava", "llama", "clip_vision_model"} <= types
     assert {tuple(state) for _, *state in spy.seen} == {("cpu", torch.float32, True, False)}
     assert torch.get_default_dtype() == torch.float32 and model.dtype == torch.bfloat16
+
+
+OUTER_NORM = """
+from transformers.models.llama.modeling_llama import LlamaRMSNorm
+from hfpatch_core import Patch, hookimpl
+
+class OuterRMSNorm(LlamaRMSNorm):
+    pass
+
+@hookimpl
+def provide_patches(context):
+    # claimed in the composite's own load only: the class is built by its text model's load
+    if context.model_type == "llava":
+        return [Patch("LlamaRMSNorm", OuterRMSNorm)]
+    return []
+"""
+
+
+def test_a_class_claimed_outside_but_built_by_a_nested_load_is_in_the_plan(install, llava_checkpoint) -> None:
+    """issue 38.5: the replacement is made inside the text model's load, from the outer load's
+    registration; the outer plan says so (verify compares every replaced module with the plans)."""
+    install(PackSpec("outer", OUTER_NORM))
+    hfpatch_core.enable()
+    model = AutoModelForImageTextToText.from_pretrained(llava_checkpoint)
+    assert type(model.model.language_model.norm).__name__ == "OuterRMSNorm"
+    plan = plan_of(model)
+    assert plan.replaced["LlamaRMSNorm"].patch.replacement.__name__ == "OuterRMSNorm"
+    assert "LlamaRMSNorm <- OuterRMSNorm [outer==1.0.0]" in plan.summary()
+
+
+def test_nested_loads_names_the_sub_models_a_composite_loads_on_their_own() -> None:
+    from transformers import PreTrainedModel
+
+    from hfpatch_core.authoring import build_on_meta, nested_loads
+
+    before = PreTrainedModel.__dict__["_from_config"]
+    vision = CLIPVisionConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=16, patch_size=8
+    )
+    model = build_on_meta(
+        LlavaForConditionalGeneration, LlavaConfig(vision_config=vision, text_config=tiny_llama_config())
+    )
+    found = {type(module).__name__: path for path, module in nested_loads(model).items()}
+    assert sorted(found) == ["CLIPVisionModel", "LlamaModel"]
+    # the projector is built by its class, in the composite's own load
+    assert all(not path.endswith("multi_modal_projector") for path in found.values())
+    # a model without sub-models has none, and the recorder is gone after the build
+    assert nested_loads(build_on_meta(type(model.get_submodule(found["LlamaModel"])), tiny_llama_config())) == {}
+    assert PreTrainedModel.__dict__["_from_config"] is before

@@ -27,6 +27,7 @@ from transformers import PreTrainedModel, modeling_utils
 
 from .._pipeline.selection import Selection
 from .._runtime import application, provenance, recorders
+from .._runtime.built import replaced_as_built
 from .._runtime.frames import Loader, blame, unwind_entered_contexts
 from .._runtime.layout import secure
 from .._runtime.parallel_plans import add_declared_plans
@@ -99,6 +100,8 @@ def _managed(cls: type, load: Callable[[], Any], code: types.CodeType, *, loadin
             # the loader never entered apply_patches (a custom from_pretrained): nothing was applied
             logger.warning("hfpatch: %s was built without transformers' apply_patches; no pack applied", cls.__name__)
             return result
+        if isinstance(model, nn.Module):
+            plan = replaced_as_built(plan, model)
         # sub-models are checked with the model holding them
         if isinstance(model, nn.Module) and session.in_root_load():
             secure(model, plan, info, strict=session.strict)

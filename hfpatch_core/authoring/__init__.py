@@ -20,7 +20,7 @@ within a minor release:
   input (``same_input``);
 * ``peft``: what PEFT sees of a patched model (``HIDDEN_FROM_ADAPTERS``);
 * ``meta``: ``build_on_meta``, a model built on the meta device from inside a hook, as vanilla
-  transformers builds it;
+  transformers builds it, and ``nested_loads``, its sub-models that load in loads of their own;
 * ``probes``: questions about the installed transformers (``class_keys_supported``, ...);
 * ``source_patterns_of`` / ``target_patterns_of``: a transform's patterns as written;
 * ``release_pages``: give back the memory-mapped checkpoint pages a conversion has copied.
@@ -41,7 +41,7 @@ from .experts import (
     split_converters,
 )
 from .fusion import QKV_PROJECTIONS, FusedQKVAttentionBase, forward_for, fuse_projections, linear_like, local_sizes
-from .meta import build_on_meta
+from .meta import build_on_meta, nested_loads
 from .packing import PACKED_MODULES, PACKED_SIZES, PackedLinear, PackedPart, packed_modules, packed_outputs
 from .peft import HIDDEN_FROM_ADAPTERS
 from .probes import class_keys_supported, parallel_modes
@@ -79,6 +79,7 @@ __all__ = [
     "linear_like",
     "local_sizes",
     "meta",
+    "nested_loads",
     "packed_modules",
     "packed_outputs",
     "packing",

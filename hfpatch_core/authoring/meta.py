@@ -10,8 +10,11 @@ registries.  ``build_on_meta`` builds as vanilla transformers does, outside ever
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import threading
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -20,7 +23,12 @@ import torch.nn as nn
 from .._scope import vanilla
 from ..context import LoadContext
 
-__all__ = ["build_on_meta"]
+__all__ = ["build_on_meta", "nested_loads"]
+
+#: Set on each sub-model ``build_on_meta`` saw built with ``from_config`` (see ``nested_loads``).
+_NESTED = "hfpatch_nested_load"
+#: One build at a time swaps ``from_config``'s recorder in and out (the swap is process-wide).
+_RECORDING = threading.Lock()
 
 
 def build_on_meta(model_class: type[nn.Module] | LoadContext, config: Any = None) -> nn.Module:
@@ -51,6 +59,57 @@ def build_on_meta(model_class: type[nn.Module] | LoadContext, config: Any = None
             missing = "no config" if config is None else f"transformers exports no class {context.model_class_name!r}"
             raise ValueError(f"build_on_meta({context.model_class_name} load): {missing}; pass a class and a config")
         model_class = found
-    with vanilla(), torch.device("meta"), warnings.catch_warnings():
+    with vanilla(), torch.device("meta"), warnings.catch_warnings(), _recording_nested_loads():
         warnings.simplefilter("ignore")  # what building on the meta device says is not the load's business
         return model_class(copy.deepcopy(config))
+
+
+def nested_loads(model: nn.Module) -> dict[str, nn.Module]:
+    """The sub-models of ``model`` (built by ``build_on_meta``) that load in loads of their own.
+
+    A composite model's ``__init__`` builds some sub-models with ``from_config``
+    (``AutoModel.from_config(config.text_config)``): at load time each is a load of its own,
+    whose hooks are called with a ``LoadContext`` whose ``parent`` is the composite's, and
+    whose classes come from its own modeling module.  A pack that walks the composite's
+    modules claims those classes in the sub-model's load (with converters in that load's
+    lists), not in the composite's; a class claimed in the composite's load but built only in
+    a nested one is still replaced (the registration is live while the composite builds),
+    and the composite's plan lists it.  Sub-models built by calling their class directly are
+    part of the composite's own load and are not here.
+
+    Args:
+        model: a model ``build_on_meta`` built.
+
+    Returns:
+        Module path (``"model.language_model"``) -> the sub-model, outermost first; the ones
+        nested in a nested load are left out (they are that load's business).
+    """
+    found: dict[str, nn.Module] = {}
+    for path, module in model.named_modules():
+        if not path or not getattr(module, _NESTED, False):
+            continue
+        if any(path.startswith(f"{outer}.") for outer in found):
+            continue
+        found[path] = module
+    return found
+
+
+@contextlib.contextmanager
+def _recording_nested_loads() -> Iterator[None]:
+    """Mark each model built through ``from_config`` while the block runs (``nested_loads``)."""
+    from transformers import PreTrainedModel
+
+    with _RECORDING:
+        current = PreTrainedModel.__dict__["_from_config"]
+
+        def recording(cls: type, config: Any, **kwargs: Any) -> Any:
+            built = current.__get__(None, cls)(config, **kwargs)
+            if isinstance(built, nn.Module):
+                object.__setattr__(built, _NESTED, True)
+            return built
+
+        PreTrainedModel._from_config = classmethod(recording)  # type: ignore[assignment,method-assign]
+        try:
+            yield
+        finally:
+            PreTrainedModel._from_config = current  # type: ignore[method-assign]

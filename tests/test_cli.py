@@ -146,7 +146,7 @@ def test_check_passes_a_good_pack_and_fails_a_bad_target(install) -> None:
     assert good.returncode == 0 and "ok    mlp 1.0.0: targets llama" in good.stdout
     bad = run(HFPATCH, "check", site=site)
     assert bad.returncode == 1
-    assert "patch target 'LlamaFeedForward' matches no module class of transformers.models.llama" in bad.stdout
+    assert "patch target 'LlamaFeedForward' matches no module class a llama load reads" in bad.stdout
     assert "failed to import 'hfpatch_test_pack_broken': ImportError: missing kernel" in bad.stdout
     assert "converter for 'llama' names patch target 'LlamaMlp', but the pack returned no patch for it" in bad.stdout
 
@@ -649,3 +649,48 @@ def test_no_command_module_imports_the_cli_package_back() -> None:
             elif isinstance(node, ast.ImportFrom) and node.level == 2 and node.module == "cli":
                 found.append(f"{path.name}: from ..cli import ...")
     assert not found, found
+
+
+BORROWED_NORMS_PACK = """
+import torch.nn as nn
+from hfpatch_core import Patch, hookimpl
+
+class AnyNorm(nn.Module):
+    pass
+
+@hookimpl
+def provide_patches(context):
+    # the classes a load of these types builds from modules that are not transformers.models.<type>
+    return {
+        "gemma3_text": [Patch("Gemma3RMSNorm", AnyNorm)],  # Gemma3ForCausalLM lives in modeling_gemma3
+        "exaone": [Patch("LlamaRMSNorm", AnyNorm)],  # exaone loads as LlamaForCausalLM
+        "got_ocr2": [Patch("Qwen2RMSNorm", AnyNorm)],  # built by its text model's load (qwen2)
+    }.get(context.model_type, [])
+"""
+
+
+def test_check_resolves_classes_as_a_load_does(install, capsys, tmp_path) -> None:
+    """issue 38.6: a class reached through another modeling module is a class of the model type,
+    and check --record writes it."""
+    from hfpatch_core.cli import main
+
+    install(PackSpec("borrowed", BORROWED_NORMS_PACK))
+    assert main(["check", "borrowed"]) == 0, capsys.readouterr().out
+    out = capsys.readouterr().out
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    known = [t for t in ("exaone", "gemma3_text", "got_ocr2") if t in CONFIG_MAPPING_NAMES]  # no exaone on 5.3
+    assert out.startswith(f"ok    borrowed 1.0.0: targets {', '.join(known)}\n"), out
+    assert main(["check", "--record", "borrowed"]) == 0, capsys.readouterr().out
+    import hfpatch_test_pack_borrowed as pack
+
+    from hfpatch_core.cli.drift import record_path
+
+    record = json.loads(record_path(pack.__file__).read_text())
+    recorded = {(row["model_type"], row["class"]) for rows in record["releases"].values() for row in rows}
+    borrowed = {("exaone", "LlamaRMSNorm"), ("gemma3_text", "Gemma3RMSNorm"), ("got_ocr2", "Qwen2RMSNorm")}
+    assert recorded == {(t, name) for t, name in borrowed if t in known}
+    from hfpatch_core.cli.check import targets_of
+
+    assert {t.class_name for t in targets_of("gemma3_text", ["Gemma3RMSNorm"])} == {"Gemma3RMSNorm"}
+    assert {t.class_name for t in targets_of("got_ocr2", ["Qwen2RMSNorm"])} == {"Qwen2RMSNorm"}

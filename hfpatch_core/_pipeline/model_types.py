@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import difflib
 import os
+import sys
+import types
 from typing import Any
 
 import torch.nn as nn
@@ -72,9 +74,53 @@ def model_class_for(config: Any) -> type[nn.Module]:
 
 
 def modeling_module_classes(model_type: str) -> dict[str, type]:
-    """The ``nn.Module`` classes of ``transformers.models.<type>.modeling_<type>`` (empty if none)."""
-    module = modeling_module(model_type)
-    return module_classes(module) if module is not None else {}
+    """The ``nn.Module`` classes a load of ``model_type`` resolves claims against, by name.
+
+    A load resolves against the modeling module of the class it builds
+    (``class_names_for``), which is not always ``transformers.models.<type>.modeling_<type>``:
+    gemma3_text's ``Gemma3ForCausalLM`` lives in ``modeling_gemma3``, exaone loads as
+    ``LlamaForCausalLM``.  So: the modules of every class transformers' auto mappings build
+    for the model type, its own modeling module where there is one, and, for a composite
+    model, the same for each sub-config's model type (its sub-models load in loads of their
+    own, against their own modules).  Empty when none can be imported.
+    """
+    classes: dict[str, type] = {}
+    for module in _load_modules(model_type, set()):
+        for name, cls in module_classes(module).items():
+            classes.setdefault(name, cls)
+    return classes
+
+
+def _load_modules(model_type: str, seen: set[str]) -> list[types.ModuleType]:
+    if model_type in seen:
+        return []
+    seen.add(model_type)
+    from transformers.models.auto import modeling_auto
+
+    found: dict[str, types.ModuleType] = {}
+    own = modeling_module(model_type)
+    if own is not None:
+        found[own.__name__] = own
+    for mapping_name in dir(modeling_auto):
+        mapping = getattr(modeling_auto, mapping_name)
+        if not mapping_name.endswith("MAPPING_NAMES") or not isinstance(mapping, dict):
+            continue
+        names = mapping.get(model_type)
+        for name in (names,) if isinstance(names, str) else names or ():
+            try:
+                cls = getattr(transformers, name, None)
+            except Exception:  # a class whose module needs a library that is not installed
+                continue
+            module = sys.modules.get(getattr(cls, "__module__", "")) if isinstance(cls, type) else None
+            if module is not None:
+                found.setdefault(module.__name__, module)
+    modules = list(found.values())
+    config = default_config(model_type)
+    for value in vars(config).values() if config is not None else ():
+        sub_type = getattr(value, "model_type", None) if isinstance(value, transformers.PretrainedConfig) else None
+        if isinstance(sub_type, str) and sub_type in CONFIG_MAPPING_NAMES:
+            modules += [m for m in _load_modules(sub_type, seen) if m not in modules]
+    return modules
 
 
 def default_config(model_type: str) -> Any:

@@ -150,7 +150,7 @@ def pattern_problems(plan: Plan, classes: Mapping[str, type], model: nn.Module |
             shown = ", ".join(hit[:4]) + (f" and {len(hit) - 4} more" if len(hit) > 4 else "")
             problems.append(
                 f"pack {claim.pack!r}: pattern {claim.target!r} matches the model class{'es' if len(hit) > 1 else ''} "
-                f"{shown} of transformers.models.{model_type}: a load would replace the model itself with "
+                f"{shown} of a {model_type} load's modeling modules: a load would replace the model itself with "
                 f"{claim.patch.replacement_name}. Anchor the pattern to the module classes it is meant for "
                 "(e.g. '^...MLP$'), or name them exactly."
             )
@@ -273,9 +273,27 @@ class _PackCheck:
             self.note(problem)
         targeted.extend(model_type for model_type in declared if model_type not in targeted)
         if not targeted and not self.problems:
-            # a pack that decides from the config alone offers nothing for config=None
-            targeted.extend(t for t in CONFIG_MAPPING_NAMES if self.offers(t, self.configs(t)))
+            # a pack that decides from the config alone offers nothing for config=None: every model
+            # type is asked with a config (minutes for a pack that builds each model on meta)
+            targeted.extend(self._asked_with_configs())
         return targeted, declared
+
+    def _asked_with_configs(self) -> list[str]:
+        from .output import Progress
+
+        progress = Progress(
+            f"asking pack {self.name!r} with a tiny config of every model type (declare provide_model_types, "
+            "or pass --model-type, to check only those)",
+            len(CONFIG_MAPPING_NAMES),
+            cached=False,
+        )
+        offered = []
+        for model_type in CONFIG_MAPPING_NAMES:
+            progress.step(model_type)
+            if self.offers(model_type, self.configs(model_type)):
+                offered.append(model_type)
+        progress.finish()
+        return offered
 
     def target(self, model_type: str, *, asked: bool) -> None:
         """Check what the pack offers for ``model_type`` (``asked``: it was named or declared, so it
@@ -306,8 +324,9 @@ class _PackCheck:
             self.found.update(hit)
             if not hit:
                 self.note(
-                    f"pack {self.name!r}: patch target {claim.target!r} matches no module class of "
-                    f"transformers.models.{model_type} in transformers {transformers.__version__}; "
+                    f"pack {self.name!r}: patch target {claim.target!r} matches no module class a {model_type} "
+                    f"load reads (transformers.models.{model_type} and the modules of the classes it builds) "
+                    f"in transformers {transformers.__version__}; "
                     "check the class name (it may have been renamed)."
                 )
 
@@ -326,8 +345,8 @@ class _PackCheck:
 
 
 def targets_of(model_type: str, patch_targets: Iterable[str], classes: Mapping[str, type] | None = None) -> set[Target]:
-    """Every class of ``model_type``'s modeling module that one of ``patch_targets`` matches
-    (transformers' rules, as a load applies them), with its signatures: what a drift record
+    """Every class of ``model_type``'s modeling modules (``modeling_module_classes``) that one of
+    ``patch_targets`` matches (transformers' rules, as a load applies them), with its signatures: what a drift record
     lists for patches with those targets.
 
     Args:

@@ -95,7 +95,7 @@ class Progress:
     (``hfpatch lock``, ``lock --check``, ``list``'s conflicts) when nothing is cached.
     """
 
-    def __init__(self, what: str, total: int, *, every: float = 2.0) -> None:
+    def __init__(self, what: str, total: int, *, every: float = 2.0, cached: bool = True) -> None:
         import time
 
         self._clock = time.monotonic
@@ -105,8 +105,10 @@ class Progress:
         self.done = 0
         self.started = self._clock()
         self._shown = self.started
-        count = f"{total} to do; " if total > 1 else ""
-        _progress(f"{what} ({count}kept in the cache for the next run)...")
+        count = f"{total} to do" if total > 1 else ""
+        kept = "kept in the cache for the next run" if cached else ""
+        said = "; ".join(part for part in (count, kept) if part)
+        _progress(f"{what} ({said})..." if said else f"{what}...")
 
     def step(self, item: str) -> None:
         """One item is about to be computed (``item`` names it)."""

@@ -1,0 +1,127 @@
+"""Model steps (``provide_model_steps``): a pack's change to the loaded model itself, planned,
+resolved, installed after the load (and by ``apply``), recorded, and uninstalled by ``revert``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from transformers import AutoConfig, AutoModelForCausalLM, LlamaForCausalLM
+
+import hfpatch_core
+from hfpatch_core import InvalidPatchError, ModelStep, PatchConflictError, Refused, plan_of
+from packs import MLP_PACK, PackSpec
+
+#: Marks the model it is installed on (an instance attribute, nothing global); refuses a model
+#: whose config says ``refuse_steps``.
+STEP_PACK = """
+    from hfpatch_core import ModelStep, Refusal, hookimpl
+
+    def install(model):
+        if getattr(model.config, "refuse_steps", False):
+            return Refusal("{target}", "this model asked to be refused")
+        model.stepped = "{name}"
+        return None
+
+    def uninstall(model):
+        del model.stepped
+
+    @hookimpl
+    def provide_model_steps(context):
+        if context.model_type != "llama":
+            return []
+        return [ModelStep("{target}", install, uninstall, priority={priority})]
+"""
+
+
+def step_pack(name: str, *, target: str = "marker", priority: int = 0) -> PackSpec:
+    return PackSpec(name, STEP_PACK.format(name=name, target=target, priority=priority))
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        (("", print, print), "non-empty name"),
+        (("loss", None, print), "install must be a callable"),
+        (("loss", print, 3), "uninstall must be a callable"),
+    ],
+)
+def test_a_model_step_is_validated(arguments: tuple[object, ...], message: str) -> None:
+    with pytest.raises(InvalidPatchError, match=message):
+        ModelStep(*arguments)  # type: ignore[arg-type]
+
+
+def test_a_load_installs_the_step_on_its_model_only(install, llama_checkpoint: Path) -> None:
+    install(step_pack("stepper"))
+    with hfpatch_core.enabled(packs="stepper"):
+        model = AutoModelForCausalLM.from_pretrained(llama_checkpoint)
+    plan = plan_of(model)
+    assert plan is not None
+    assert [(claim.pack, claim.target) for claim in plan.steps] == [("stepper", "marker")]
+    assert plan.installed_steps == plan.steps
+    assert model.stepped == "stepper"
+    assert "step marker [stepper==1.0.0]" in plan.summary()
+    # the scope ends: nothing of the step is on the class or on a later load
+    later = AutoModelForCausalLM.from_pretrained(llama_checkpoint)
+    assert not hasattr(later, "stepped")
+    assert not hasattr(LlamaForCausalLM, "stepped")
+    hfpatch_core.revert(model)
+    assert not hasattr(model, "stepped")
+
+
+def test_the_fingerprint_names_the_steps(install, llama_checkpoint: Path) -> None:
+    install(step_pack("stepper"), PackSpec("mlp", MLP_PACK))
+    with hfpatch_core.enabled(packs="mlp"):
+        without = plan_of(AutoModelForCausalLM.from_pretrained(llama_checkpoint))
+    with hfpatch_core.enabled(packs="mlp,stepper"):
+        with_step = plan_of(AutoModelForCausalLM.from_pretrained(llama_checkpoint))
+    assert without is not None and with_step is not None
+    assert without.fingerprint != with_step.fingerprint
+
+
+def test_a_step_refused_at_install_is_on_the_plan_with_its_reason(install, llama_checkpoint: Path) -> None:
+    install(step_pack("stepper"))
+    with hfpatch_core.enabled(packs="stepper"):
+        config = AutoConfig.from_pretrained(llama_checkpoint)
+        config.refuse_steps = True
+        model = AutoModelForCausalLM.from_pretrained(llama_checkpoint, config=config)
+    plan = plan_of(model)
+    assert plan is not None
+    assert Refused("stepper", "1.0.0", "marker", "this model asked to be refused") in plan.refused
+    assert plan.installed_steps == ()
+    assert not hasattr(model, "stepped")
+    assert "marker refused by stepper: this model asked to be refused" in plan.summary()
+
+
+def test_two_packs_on_one_target_resolve_by_priority(install, llama_checkpoint: Path) -> None:
+    install(step_pack("first"), step_pack("second", priority=1))
+    with hfpatch_core.enabled(packs="first,second"):
+        model = AutoModelForCausalLM.from_pretrained(llama_checkpoint)
+    plan = plan_of(model)
+    assert plan is not None
+    assert model.stepped == "second"
+    assert [claim.pack for claim in plan.steps] == ["second"]
+    [(lost, reason)] = plan.lost_steps
+    assert lost.pack == "first" and "priority 0 < 1" in reason
+
+
+def test_two_packs_tied_on_one_target_are_a_conflict(install, llama_checkpoint: Path) -> None:
+    install(step_pack("first"), step_pack("second"))
+    with hfpatch_core.enabled(packs="first,second"), pytest.raises(PatchConflictError, match="'marker'"):
+        AutoModelForCausalLM.from_pretrained(llama_checkpoint)
+    with hfpatch_core.enabled(packs="first,second@+1"):
+        assert AutoModelForCausalLM.from_pretrained(llama_checkpoint).stepped == "second"
+
+
+def test_apply_installs_the_steps_and_revert_uninstalls_them(install, llama_checkpoint: Path) -> None:
+    install(step_pack("stepper"), PackSpec("mlp", MLP_PACK))
+    for packs in ("stepper", "stepper,mlp"):
+        model = AutoModelForCausalLM.from_pretrained(llama_checkpoint)
+        plan = hfpatch_core.apply(model, packs=packs)
+        assert model.stepped == "stepper"
+        assert [claim.target for claim in plan.installed_steps] == ["marker"]
+        assert plan_of(model) is plan
+        hfpatch_core.revert(model)
+        assert not hasattr(model, "stepped")
+        assert plan_of(model) is None
+        assert type(model.model.layers[0].mlp).__name__ == "LlamaMLP"

@@ -3,13 +3,15 @@ resolved, installed after the load (and by ``apply``), recorded, and uninstalled
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
+from test_cli import HFPATCH, run
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaForCausalLM
 
 import hfpatch_core
-from hfpatch_core import InvalidPatchError, ModelStep, PatchConflictError, Refused, plan_of
+from hfpatch_core import InvalidPatchError, LockError, ModelStep, PatchConflictError, Refused, plan_of
 from packs import MLP_PACK, PackSpec
 
 #: Marks the model it is installed on (an instance attribute, nothing global); refuses a model
@@ -125,3 +127,41 @@ def test_apply_installs_the_steps_and_revert_uninstalls_them(install, llama_chec
         assert not hasattr(model, "stepped")
         assert plan_of(model) is None
         assert type(model.model.layers[0].mlp).__name__ == "LlamaMLP"
+
+
+def test_explain_lock_and_provenance_record_the_step(install, llama_checkpoint: Path, tmp_path: Path) -> None:
+    site = install(step_pack("stepper"))
+    shown = run(HFPATCH, "explain", str(llama_checkpoint), site=site, env={"HF_PATCH_PACKS": "stepper"})
+    assert shown.returncode == 0, shown.stderr
+    assert "Model steps, installed on the loaded model" in shown.stdout
+    assert "marker: hfpatch_test_pack_stepper.install [stepper 1.0.0]" in shown.stdout
+    data = json.loads(
+        run(HFPATCH, "explain", str(llama_checkpoint), "--json", site=site, env={"HF_PATCH_PACKS": "stepper"}).stdout
+    )
+    assert [(step["pack"], step["target"]) for step in data["steps"]] == [("stepper", "marker")]
+    lock = tmp_path / "hfpatch.lock"
+    written = run(
+        HFPATCH, "lock", "--model", str(llama_checkpoint), "-o", str(lock), site=site, env={"HF_PATCH_PACKS": "stepper"}
+    )
+    assert written.returncode == 0, written.stderr
+    assert json.loads(lock.read_text())["plans"]["llama"]["steps"] == [
+        "marker -> hfpatch_test_pack_stepper.install [stepper==1.0.0, priority 0]"
+    ]
+    with hfpatch_core.enabled(packs="stepper", lock=lock):
+        assert AutoModelForCausalLM.from_pretrained(llama_checkpoint).stepped == "stepper"
+    # a lock without the step (written before the pack offered it) refuses the load, naming the steps
+    written_json = json.loads(lock.read_text())
+    del written_json["plans"]["llama"]["steps"]
+    lock.write_text(json.dumps(written_json))
+    with pytest.raises(LockError, match="model steps"), hfpatch_core.enabled(packs="stepper", lock=lock):
+        AutoModelForCausalLM.from_pretrained(llama_checkpoint)
+
+
+def test_a_saved_patched_model_records_its_steps(install, llama_checkpoint: Path, tmp_path: Path) -> None:
+    # a model with steps alone saves vanilla's weights as vanilla does (no save guard, no record)
+    install(step_pack("stepper"), PackSpec("mlp", MLP_PACK))
+    with hfpatch_core.enabled(packs="stepper,mlp"):
+        model = AutoModelForCausalLM.from_pretrained(llama_checkpoint)
+    model.save_pretrained(tmp_path / "saved")
+    recorded = json.loads((tmp_path / "saved" / "hfpatch_provenance.json").read_text())
+    assert recorded["steps"] == {"marker": "hfpatch_test_pack_stepper.install [stepper]"}

@@ -137,7 +137,7 @@ def _offers_anything(pack: str, checkpoint: Path) -> bool:
         contexts.append(LoadContext(text.model_type, root.model_class_name, config=text, parent=root))
     for context in contexts:
         gathered = packs.gather(context)
-        if gathered.claims or gathered.converters or gathered.refused or gathered.failures:
+        if gathered.claims or gathered.converters or gathered.steps or gathered.refused or gathered.failures:
             return True
     return False
 

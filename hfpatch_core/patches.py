@@ -145,8 +145,9 @@ class ModelStep:
         target: what on the model the step changes, a free name (``"causal-lm-loss"``):
             steps of several packs with the same target compete like patches on one class.
         install: called as ``install(model)`` with the loaded model (on its device and
-            dtype); changes only that instance (an instance attribute, a hook), never a
-            class or a module-level name, so that other models and later loads are vanilla.
+            dtype, autograd enabled whatever the caller's mode); changes only that instance
+            (an instance attribute, a hook), never a class or a module-level name, so that
+            other models and later loads are vanilla.
             Returns ``None`` once installed, or a ``Refusal`` (with the step's ``target``)
             when the model is not one it can change exactly; it must then leave the model
             as it was.

@@ -12,6 +12,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, LlamaForCausalLM
 
 import hfpatch_core
 from hfpatch_core import InvalidPatchError, LockError, ModelStep, PatchConflictError, Refused, plan_of
+from hfpatch_core.testing.zoo import verdict_of
 from packs import MLP_PACK, PackSpec
 
 #: Marks the model it is installed on (an instance attribute, nothing global); refuses a model
@@ -165,3 +166,44 @@ def test_a_saved_patched_model_records_its_steps(install, llama_checkpoint: Path
     model.save_pretrained(tmp_path / "saved")
     recorded = json.loads((tmp_path / "saved" / "hfpatch_provenance.json").read_text())
     assert recorded["steps"] == {"marker": "hfpatch_test_pack_stepper.install [stepper]"}
+
+
+#: A step that makes the training loss wrong by one part in a thousand (what verify must catch).
+SKEWED_STEP_PACK = """
+    import functools
+    from hfpatch_core import ModelStep, hookimpl
+
+    def install(model):
+        original = model.forward
+
+        @functools.wraps(original)
+        def forward(*args, **kwargs):
+            out = original(*args, **kwargs)
+            if out.loss is not None and model.training:
+                out.loss = out.loss * {factor}
+            return out
+
+        model.forward = forward
+
+    def uninstall(model):
+        del model.forward
+
+    @hookimpl
+    def provide_model_steps(context):
+        return [ModelStep("causal-lm-loss", install, uninstall)] if context.model_type == "llama" else []
+"""
+
+
+@pytest.mark.parametrize(("factor", "verdict"), [("1.0", "exact"), ("1.001", "failed")])
+def test_verify_checks_a_steps_training_loss_against_vanilla(
+    install, llama_checkpoint: Path, tmp_path: Path, factor: str, verdict: str
+) -> None:
+    install(PackSpec("skewed", SKEWED_STEP_PACK.format(factor=factor)))
+    row = verdict_of("skewed", "llama", tmp_path, checkpoint=llama_checkpoint, generate_tokens=2)
+    assert row.verdict == verdict, row.detail
+    assert row.report.steps == ["causal-lm-loss [skewed]"]
+    if verdict == "exact":
+        assert row.detail == "model step causal-lm-loss [skewed]"
+        assert row.report.apply_path is True
+    else:
+        assert "training loss" in row.detail

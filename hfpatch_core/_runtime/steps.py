@@ -15,6 +15,7 @@ import dataclasses
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 
+import torch
 import torch.nn as nn
 
 from ..errors import HfPatchError, PackError
@@ -64,7 +65,10 @@ def install_steps(model: nn.Module, plan: Plan, report: Callable[[Iterable[HfPat
     for claim in plan.steps:
         where = f"pack {claim.pack!r}: model step {claim.target!r} ({claim.step.install_name})"
         try:
-            result = claim.step.install(model)
+            # apply() works under no_grad, a user may load under inference_mode: a step probing its
+            # model's gradients (a loss) gets autograd whatever the caller's mode
+            with torch.inference_mode(False), torch.enable_grad():
+                result = claim.step.install(model)
         except Exception as exc:  # a pack's step may raise anything: the model stays loaded
             failures.append(PackError(claim.pack, f"{where} raised {type(exc).__name__}: {exc}", stage="load"))
             refused.append(Refused(claim.pack, claim.version, claim.target, f"install raised {type(exc).__name__}"))

@@ -211,7 +211,8 @@ def _verdict_outcome(rows: Sequence[Any], unverified: Mapping[str, str], train_s
         r = row.report
         cells = (
             (
-                ", ".join(f"{a}->{b}" for a, b in sorted(r.replaced.items())) or "-",
+                ", ".join([*(f"{a}->{b}" for a, b in sorted(r.replaced.items())), *(f"step {s}" for s in r.steps)])
+                or "-",
                 _diff(r.max_abs_diff),
                 _MATCH[r.generation_match],
                 _DONE[r.round_trip],

@@ -6,8 +6,9 @@ plans the pack on it, and verifies it where it replaces something
 (``check_pack_equivalence``: weights, fp32 logits, greedy generation, the saved layout).
 Each model type gets one verdict:
 
-* ``exact``: the pack replaced classes and every check passed;
-* ``failed``: the pack replaced classes and a check failed (the first failure is the detail);
+* ``exact``: the pack replaced classes or installed model steps, and every check passed;
+* ``failed``: the pack replaced classes or installed model steps, and a check failed (the first
+  failure is the detail);
 * ``refused``: the pack found what it patches but refused it, with its reason (``Refusal``);
 * ``not applicable``: the pack has nothing for this model type;
 * ``no checkpoint``: no tiny checkpoint of this model type could be built, or vanilla transformers
@@ -52,7 +53,7 @@ class ZooRow:
         pack: the pack verified.
         model_type: the model type.
         verdict: one of ``VERDICTS``.
-        detail: the replaced classes (``exact``), the first failure (``failed``), the
+        detail: the replaced classes and installed model steps (``exact``), the first failure (``failed``), the
             reasons (``refused``), or why no checkpoint (``no checkpoint``); one line.
         seconds: how long the model type took.
         verified: the class and config type the checks loaded (``Qwen3_5ForCausalLM
@@ -241,7 +242,7 @@ def verdict_of(
         vanilla = _vanilla_problem(checkpoint, generate_tokens)
         return row("no checkpoint", vanilla) if vanilla else row("failed", f"{type(exc).__name__}: {exc}")
     refusals = _refusals(report.plan)
-    if not report.replaced:
+    if not report.replaced and not report.steps:
         loading = [failure for failure in report.failures if failure.startswith("loading with pack")]
         if loading:
             vanilla = _vanilla_problem(checkpoint, generate_tokens)
@@ -252,7 +253,12 @@ def verdict_of(
     if report.failures:
         vanilla = _vanilla_problem(checkpoint, generate_tokens)
         return row("no checkpoint", vanilla, report) if vanilla else row("failed", report.failures[0], report)
-    replaced = ", ".join(f"{original} <- {replacement}" for original, replacement in sorted(report.replaced.items()))
+    replaced = ", ".join(
+        [
+            *(f"{original} <- {replacement}" for original, replacement in sorted(report.replaced.items())),
+            *(f"model step {step}" for step in report.steps),
+        ]
+    )
     if refusals:
         replaced += f" (refused: {'; '.join(refusals)})"
     return row("exact", replaced, report)

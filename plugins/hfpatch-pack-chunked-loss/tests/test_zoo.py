@@ -1,0 +1,29 @@
+"""The zoo's verdict (``hfpatch verify``, ``make zoo``) of the pack: a model step, checked by a training
+step against vanilla's loss and gradients, on tiny checkpoints of several model types."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import hfpatch_pack_chunked_loss as chunked
+import pytest
+import torch
+
+from hfpatch_core.testing.zoo import verdict_of
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gemma2", "qwen3_moe"])
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16])
+def test_exact_on_a_tiny_checkpoint(model_type: str, dtype: torch.dtype | None, tmp_path: Path) -> None:
+    row = verdict_of("chunked-loss", model_type, tmp_path, generate_tokens=2, dtype=dtype)
+    assert row.verdict == "exact", row.detail
+    assert row.detail == f"model step {chunked.TARGET} [chunked-loss]"
+    assert row.report.replaced == {} and row.report.apply_path is True
+    assert row.report.step_loss_diff is not None and row.report.step_grad_diff is not None
+
+
+def test_a_refusal_at_install_is_the_verdict_with_its_reason(tmp_path: Path) -> None:
+    # bert's causal-LM head runs a transform (dense, activation, norm) between the encoder and the head
+    row = verdict_of("chunked-loss", "bert", tmp_path, generate_tokens=0)
+    assert row.verdict == "refused", row.detail
+    assert row.detail == f"{chunked.TARGET}: the head's input is not the decoder's last hidden state"

@@ -11,7 +11,16 @@ from test_cli import HFPATCH, run
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaForCausalLM
 
 import hfpatch_core
-from hfpatch_core import InvalidPatchError, LockError, ModelStep, PatchConflictError, Refused, plan_of
+from hfpatch_core import (
+    InvalidPatchError,
+    LockError,
+    ModelStep,
+    PackError,
+    PackWarning,
+    PatchConflictError,
+    Refused,
+    plan_of,
+)
 from hfpatch_core.testing.zoo import verdict_of
 from packs import MLP_PACK, PackSpec
 
@@ -207,3 +216,27 @@ def test_verify_checks_a_steps_training_loss_against_vanilla(
         assert row.report.apply_path is True
     else:
         assert "training loss" in row.detail
+
+
+#: A step whose install raises: a pack failure at the load, the model loaded without it.
+RAISING_STEP_PACK = """
+    from hfpatch_core import ModelStep, hookimpl
+
+    def install(model):
+        raise RuntimeError("no head here")
+
+    @hookimpl
+    def provide_model_steps(context):
+        return [ModelStep("marker", install, lambda model: None)] if context.model_type == "llama" else []
+"""
+
+
+def test_a_step_that_raises_is_a_pack_failure_and_the_model_stays_loaded(install, llama_checkpoint: Path) -> None:
+    install(PackSpec("raising", RAISING_STEP_PACK))
+    with hfpatch_core.enabled(packs="raising", strict=False), pytest.warns(PackWarning, match="no head here"):
+        model = AutoModelForCausalLM.from_pretrained(llama_checkpoint)
+    plan = plan_of(model)
+    assert plan is not None and plan.installed_steps == ()
+    assert Refused("raising", "1.0.0", "marker", "install raised RuntimeError") in plan.refused
+    with hfpatch_core.enabled(packs="raising", strict=True), pytest.raises(PackError, match="no head here"):
+        AutoModelForCausalLM.from_pretrained(llama_checkpoint)

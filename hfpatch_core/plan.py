@@ -256,7 +256,8 @@ class Plan:
         conversions: the conversion lists registered for the load.
         nested: the plans of sub-models loaded inside this load.
         refused: the classes packs found to patch and refused, each with the reason
-            (``Refusal``); nothing is replaced for them.
+            (``Refusal``); nothing is replaced for them.  A model step refused (by its pack's
+            hook, or by its ``install`` on the loaded model) is here under the step's target.
         foreign: the model's classes replaced outside hfpatch (``Foreign``).
         steps: the winning model steps (``ModelStep``), one per target, in the order they
             are installed on the loaded model (priority first).

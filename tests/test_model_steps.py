@@ -12,6 +12,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, LlamaForCausalLM
 
 import hfpatch_core
 from hfpatch_core import (
+    ApplyError,
     InvalidPatchError,
     LockError,
     ModelStep,
@@ -79,6 +80,7 @@ def test_a_load_installs_the_step_on_its_model_only(install, llama_checkpoint: P
     assert not hasattr(LlamaForCausalLM, "stepped")
     hfpatch_core.revert(model)
     assert not hasattr(model, "stepped")
+    assert plan_of(model).steps == () and plan_of(model).packs == plan.packs
 
 
 def test_the_fingerprint_names_the_steps(install, llama_checkpoint: Path) -> None:
@@ -240,3 +242,14 @@ def test_a_step_that_raises_is_a_pack_failure_and_the_model_stays_loaded(install
     assert Refused("raising", "1.0.0", "marker", "install raised RuntimeError") in plan.refused
     with hfpatch_core.enabled(packs="raising", strict=True), pytest.raises(PackError, match="no head here"):
         AutoModelForCausalLM.from_pretrained(llama_checkpoint)
+
+
+def test_apply_refuses_a_model_that_holds_steps(install, llama_checkpoint: Path) -> None:
+    install(step_pack("stepper"))
+    with hfpatch_core.enabled(packs="stepper"):
+        model = AutoModelForCausalLM.from_pretrained(llama_checkpoint)
+    with pytest.raises(ApplyError, match="holds model steps already \\(marker of pack 'stepper'\\)"):
+        hfpatch_core.apply(model, packs="stepper")
+    hfpatch_core.revert(model)
+    hfpatch_core.apply(model, packs="stepper")
+    assert model.stepped == "stepper"

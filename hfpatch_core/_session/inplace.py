@@ -231,6 +231,9 @@ def revert(model: nn.Module) -> None:
     if not isinstance(record, Applied):
         if installed_on(model):  # a load's model steps: its classes stay as the load built them
             uninstall_steps(model)
+            loaded = plan_of(model)
+            if loaded is not None:  # the plan of what the model now is: the load's, without its steps
+                object.__setattr__(model, PLAN_ATTRIBUTE, dataclasses.replace(loaded, steps=(), lost_steps=()))
             return
         raise ApplyError(f"{type(model).__name__} was not patched by hfpatch_core.apply(): nothing to revert")
     if not record.swaps:  # model steps only: nothing to load back
@@ -408,9 +411,8 @@ def _refuse_model(model: nn.Module) -> None:
         raise ApplyError(f"{name} is already patched by hfpatch_core.apply(); revert() it first")
     loaded = plan_of(model)
     if installed_on(model):
-        raise ApplyError(
-            f"{name} holds model steps of packs already ({loaded.summary() if loaded else ''}); revert() it first"
-        )
+        steps = ", ".join(f"{claim.target} of pack {claim.pack!r}" for claim in installed_on(model))
+        raise ApplyError(f"{name} holds model steps already ({steps}); hfpatch_core.revert() it first")
     if loaded is not None and loaded.entries:
         raise ApplyError(f"{name} was loaded with packs already ({loaded.summary()}); load it without hfpatch")
     if torch.distributed.is_available() and torch.distributed.is_initialized():

@@ -30,6 +30,9 @@ def install_step(model: nn.Module) -> Refusal | None:
         install(model)  # type: ignore[arg-type]
     except ChunkedLossRefused as exc:
         return Refusal(TARGET, str(exc))
+    except Exception as exc:  # the probe runs the model's own forward: one this cannot run is not claimed
+        # install changes nothing before detect has passed, so the model is as it was
+        return Refusal(TARGET, f"probing the model's forward raised {type(exc).__name__}: {exc}")
     return None
 
 

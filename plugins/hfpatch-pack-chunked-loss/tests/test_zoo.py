@@ -27,3 +27,11 @@ def test_a_refusal_at_install_is_the_verdict_with_its_reason(tmp_path: Path) -> 
     row = verdict_of("chunked-loss", "bert", tmp_path, generate_tokens=0)
     assert row.verdict == "refused", row.detail
     assert row.detail == f"{chunked.TARGET}: the head's input is not the decoder's last hidden state"
+
+
+def test_a_model_whose_forward_the_probe_cannot_run_is_refused_with_the_error(tmp_path: Path) -> None:
+    # git's forward raises on the probe's text-only loss: the model is left as it loaded, and that is a
+    # refusal with the error, not a pack failure that fails the load in strict mode
+    row = verdict_of("chunked-loss", "git", tmp_path, generate_tokens=0)
+    assert row.verdict == "refused", row.detail
+    assert row.detail.startswith(f"{chunked.TARGET}: probing the model's forward raised ValueError")

@@ -253,3 +253,29 @@ def test_apply_refuses_a_model_that_holds_steps(install, llama_checkpoint: Path)
     hfpatch_core.revert(model)
     hfpatch_core.apply(model, packs="stepper")
     assert model.stepped == "stepper"
+
+
+#: A step on every model that prints from its install, as some models print from their forward.
+PRINTING_STEP_PACK = """
+    from hfpatch_core import ModelStep, hookimpl
+
+    def install(model):
+        print("Warning: a model printed this")
+
+    @hookimpl
+    def provide_model_steps(context):
+        return [ModelStep("marker", install, lambda model: None)] if context.config is not None else []
+"""
+
+
+def test_verify_all_model_types_keeps_stdout_for_its_json(install) -> None:
+    site = install(PackSpec("printing", PRINTING_STEP_PACK))
+    arguments = ["verify", "printing", "--all-model-types", "--model-type", "llama", "--model-type", "reformer"]
+    done = run(HFPATCH, *arguments, "--json", site=site, env={"HF_PATCH_PACKS": "printing"}, timeout=300)
+    rows = {row["model_type"]: row for row in json.loads(done.stdout)["rows"]}
+    assert "a model printed this" in done.stderr
+    assert rows["llama"]["verdict"] == "exact", rows["llama"]["detail"]
+    # vanilla reformer cannot take a training step on its tiny checkpoint (axial shapes): the tooling's
+    # problem, not the step's
+    assert rows["reformer"]["verdict"] == "no checkpoint"
+    assert rows["reformer"]["detail"].startswith("vanilla transformers cannot run a training step on it")

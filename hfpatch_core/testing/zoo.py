@@ -12,7 +12,8 @@ Each model type gets one verdict:
 * ``refused``: the pack found what it patches but refused it, with its reason (``Refusal``);
 * ``not applicable``: the pack has nothing for this model type;
 * ``no checkpoint``: no tiny checkpoint of this model type could be built, or vanilla transformers
-  cannot load it and run a padded batch (the pack is not to blame).
+  cannot load it and run a padded batch, or (for a pack of model steps) a training step on it
+  (the pack is not to blame).
 
 ``hfpatch verify PACK --all-model-types`` prints the table for one pack; ``make zoo``
 writes ``docs/zoo.md`` for every first-party pack (``.ci/zoo.py``).
@@ -212,7 +213,7 @@ def verdict_of(
     import torch
 
     from .checkpoints import tiny_checkpoint
-    from .equivalence import check_pack_equivalence
+    from .equivalence import VANILLA_CANNOT_TRAIN, check_pack_equivalence
 
     start = time.perf_counter()
     verified = ""
@@ -251,6 +252,9 @@ def verdict_of(
             return row("refused", "; ".join(refusals), report)
         return row("not applicable", "", report)
     if report.failures:
+        untrainable = [failure for failure in report.failures if failure.startswith(VANILLA_CANNOT_TRAIN)]
+        if untrainable:
+            return row("no checkpoint", untrainable[0], report)
         vanilla = _vanilla_problem(checkpoint, generate_tokens)
         return row("no checkpoint", vanilla, report) if vanilla else row("failed", report.failures[0], report)
     replaced = ", ".join(

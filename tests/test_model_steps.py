@@ -121,8 +121,12 @@ def test_two_packs_on_one_target_resolve_by_priority(install, llama_checkpoint: 
 
 def test_two_packs_tied_on_one_target_are_a_conflict(install, llama_checkpoint: Path) -> None:
     install(step_pack("first"), step_pack("second"))
-    with hfpatch_core.enabled(packs="first,second"), pytest.raises(PatchConflictError, match="'marker'"):
+    with hfpatch_core.enabled(packs="first,second"), pytest.raises(PatchConflictError, match="'marker'") as error:
         AutoModelForCausalLM.from_pretrained(llama_checkpoint)
+    # the remedy is a selection checked to settle the tie, as for patches
+    assert "HF_PATCH_PACKS=first,second@+1" in str(error.value) or "HF_PATCH_PACKS=first@+1,second" in str(
+        error.value
+    ), str(error.value)
     with hfpatch_core.enabled(packs="first,second@+1"):
         assert AutoModelForCausalLM.from_pretrained(llama_checkpoint).stepped == "second"
 
@@ -279,3 +283,20 @@ def test_verify_all_model_types_keeps_stdout_for_its_json(install) -> None:
     # problem, not the step's
     assert rows["reformer"]["verdict"] == "no checkpoint"
     assert rows["reformer"]["detail"].startswith("vanilla transformers cannot run a training step on it")
+
+
+def test_list_finds_a_tie_between_model_steps_and_the_selection_settling_it(
+    install, llama_checkpoint: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from hfpatch_core._pipeline.selection import current_selection
+    from hfpatch_core.cli.check import find_conflicts
+
+    install(step_pack("first"), step_pack("second"))
+    monkeypatch.setenv("HF_PATCH_PACKS", "first,second")
+    conflicts = find_conflicts(current_selection())
+    assert [(c.model_type, c.target, c.packs) for c in conflicts.conflicts] == [
+        ("llama", "marker", ("first", "second"))
+    ]
+    assert conflicts.selection is not None
+    with hfpatch_core.enabled(packs=conflicts.selection):
+        assert AutoModelForCausalLM.from_pretrained(llama_checkpoint).stepped in ("first", "second")

@@ -255,7 +255,9 @@ def _decide(
     registered: Mapping[str, type] | None,
     overridable: tuple[str, ...],
 ) -> tuple[PatchDecision, Conversions]:
-    """Resolve ``gathered``: which patches win and the conversions registered; raises the first conflict."""
+    """Resolve ``gathered``: which patches win and the conversions registered; raises the first conflict
+    (a tie between model steps too, so that ``settling`` finds a selection that settles those)."""
+    resolve_steps(gathered.steps)
     decision = resolve_patches(gathered.claims, registered=registered, overridable=overridable, class_names=class_names)
     if not gathered.converters:
         return decision, Conversions()

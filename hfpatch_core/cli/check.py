@@ -539,7 +539,7 @@ def find_conflicts(selection: Selection, *, config_for: ConfigFor | None = None)
         if not found:
             try:
                 decide(gathered)
-            except ConverterConflictError as exc:
+            except (ConverterConflictError, PatchConflictError) as exc:  # converters', or model steps' ties
                 found.append(exc)
         conflicts.extend(PackConflict(model_type, exc.target, exc.packs, exc.problem) for exc in found)
     if not conflicts:

@@ -27,11 +27,13 @@ _EXPORTS = {
     # values a pack builds or a user reads
     "Patch": "patches",
     "Refusal": "patches",
+    "ModelStep": "patches",
     "Converter": "conversion",
     "LoadContext": "context",
     "Claim": "plan",
     "Lost": "plan",
     "Refused": "plan",
+    "StepClaim": "plan",
     "Foreign": "plan",
     "Plan": "plan",
     "plan_of": "plan",
@@ -99,8 +101,8 @@ if TYPE_CHECKING:
         WeightLayoutError,
     )
     from .hookspecs import hookimpl
-    from .patches import Patch, Refusal
-    from .plan import Claim, Foreign, Lost, Plan, Refused, plan_of
+    from .patches import ModelStep, Patch, Refusal
+    from .plan import Claim, Foreign, Lost, Plan, Refused, StepClaim, plan_of
 
 
 def __getattr__(name: str) -> Any:

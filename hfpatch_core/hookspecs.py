@@ -22,7 +22,7 @@ import pluggy
 if TYPE_CHECKING:
     from .context import LoadContext
     from .conversion import Converter
-    from .patches import Patch, Refusal
+    from .patches import ModelStep, Patch, Refusal
 
 #: The pluggy project name shared by the markers and the plugin manager.
 PROJECT_NAME = "hfpatch"
@@ -72,6 +72,29 @@ def provide_converters(context: LoadContext) -> Iterable[Converter]:
     Returns:
         An iterable of ``Converter``; an empty one when the pack's patches keep the
         original weight layout.
+    """
+    raise NotImplementedError
+
+
+@hookspec
+def provide_model_steps(context: LoadContext) -> Iterable[ModelStep | Refusal]:
+    """Return the changes this pack makes to the loaded model itself, for one model load.
+
+    Called with the same context and at the same moment as ``provide_patches``, for a root
+    load only (the model ``from_pretrained`` / ``from_config`` returns, or the model
+    ``hfpatch_core.apply`` patches; not for a sub-model built inside another load), and by
+    ``hfpatch explain``, ``lock``, ``check`` and ``verify``.  The winning step of each target
+    is installed after the model is built and its weights are loaded (``ModelStep.install``,
+    which may still refuse the loaded model), and recorded on its plan.
+
+    Args:
+        context: see ``provide_patches``; ``context.parallel`` says whether transformers
+            shards the model (a step that cannot work on sharded weights refuses here).
+
+    Returns:
+        An iterable of ``ModelStep``; an empty one when the pack has nothing for this model.
+        A ``Refusal`` (with the step's target) says why a step the pack would offer is not
+        offered for this model; ``hfpatch explain``, ``verify`` and the zoo show it.
     """
     raise NotImplementedError
 

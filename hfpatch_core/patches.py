@@ -1,9 +1,10 @@
-"""The values a pack returns to replace a module class, or to say why it will not."""
+"""The values a pack returns to replace a module class, to change the loaded model, or to say why it will not."""
 
 from __future__ import annotations
 
 import dataclasses
 import re
+from collections.abc import Callable
 
 import torch.nn as nn
 
@@ -121,3 +122,72 @@ class Refusal:
                     f"Refusal.{field} must be a non-empty string, got {value!r}; "
                     "e.g. Refusal('GptOssExperts', 'transposed experts with biases are not supported')."
                 )
+
+
+def _callable_name(function: object) -> str:
+    module = getattr(function, "__module__", None) or "?"
+    name = getattr(function, "__qualname__", None) or type(function).__qualname__
+    return f"{module}.{name}"
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelStep:
+    """Change the loaded model itself (its forward, its loss), once it is built and its weights are loaded.
+
+    What a ``Patch`` cannot reach: the top-level ``*ForCausalLM`` class is built before
+    transformers consults its patch registry, and some changes (a loss computed in chunks)
+    depend on probing the loaded model.  A pack returns one from ``provide_model_steps``;
+    the winner of each ``target`` is installed on the model a root load returns (and by
+    ``hfpatch_core.apply``), recorded on its plan (``Plan.steps``), locked and shown like a
+    patch, and ``hfpatch_core.revert(model)`` uninstalls it.
+
+    Args:
+        target: what on the model the step changes, a free name (``"causal-lm-loss"``):
+            steps of several packs with the same target compete like patches on one class.
+        install: called as ``install(model)`` with the loaded model (on its device and
+            dtype, autograd enabled whatever the caller's mode); changes only that instance
+            (an instance attribute, a hook), never a class or a module-level name, so that
+            other models and later loads are vanilla.
+            Returns ``None`` once installed, or a ``Refusal`` (with the step's ``target``)
+            when the model is not one it can change exactly; it must then leave the model
+            as it was.
+        uninstall: called as ``uninstall(model)`` by ``revert``: gives the model back what
+            ``install`` changed.
+        priority: higher wins when several packs offer a step for the same target.
+        overwrite: wins a priority tie.
+
+    Raises:
+        InvalidPatchError: ``target`` is not a non-empty string, ``install`` or
+            ``uninstall`` is not callable, or ``priority`` / ``overwrite`` has the wrong type.
+    """
+
+    target: str
+    install: Callable[[nn.Module], Refusal | None]
+    uninstall: Callable[[nn.Module], None]
+    _: dataclasses.KW_ONLY
+    priority: int = 0
+    overwrite: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.target, str) or not self.target.strip():
+            raise InvalidPatchError(
+                f"ModelStep target must be a non-empty name of what the step changes, got {self.target!r}; "
+                "e.g. ModelStep('causal-lm-loss', install, uninstall)."
+            )
+        for field in ("install", "uninstall"):
+            value = getattr(self, field)
+            if not callable(value):
+                raise InvalidPatchError(
+                    f"ModelStep({self.target!r}): {field} must be a callable taking the model, got {_describe(value)}."
+                )
+        if isinstance(self.priority, bool) or not isinstance(self.priority, int):
+            raise InvalidPatchError(f"ModelStep({self.target!r}): priority must be an int, got {self.priority!r}.")
+        if not isinstance(self.overwrite, bool):
+            raise InvalidPatchError(
+                f"ModelStep({self.target!r}): overwrite must be True or False, got {self.overwrite!r}."
+            )
+
+    @property
+    def install_name(self) -> str:
+        """``module.QualName`` of ``install``, as shown in plans, locks and fingerprints."""
+        return _callable_name(self.install)

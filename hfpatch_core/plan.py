@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 from .context import LoadContext
 from .conversion import Converter, describe_transform, source_patterns_of
-from .patches import Patch
+from .patches import ModelStep, Patch
 
 #: The attribute of a loaded model that holds its ``Plan``.
 PLAN_ATTRIBUTE = "hfpatch_plan"
@@ -80,6 +80,40 @@ class ConverterClaim:
     def describe(self) -> str:
         patterns = sorted({p for t in self.converter.transforms for p in source_patterns_of(t)})
         return f"pack {self.pack!r} (converter for {self.key!r}: {patterns})"
+
+
+@dataclasses.dataclass(frozen=True)
+class StepClaim:
+    """A model step as one pack offered it for one load (ranked like a ``Claim``).
+
+    Attributes:
+        pack: the pack's name.
+        version: the pack's distribution version.
+        step: the step itself.
+        priority: the step's priority plus the pack's offset from ``HF_PATCH_PACKS``.
+        index: the step's position in what the pack returned.
+    """
+
+    pack: str
+    version: str
+    step: ModelStep
+    priority: int
+    index: int = 0
+
+    @property
+    def target(self) -> str:
+        return self.step.target
+
+    @property
+    def overwrite(self) -> bool:
+        return self.step.overwrite
+
+    @property
+    def label(self) -> str:
+        return f"{self.pack}=={self.version}"
+
+    def describe(self) -> str:
+        return f"pack {self.pack!r} (model step {self.step.target!r} -> {self.step.install_name})"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -222,8 +256,12 @@ class Plan:
         conversions: the conversion lists registered for the load.
         nested: the plans of sub-models loaded inside this load.
         refused: the classes packs found to patch and refused, each with the reason
-            (``Refusal``); nothing is replaced for them.
+            (``Refusal``); nothing is replaced for them.  A model step refused (by its pack's
+            hook, or by its ``install`` on the loaded model) is here under the step's target.
         foreign: the model's classes replaced outside hfpatch (``Foreign``).
+        steps: the winning model steps (``ModelStep``), one per target, in the order they
+            are installed on the loaded model (priority first).
+        lost_steps: step claims beaten on the same target, with the reason.
     """
 
     context: LoadContext | None
@@ -235,6 +273,8 @@ class Plan:
     nested: tuple[Plan, ...] = ()
     refused: tuple[Refused, ...] = ()
     foreign: tuple[Foreign, ...] = ()
+    steps: tuple[StepClaim, ...] = ()
+    lost_steps: tuple[tuple[StepClaim, str], ...] = ()
 
     def all_plans(self) -> tuple[Plan, ...]:
         """This plan and the plans of the sub-models loaded inside it."""
@@ -244,6 +284,13 @@ class Plan:
     def touches_weights(self) -> bool:
         """Whether any plan in this load replaced a class or converts weights."""
         return any(plan.entries or plan.conversions for plan in self.all_plans())
+
+    @property
+    def installed_steps(self) -> tuple[StepClaim, ...]:
+        """The winning steps the loaded model holds: those its own ``install`` did not refuse
+        (a refusal at install time is among ``refused``, under the step's target and pack)."""
+        refused = {(refusal.pack, refusal.target) for refusal in self.refused}
+        return tuple(claim for claim in self.steps if (claim.pack, claim.target) not in refused)
 
     @property
     def mapping(self) -> dict[str, type]:
@@ -271,6 +318,9 @@ class Plan:
         for key, entries in sorted(self.conversions.lists.items()):
             for entry in entries:
                 digest.update(f"convert {key} {entry.origin} {describe_transform(entry.transform)}\n".encode())
+        for step in self.steps:
+            line = f"step {step.target!r} {step.step.install_name} {step.priority} {step.overwrite}"
+            digest.update(f"{line}\n".encode())
         for inner in self.nested:
             where = inner.context.model_class_name if inner.context else "?"
             digest.update(f"nested {where} {inner.fingerprint}\n".encode())
@@ -297,9 +347,13 @@ class Plan:
             f"{name} <- {claim.patch.replacement.__qualname__} [{claim.label}]"
             for name, claim in sorted(self.replaced.items())
         )
+        steps = "".join(f"; step {claim.target} [{claim.label}]" for claim in self.installed_steps)
         # a refusal is why a pack that was asked for changed nothing: the log line says so
         refused = "".join(f"; {refusal.target} refused by {refusal.pack}: {refusal.reason}" for refusal in self.refused)
-        return f"hfpatch: {where}: {parts or 'no patch applied'}{converted}{refused}{inner} (plan {self.fingerprint})"
+        return (
+            f"hfpatch: {where}: {parts or 'no patch applied'}{converted}{steps}{refused}{inner} "
+            f"(plan {self.fingerprint})"
+        )
 
 
 def plan_of(model: object) -> Plan | None:

@@ -26,8 +26,8 @@ import pluggy
 from .. import hookspecs
 from ..context import LoadContext
 from ..errors import InvalidPatchError, PackError
-from ..patches import Patch, Refusal
-from ..plan import Claim, ConverterClaim, Refused
+from ..patches import ModelStep, Patch, Refusal
+from ..plan import Claim, ConverterClaim, Refused, StepClaim
 from .discovery import PackInfo
 
 
@@ -67,6 +67,7 @@ class Gathered:
         packs: ``(name, version)`` of each pack whose hooks were called successfully.
         failures: one error per pack that failed; its claims are left out.
         refused: the classes packs found and refused (``Refusal``), with their reasons.
+        steps: one per model step, in pack-name order (root loads only).
     """
 
     claims: tuple[Claim, ...] = ()
@@ -74,6 +75,7 @@ class Gathered:
     packs: tuple[tuple[str, str], ...] = ()
     failures: tuple[PackError, ...] = ()
     refused: tuple[Refused, ...] = ()
+    steps: tuple[StepClaim, ...] = ()
 
 
 def _check_result(pack: str, hook: str, result: object, expected: type | tuple[type, ...], example: str) -> list[Any]:
@@ -191,6 +193,8 @@ class PackSet:
         expected: type | tuple[type, ...]
         if hook == "provide_patches":
             expected, example = (Patch, Refusal), "Patch('LlamaMLP', MyMLP)"
+        elif hook == "provide_model_steps":
+            expected, example = (ModelStep, Refusal), "ModelStep('causal-lm-loss', install, uninstall)"
         else:
             from ..conversion import Converter
 
@@ -226,6 +230,7 @@ class PackSet:
         packs: list[tuple[str, str]] = []
         failures: list[PackError] = []
         refused: list[Refused] = []
+        steps: list[StepClaim] = []
         # the lock held from each capture to its last comparison: a registry change another
         # thread makes meanwhile is not a pack's
         with self.guard.hold():
@@ -241,14 +246,23 @@ class PackSet:
                     patches = [item for item in offered if isinstance(item, Patch)]
                     pack_converters = self._call(info, "provide_converters", context, registries)
                     _check_patch_targets(name, patches, pack_converters)
+                    # a step changes the model a load returns: a sub-model is part of its root's
+                    offered_steps = (
+                        self._call(info, "provide_model_steps", context, registries) if context.parent is None else []
+                    )
                 except PackError as exc:
                     failures.append(exc)
                     continue
                 offset = offsets.get(name, 0)
                 refused.extend(
                     Refused(name, info.version, item.target, item.reason)
-                    for item in offered
+                    for item in (*offered, *offered_steps)
                     if isinstance(item, Refusal)
+                )
+                pack_steps = [item for item in offered_steps if isinstance(item, ModelStep)]
+                steps.extend(
+                    StepClaim(name, info.version, step, step.priority + offset, index)
+                    for index, step in enumerate(pack_steps)
                 )
                 claims.extend(
                     Claim(pack=name, version=info.version, patch=patch, priority=patch.priority + offset, index=index)
@@ -262,4 +276,4 @@ class PackSet:
                     for index, converter in enumerate(pack_converters)
                 )
                 packs.append((name, info.version))
-        return Gathered(tuple(claims), tuple(converters), tuple(packs), tuple(failures), tuple(refused))
+        return Gathered(tuple(claims), tuple(converters), tuple(packs), tuple(failures), tuple(refused), tuple(steps))

@@ -206,6 +206,11 @@ def converter_kind(transform: Any) -> str:
     )
 
 
+def _step_line(claim: Any) -> str:
+    overwrite = ", overwrite" if claim.overwrite else ""
+    return f"{claim.target} -> {claim.step.install_name} [{claim.label}, priority {claim.priority}{overwrite}]"
+
+
 def _claim_line(claim: Any) -> str:
     overwrite = ", overwrite" if claim.patch.overwrite else ""
     return f"{claim.target} -> {claim.patch.replacement_name} [{claim.label}, priority {claim.priority}{overwrite}]"
@@ -225,6 +230,7 @@ class LockedPlan:
         replaced: for each class of the model type replaced, the replacement and its pack.
         converters: for each conversion key registered, its composed list, one line each, by
             kind (``converter_kind``: no sizes).
+        steps: the winning model steps, one line each (target, install function, pack, priority).
     """
 
     model_type: str
@@ -233,6 +239,7 @@ class LockedPlan:
     claims: tuple[str, ...] = ()
     replaced: Mapping[str, str] = dataclasses.field(default_factory=dict)
     converters: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
+    steps: tuple[str, ...] = ()
 
     @property
     def decision(self) -> str:
@@ -246,6 +253,8 @@ class LockedPlan:
         for key, lines in sorted(self.converters.items()):
             for line in lines:
                 digest.update(f"convert {key} {line}\n".encode())
+        for line in self.steps:
+            digest.update(f"step {line}\n".encode())
         return digest.hexdigest()[:12]
 
     @classmethod
@@ -265,6 +274,7 @@ class LockedPlan:
                 key: tuple(f"{converter_kind(entry.transform)} [{entry.origin}]" for entry in entries)
                 for key, entries in sorted(plan.conversions.lists.items())
             },
+            steps=tuple(_step_line(claim) for claim in plan.steps),
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -275,6 +285,8 @@ class LockedPlan:
             "claims": list(self.claims),
             "replaced": dict(self.replaced),
             "converters": {key: list(lines) for key, lines in self.converters.items()},
+            # only when there are: a lock without steps reads as before model steps existed
+            **({"steps": list(self.steps)} if self.steps else {}),
         }
 
     def differences(self, now: LockedPlan) -> list[str]:
@@ -290,6 +302,9 @@ class LockedPlan:
             if was_list != is_list:
                 now_text, was_text = list(is_list) or "none", list(was_list) or "none"
                 found.append(f"{where}: the conversions for {key!r} are {now_text} (locked: {was_text})")
+        if self.steps != now.steps:
+            now_steps, was_steps = list(now.steps) or "none", list(self.steps) or "none"
+            found.append(f"{where}: the model steps are {now_steps} (locked: {was_steps})")
         if not found:
             added = [claim for claim in now.claims if claim not in self.claims]
             removed = [claim for claim in self.claims if claim not in now.claims]
@@ -310,6 +325,7 @@ class LockedPlan:
             tuple(map(str, plan.get("claims", ()))),
             {str(k): str(v) for k, v in dict(plan.get("replaced", {})).items()},
             {str(k): tuple(map(str, v)) for k, v in dict(plan.get("converters", {})).items()},
+            tuple(map(str, plan.get("steps", ()))),
         )
 
 
@@ -453,7 +469,7 @@ class Lock:
         """How ``plan`` differs from the locked plan of its model type, one phrase each; a model
         type the lock has no plan for differs when the plan replaces or converts anything."""
         now = LockedPlan.of(plan, source)
-        if now.model_type not in self.plans and not plan.entries and not plan.conversions:
+        if now.model_type not in self.plans and not plan.entries and not plan.conversions and not plan.steps:
             return []
         return self.decision_changes(now)
 
@@ -461,9 +477,15 @@ class Lock:
         """How ``now`` (a plan as the lock records it) differs from the locked plan of its model type."""
         locked = self.plans.get(now.model_type)
         if locked is None:
-            if not now.claims and not now.converters:
+            if not now.claims and not now.converters and not now.steps:
                 return []
-            what = ", ".join([*now.claims, *(f"conversions for {key!r}" for key in now.converters)])
+            what = ", ".join(
+                [
+                    *now.claims,
+                    *(f"conversions for {key!r}" for key in now.converters),
+                    *(f"step {s}" for s in now.steps),
+                ]
+            )
             return [f"model type {now.model_type or '?'!r} has no plan in the lock, and the packs would apply {what}"]
         if locked.decision == now.decision:
             return []

@@ -29,7 +29,7 @@ from .composition import compose, scope_for
 from .foreign import foreign_replacements
 from .gathering import Gathered, PackSet
 from .parallel import refuse_unsharded
-from .resolution import PatchDecision, matches, resolve_converters, resolve_patches, unused_converters
+from .resolution import PatchDecision, matches, resolve_converters, resolve_patches, resolve_steps, unused_converters
 from .selection import SelectionSpec
 from .settling import Problem, settled
 
@@ -163,6 +163,7 @@ def _without(gathered: Gathered, failures: list[PackError]) -> Gathered:
         packs=tuple(pack for pack in gathered.packs if pack[0] not in failed),
         failures=(*gathered.failures, *failures),
         refused=tuple(refusal for refusal in gathered.refused if refusal.pack not in failed),
+        steps=tuple(claim for claim in gathered.steps if claim.pack not in failed),
     )
 
 
@@ -254,7 +255,9 @@ def _decide(
     registered: Mapping[str, type] | None,
     overridable: tuple[str, ...],
 ) -> tuple[PatchDecision, Conversions]:
-    """Resolve ``gathered``: which patches win and the conversions registered; raises the first conflict."""
+    """Resolve ``gathered``: which patches win and the conversions registered; raises the first conflict
+    (a tie between model steps too, so that ``settling`` finds a selection that settles those)."""
+    resolve_steps(gathered.steps)
     decision = resolve_patches(gathered.claims, registered=registered, overridable=overridable, class_names=class_names)
     if not gathered.converters:
         return decision, Conversions()
@@ -341,6 +344,7 @@ def plan_load(
         replaced=decision.replaced,
     )
     report(_overridden(found) for found in foreign if found.overridden_by)
+    steps = resolve_steps(gathered.steps)
     return Plan(
         context=context,
         packs=tuple(sorted(set(gathered.packs))),
@@ -350,6 +354,8 @@ def plan_load(
         conversions=conversions,
         refused=gathered.refused,
         foreign=foreign,
+        steps=steps.winners,
+        lost_steps=steps.lost,
     )
 
 

@@ -16,7 +16,7 @@ from typing import TypeVar
 
 from ..context import LoadContext
 from ..errors import ConverterConflictError, PatchConflictError
-from ..plan import Claim, ConverterClaim, Lost, Plan
+from ..plan import Claim, ConverterClaim, Lost, Plan, StepClaim
 from ..settings import PACKS_ENV
 
 T = TypeVar("T")
@@ -46,17 +46,20 @@ def find_replacement(class_name: str, mapping: Mapping[str, T]) -> T | None:
     return None
 
 
-def rank(claim: Claim | ConverterClaim) -> tuple[int, int, str, int]:
+def rank(claim: Claim | ConverterClaim | StepClaim) -> tuple[int, int, str, int]:
     """The sort key of the ranking rule: priority, then ``overwrite``, then pack name and position."""
     overwrite = claim.patch.overwrite if isinstance(claim, Claim) else claim.overwrite
     return (-claim.priority, -int(overwrite), claim.pack, claim.index)
 
 
-def _tied(first: Claim | ConverterClaim, second: Claim | ConverterClaim) -> bool:
+Ranked = Claim | ConverterClaim | StepClaim
+
+
+def _tied(first: Ranked, second: Ranked) -> bool:
     return rank(first)[:2] == rank(second)[:2]
 
 
-def _beaten_because(loser: Claim | ConverterClaim, winner: Claim | ConverterClaim) -> str:
+def _beaten_because(loser: Ranked, winner: Ranked) -> str:
     if loser.priority < winner.priority:
         return f"priority {loser.priority} < {winner.priority} of {winner.describe()}"
     return f"same priority; {winner.describe()} sets overwrite=True"
@@ -373,3 +376,56 @@ def matches(target: str, class_name: str) -> bool:
         return True
     compiled = _compiled(target)
     return compiled is not None and compiled.search(class_name) is not None
+
+
+# --- model steps ----------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class StepDecision:
+    """Which step claims won (one per target, in installation order) and which lost, with the reason."""
+
+    winners: tuple[StepClaim, ...]
+    lost: tuple[tuple[StepClaim, str], ...]
+
+
+def resolve_steps(claims: Iterable[StepClaim]) -> StepDecision:
+    """Decide every step target the claims name, by the ranking rule of patches.
+
+    The winners are installed highest rank first (a step of higher priority changes the
+    model before one of lower priority on another target).
+
+    Raises:
+        PatchConflictError: two packs offer a step for one target with the same priority and
+            the same ``overwrite``, or one pack offers two steps for one target.
+    """
+    by_target: dict[str, list[StepClaim]] = {}
+    for claim in claims:
+        by_target.setdefault(claim.target, []).append(claim)
+    winners: list[StepClaim] = []
+    lost: list[tuple[StepClaim, str]] = []
+    for target in sorted(by_target):
+        ranked = sorted(by_target[target], key=rank)
+        winner = ranked[0]
+        for other in ranked[1:]:
+            if _tied(other, winner):
+                packs = tuple(sorted({winner.pack, other.pack}))
+                if winner.pack == other.pack:
+                    raise PatchConflictError(
+                        f"pack {winner.pack!r} offers two model steps for {target!r} with the same priority; "
+                        "return one step per target, or give one of them a higher priority.",
+                        packs=packs,
+                        target=target,
+                    )
+                raise PatchConflictError(
+                    f"packs {winner.pack!r} and {other.pack!r} both offer a model step for {target!r} with priority "
+                    f"{winner.priority} and {'both' if winner.overwrite else 'neither'} overwrite=True "
+                    f"({winner.step.install_name}; {other.step.install_name}).",
+                    _choose_between(packs),
+                    packs=packs,
+                    target=target,
+                )
+            lost.append((other, _beaten_because(other, winner)))
+        winners.append(winner)
+    winners.sort(key=rank)
+    return StepDecision(tuple(winners), tuple(lost))

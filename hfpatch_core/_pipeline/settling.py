@@ -74,6 +74,11 @@ def adjusted(gathered: Gathered, change: Change) -> Gathered:
             for claim in gathered.converters
             if claim.pack not in excluded
         ),
+        steps=tuple(
+            dataclasses.replace(claim, priority=claim.priority + raised.get(claim.pack, 0))
+            for claim in gathered.steps
+            if claim.pack not in excluded
+        ),
         packs=tuple(pack for pack in gathered.packs if pack[0] not in excluded),
     )
 
@@ -115,7 +120,11 @@ def settle(problems: Sequence[Problem], *, limit: int = LIMIT) -> tuple[Change |
     footprint = Counter(
         pack
         for problem in problems
-        for pack in [*(claim.pack for claim in problem.gathered.claims), *(c.pack for c in problem.gathered.converters)]
+        for pack in [
+            *(claim.pack for claim in problem.gathered.claims),
+            *(c.pack for c in problem.gathered.converters),
+            *(step.pack for step in problem.gathered.steps),
+        ]
     )
 
     def key(change: Change) -> tuple[int, int, int, int, Change]:

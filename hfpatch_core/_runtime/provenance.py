@@ -40,6 +40,12 @@ def record(plan: Plan) -> dict[str, Any]:
             for inner in plan.all_plans()
             for name, claim in sorted(inner.replaced.items())
         },
+        # the steps were on the model that was saved; its weights are vanilla's either way
+        **(
+            {"steps": {claim.target: f"{claim.step.install_name} [{claim.pack}]" for claim in plan.installed_steps}}
+            if plan.installed_steps
+            else {}
+        ),
         "hfpatch": version("hfpatch-core"),
         "transformers": plan.context.transformers_version if plan.context else None,
     }

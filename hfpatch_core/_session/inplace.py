@@ -38,6 +38,7 @@ import torch.nn as nn
 from .._runtime.frames import blame
 from .._runtime.layout import secure
 from .._runtime.peft_layers import base_model_of, plain_state, refuse_adapters
+from .._runtime.steps import deferred, install_steps, installed_on, uninstall_steps
 from .._scope import LOAD_LOCK, vanilla
 from ..errors import ApplyError, HfPatchError
 from ..plan import PLAN_ATTRIBUTE, Claim, Plan, plan_of
@@ -123,7 +124,8 @@ def apply(model: nn.Module, packs: str | Iterable[str] | None = None, strict: bo
     class and config, exactly as a load would (same plan, same fingerprint); each submodule
     a winning claim replaces is swapped for an instance of its replacement, its weights
     carried over through the pack's converters.  Every other module stays the same object.
-    The swapped modules keep the dtype, device, ``requires_grad`` and training mode of the
+    The packs' model steps (``ModelStep``) are installed on the model last, as a load
+    installs them.  The swapped modules keep the dtype, device, ``requires_grad`` and training mode of the
     ones they replace, ties between parameters are kept, and the model saves in the
     original layout (the save guard of a patched load).  Build optimizers after ``apply``:
     the swapped modules have new parameters.
@@ -174,7 +176,13 @@ def apply(model: nn.Module, packs: str | Iterable[str] | None = None, strict: bo
         planned = plan_of(skeleton) or planned
         swaps = _swaps(model, skeleton, planned)
         if not swaps:
-            return planned
+            if not planned.steps:
+                return planned
+            attributes = {name: model.__dict__.get(name, _MISSING) for name in _MODEL_ATTRIBUTES}
+            plan = install_steps(model, planned, session.report)
+            attach(model, plan)
+            object.__setattr__(model, APPLIED_ATTRIBUTE, Applied(plan=plan, swaps=(), attributes=attributes))
+            return plan
         for path, claim, replacement in swaps:
             _refuse_module(model, path, claim, replacement, planned)
         temporary, plan = _load(model, swaps, session)
@@ -193,6 +201,9 @@ def apply(model: nn.Module, packs: str | Iterable[str] | None = None, strict: bo
             attach(model, plan)
             secure(model, plan, None)  # what a patched load gets: the save and load_state_dict guards
             object.__setattr__(model, APPLIED_ATTRIBUTE, record)
+            # the steps run on the user's model, once its modules are the packs'
+            plan = install_steps(model, plan, session.report)
+            attach(model, plan)
         except BaseException:
             _undo_attributes(model, record)
             undo()
@@ -208,15 +219,27 @@ def revert(model: nn.Module) -> None:
     does, and loaded into new instances of the original classes by vanilla transformers.
     Where the conversions are exact (``SizedConcatenate``, transformers' expert fusion),
     ``state_dict()`` then has the same keys, shapes, dtypes and values as before ``apply``.
+    The packs' model steps (``ModelStep``) are uninstalled first.  On a model a load with
+    packs returned, ``revert`` uninstalls its model steps only (its classes stay as loaded).
 
     Raises:
-        ApplyError: ``model`` was not patched by ``apply``, a swapped module was replaced
+        ApplyError: ``model`` was not patched by ``apply`` and holds no model step, a swapped module was replaced
             since, or PEFT adapter layers were added into one; the model is unchanged.
     """
     model = base_model_of(model)
     record = getattr(model, APPLIED_ATTRIBUTE, None)
     if not isinstance(record, Applied):
+        if installed_on(model):  # a load's model steps: its classes stay as the load built them
+            uninstall_steps(model)
+            loaded = plan_of(model)
+            if loaded is not None:  # the plan of what the model now is: the load's, without its steps
+                object.__setattr__(model, PLAN_ATTRIBUTE, dataclasses.replace(loaded, steps=(), lost_steps=()))
+            return
         raise ApplyError(f"{type(model).__name__} was not patched by hfpatch_core.apply(): nothing to revert")
+    if not record.swaps:  # model steps only: nothing to load back
+        uninstall_steps(model)
+        _undo_attributes(model, record)
+        return
     refuse_adapters(model, [(swap.path, swap.pack) for swap in record.swaps], after=True)
     for swap in record.swaps:
         current = _submodule(model, swap.path)
@@ -240,6 +263,7 @@ def revert(model: nn.Module) -> None:
                     f"not {swap.original.__name__} (is a patch registered with register_patch_mapping?)"
                 )
             modules[swap.path] = module
+        uninstall_steps(model)
         _transplant(model, modules, restore=record)
         _undo_attributes(model, record)
 
@@ -320,7 +344,8 @@ def _load(model: nn.Module, swaps: list[tuple[str, Claim, nn.Module]], session: 
     state = _checkpoint_state(model)
     packs = sorted({claim.pack for _, claim, _ in swaps})
     try:
-        temporary, _info = _from_state_dict(model, state)
+        with deferred():  # the steps are installed on the user's model, not on this temporary one
+            temporary, _info = _from_state_dict(model, state)
     except HfPatchError as exc:
         raise ApplyError(
             f"cannot apply pack(s) {', '.join(map(repr, packs))} to {type(model).__name__}: {exc}"
@@ -385,6 +410,9 @@ def _refuse_model(model: nn.Module) -> None:
     if isinstance(getattr(model, APPLIED_ATTRIBUTE, None), Applied):
         raise ApplyError(f"{name} is already patched by hfpatch_core.apply(); revert() it first")
     loaded = plan_of(model)
+    if installed_on(model):
+        steps = ", ".join(f"{claim.target} of pack {claim.pack!r}" for claim in installed_on(model))
+        raise ApplyError(f"{name} holds model steps already ({steps}); hfpatch_core.revert() it first")
     if loaded is not None and loaded.entries:
         raise ApplyError(f"{name} was loaded with packs already ({loaded.summary()}); load it without hfpatch")
     if torch.distributed.is_available() and torch.distributed.is_initialized():

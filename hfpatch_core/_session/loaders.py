@@ -26,7 +26,7 @@ import torch.nn as nn
 from transformers import PreTrainedModel, modeling_utils
 
 from .._pipeline.selection import Selection
-from .._runtime import application, provenance, recorders
+from .._runtime import application, provenance, recorders, steps
 from .._runtime.built import replaced_as_built
 from .._runtime.frames import Loader, blame, unwind_entered_contexts
 from .._runtime.layout import secure
@@ -106,6 +106,9 @@ def _managed(cls: type, load: Callable[[], Any], code: types.CodeType, *, loadin
         if isinstance(model, nn.Module) and session.in_root_load():
             secure(model, plan, info, strict=session.strict)
         log.restore(model if isinstance(model, nn.Module) else None)
+        # a step changes the model the user gets, whole and with its weights: a root load's
+        if isinstance(model, nn.Module) and session.in_root_load() and not steps.is_deferred():
+            plan = steps.install_steps(model, plan, session.report)
     attach(model, plan)
     if all(outer.loader is None for outer in session.frames()):  # a root load (its frame is gone)
         _compare_provenance(model, plan)

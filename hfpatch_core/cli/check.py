@@ -252,7 +252,7 @@ class _PackCheck:
 
     def offers(self, model_type: str, config: Any) -> bool:
         gathered = self.gather(_context(model_type, config))
-        return bool(gathered.claims or gathered.converters)
+        return bool(gathered.claims or gathered.converters or gathered.steps)
 
     def targets(self, info: PackInfo, model_types: Sequence[str]) -> tuple[list[str], tuple[str, ...]]:
         """The model types to check (those given, else those the pack targets) and those it declares."""
@@ -302,7 +302,9 @@ class _PackCheck:
         context = _context(model_type, config)
         gathered = self.gather(context)
         self.refusals.extend(f"{model_type}: {refused.target}: {refused.reason}" for refused in gathered.refused)
-        if asked and not (gathered.claims or gathered.converters or gathered.failures or gathered.refused):
+        if asked and not (
+            gathered.claims or gathered.converters or gathered.steps or gathered.failures or gathered.refused
+        ):
             self.note(
                 f"pack {self.name!r} returns no patch and no converter for {model_type} (asked with a config of it)"
             )
@@ -519,7 +521,12 @@ def targeted_model_types(packs: PackSet, priority_offsets: Mapping[str, int] | N
     for model_type in CONFIG_MAPPING_NAMES:
         context = _context(model_type, None)
         gathered = packs.gather(context, priority_offsets)
-        for pack in [*(claim.pack for claim in gathered.claims), *(claim.pack for claim in gathered.converters)]:
+        offering = [
+            *(claim.pack for claim in gathered.claims),
+            *(claim.pack for claim in gathered.converters),
+            *(claim.pack for claim in gathered.steps),
+        ]
+        for pack in offering:
             targets.setdefault(model_type, set()).add(pack)
     for name, info in packs.infos.items():
         for model_type in declared_model_types(info)[0]:
@@ -551,7 +558,7 @@ def find_conflicts(selection: Selection, *, config_for: ConfigFor | None = None)
         if not found:
             try:
                 decide(gathered)
-            except ConverterConflictError as exc:
+            except (ConverterConflictError, PatchConflictError) as exc:  # converters', or model steps' ties
                 found.append(exc)
         conflicts.extend(PackConflict(model_type, exc.target, exc.packs, exc.problem) for exc in found)
     if not conflicts:

@@ -23,7 +23,7 @@ from .._runtime import provenance
 from .._session.session import Session
 from ..context import LoadContext
 from ..conversion import describe_transform
-from ..plan import Claim, Plan
+from ..plan import Claim, Plan, StepClaim
 from .exit_codes import EXIT_OK
 from .output import print_json, table
 
@@ -102,9 +102,22 @@ class Explanation:
                 }
                 for claim, reason in self.plan.conversions.lost
             ],
+            "steps": [_step_json(claim) for claim in self.plan.steps],
+            "steps_lost": [{**_step_json(claim), "reason": reason} for claim, reason in self.plan.lost_steps],
             "warnings": list(self.warnings),
             "provenance": dict(self.provenance) if self.provenance is not None else None,
         }
+
+
+def _step_json(claim: StepClaim) -> dict[str, Any]:
+    return {
+        "pack": claim.pack,
+        "version": claim.version,
+        "target": claim.target,
+        "install": claim.step.install_name,
+        "priority": claim.priority,
+        "overwrite": claim.overwrite,
+    }
 
 
 def _claim_json(claim: Claim) -> dict[str, Any]:
@@ -248,6 +261,13 @@ def cmd_explain(args: argparse.Namespace) -> int:
     for lost_claim in plan.lost:
         if lost_claim.class_name is None and not any(lost_claim.claim.describe() in text for _, text in lost):
             print(f"  {lost_claim.claim.describe()}: {lost_claim.reason}")
+    if plan.steps or plan.lost_steps:
+        # explain builds no weights: a step may still refuse the loaded model (plan_of shows it then)
+        print("\nModel steps, installed on the loaded model (which a step may still refuse):")
+        for step in plan.steps:
+            print(f"  {step.target}: {step.step.install_name} [{step.pack} {step.version}]")
+        for step, reason in plan.lost_steps:
+            print(f"  not installed: {step.describe()}: {reason}")
     if plan.refused:
         print("\nClasses a pack found and refused (left as they are):")
         for refused in plan.refused:

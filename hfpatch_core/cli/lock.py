@@ -11,6 +11,7 @@ for many model types: the targeted model types and each plan are kept in the cac
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import os
@@ -130,9 +131,7 @@ class Planner:
                 progress.step(directory or model_type)
                 plan = LockedPlan.of(plan_for(self.session, model_type, directory), directory or "")
                 # a model type whose config names another (a checkpoint's) is locked under its own
-                plan = LockedPlan(
-                    model_type, plan.source, plan.model_class, plan.claims, plan.replaced, plan.converters
-                )
+                plan = dataclasses.replace(plan, model_type=model_type)
                 self.cache.put(f"plan {self._selection} {_source_key(sources[index])}", plan.to_json())
                 found[index] = plan
             progress.finish()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import os
 import sys
@@ -155,7 +156,11 @@ def _verdicts(jobs: Sequence[tuple[str, str]], args: argparse.Namespace, dtype: 
     from ..testing.zoo import verdict_of
 
     rows: list[Any] = []
-    with tempfile.TemporaryDirectory(prefix="hfpatch-verify-") as scratch, quiet_transformers():
+    with (
+        tempfile.TemporaryDirectory(prefix="hfpatch-verify-") as scratch,
+        quiet_transformers(),
+        contextlib.redirect_stdout(sys.stderr),  # as in _verify_every_model_type
+    ):
         for index, (name, target) in enumerate(jobs, 1):
             print(f"[{index}/{len(jobs)}] verifying {name} on {target} ...", file=sys.stderr, flush=True)
             checkpoint = Path(target) if args.model else None
@@ -211,7 +216,8 @@ def _verdict_outcome(rows: Sequence[Any], unverified: Mapping[str, str], train_s
         r = row.report
         cells = (
             (
-                ", ".join(f"{a}->{b}" for a, b in sorted(r.replaced.items())) or "-",
+                ", ".join([*(f"{a}->{b}" for a, b in sorted(r.replaced.items())), *(f"step {s}" for s in r.steps)])
+                or "-",
                 _diff(r.max_abs_diff),
                 _MATCH[r.generation_match],
                 _DONE[r.round_trip],
@@ -287,7 +293,8 @@ def _verify_every_model_type(args: argparse.Namespace, selection: Any, dtype: An
     def progress(row: ZooRow, number: int, total: int) -> None:
         print(f"[{number}/{total}] {row.pack} on {row.model_type}: {row.verdict}", file=sys.stderr, flush=True)
 
-    with quiet_transformers():
+    # some models print from their forward or generation (reformer): stdout holds the table or the JSON only
+    with quiet_transformers(), contextlib.redirect_stdout(sys.stderr):
         rows = [
             row
             for name in sorted(selection.packs)

@@ -38,6 +38,7 @@ def check_apply_path(comparison: Comparison) -> None:
 
     ``comparison``: the run's models, source and settings.
     """
+    from .._runtime.steps import installed_on
     from .._session.inplace import applied_to, apply, revert
 
     c = comparison
@@ -66,6 +67,9 @@ def check_apply_path(comparison: Comparison) -> None:
     difference = (logits_of(c.patched, c.ids, c.mask) - logits_of(model, c.ids, c.mask)).abs().max().item()
     if difference > c.tolerance:
         failures.append(f"apply() gives other logits than the load: max abs diff {difference:.3g}")
+    steps = [(claim.pack, claim.target) for claim in plan.installed_steps]
+    if loaded is not None and steps != [(claim.pack, claim.target) for claim in loaded.installed_steps]:
+        failures.append(f"apply() installs the model steps {steps}, the load {list(loaded.installed_steps)}")
     with tempfile.TemporaryDirectory(prefix="hfpatch-apply-") as saved:
         try:
             model.save_pretrained(saved)
@@ -93,6 +97,8 @@ def check_apply_path(comparison: Comparison) -> None:
             failures.append(f"revert() does not give the vanilla weights back: {', '.join(exact[:10])}")
         if _classes(model) != classes:
             failures.append("revert() does not give the vanilla classes back")
+        if installed_on(model):
+            failures.append("revert() leaves model steps installed")
     c.report.apply_path = not failures
     for failure in failures:
         c.fail(failure)

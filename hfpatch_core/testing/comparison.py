@@ -33,6 +33,11 @@ class Report:
     #: how many top-k decisions (MoE routes) of the patched model differed from vanilla's by a
     #: tie and were held to vanilla's in the logits comparison
     forced_routes: int | None = None
+    #: the model steps installed on the loaded model (``target [pack]``), checked by a training step
+    steps: list[str] = dataclasses.field(default_factory=list)
+    #: the training step's loss difference from vanilla's, relative, and its largest gradient difference
+    step_loss_diff: float | None = None
+    step_grad_diff: float | None = None
     #: one report per gradient checkpointing setting, with ``train_steps``
     training: list[TrainingReport] = dataclasses.field(default_factory=list)
     failures: list[str] = dataclasses.field(default_factory=list)

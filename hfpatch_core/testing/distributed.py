@@ -9,8 +9,9 @@ greedy generation with the reference.  ``hfpatch verify --distributed tp,fsdp,ep
 the result per pack, model type and parallelism.
 
 Outcomes: ``applied`` (the pack replaced classes, results equal), ``refused`` (hfpatch
-refused the pack's classes for that parallelism, see ``hfpatch_core._pipeline.parallel``; the
-model loaded vanilla, results equal), ``unavailable`` (the installed transformers has no
+refused the pack's classes for that parallelism, see ``hfpatch_core._pipeline.parallel``, or
+the pack refused on the plan everything it offered, such as a model step that does not run on
+sharded weights; the model loaded vanilla, results equal), ``unavailable`` (the installed transformers has no
 such load, or loads this model that way not even without packs), ``failed`` (an error, or
 results that differ).
 """
@@ -191,6 +192,10 @@ def _run_mode(pack: str, checkpoint: str, mode: str, reference: tuple[Any, list[
     result["generation_match"] = tokens == reference[1]
     refusals = [str(w.message) for w in caught if issubclass(w.category, PackWarning)]
     refused = [message for message in refusals if "Refused before any weight was read" in message]
+    # a pack that refused everything it offered on the plan (a model step refused for the sharded load)
+    own = [refusal.describe() for refusal in plan.refused if refusal.pack == pack] if plan else []
+    if not refused and own and plan is not None and not (plan.entries or plan.installed_steps):
+        refused = own
     result["outcome"] = "refused" if refused else "applied"
     result["detail"] = "\n".join(refused or refusals)
     return result

@@ -13,6 +13,10 @@ without the pack and runs each check in turn, collecting every failure in a ``Re
 * ``_check_generation``: greedy generation matches;
 * ``_check_round_trip``: ``save_pretrained`` restores the source layout, and a vanilla
   reload gives the same logits;
+* ``_check_steps``: where the pack installed model steps (``ModelStep``), one training step
+  (labels, ``train()``) gives vanilla's loss (fp32: 1e-6 relative) and gradients (fp32: 1e-5);
+  below float32 both bounds are at least ``BF16_CALIBRATION`` times vanilla's own difference
+  from vanilla in float32, measured in the run;
 * with ``apply_path=True``, ``applying.check_apply_path``: the pack applied in place to a
   vanilla model (``hfpatch_core.apply``) gives the loaded model, and ``revert`` undoes it;
 * with ``train_steps=N``, ``training``: N AdamW steps with and without the pack give the
@@ -174,7 +178,8 @@ def _check_replacements(comparison: Comparison, expected_replacements: Sequence[
             )
     if expected_replacements is not None and sorted(report.replaced) != sorted(expected_replacements):
         comparison.fail(f"replaced classes {sorted(report.replaced)}, expected {sorted(expected_replacements)}")
-    if not report.replaced:
+    # a pack of model steps replaces no class: its steps are what the run checks (``_check_steps``)
+    if not report.replaced and not (plan is not None and plan.steps):
         comparison.fail(f"pack {report.pack!r} replaced no class of this {report.model_type} model")
 
 
@@ -209,6 +214,69 @@ def _own_rounding(comparison: Comparison, routing: HeldRouting) -> float:
     exact = _load_vanilla(c.source, torch.float32)
     with routing.for_another_model().force():
         return float((logits_of(exact, c.ids, c.mask) - c.reference.float()).abs().max().item())
+
+
+#: A training step's loss bound, relative, and gradient bound in float32 (issue 39's exactness):
+#: the same per-token terms summed in another order.
+STEP_LOSS_RTOL = 1e-6
+STEP_GRAD_ATOL = 1e-5
+#: How a step check's failure starts when vanilla itself cannot run the training step: the tooling's
+#: problem (the zoo's ``no checkpoint``), not the pack's.
+VANILLA_CANNOT_TRAIN = "vanilla transformers cannot run a training step on it"
+
+
+def _training_step(model: Any, ids: torch.Tensor, mask: torch.Tensor) -> tuple[float, dict[str, torch.Tensor]]:
+    """One forward and backward with labels, in training mode (dropout drawn from one seed on both
+    sides); the loss and each parameter's gradient, as float32.  The model is left as it was."""
+    labels = ids.masked_fill(mask == 0, -100)
+    was_training = model.training
+    model.train()
+    try:
+        torch.manual_seed(0)
+        with torch.enable_grad():
+            loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+            loss.backward()
+        grads = {n: p.grad.detach().float().clone() for n, p in model.named_parameters() if p.grad is not None}
+    finally:
+        model.zero_grad(set_to_none=True)
+        model.train(was_training)
+    return float(loss.detach().float()), grads
+
+
+def _check_steps(comparison: Comparison) -> None:
+    """The model steps the load installed keep a training step vanilla's: loss and gradients."""
+    c = comparison
+    plan = c.report.plan
+    installed = plan.installed_steps if plan is not None else ()
+    c.report.steps = [f"{claim.target} [{claim.pack}]" for claim in installed]
+    if not installed or c.expect != "same":
+        return
+    try:
+        reference_loss, reference = _training_step(c.vanilla, c.ids, c.mask)
+    except Exception as exc:  # a tiny checkpoint vanilla cannot train (reformer's axial shapes): nothing to compare
+        c.fail(f"{VANILLA_CANNOT_TRAIN}: {type(exc).__name__}: {exc}")
+        return
+    loss, grads = _training_step(c.patched, c.ids, c.mask)
+    loss_bound, grad_bound = STEP_LOSS_RTOL * abs(reference_loss), STEP_GRAD_ATOL
+    if c.calibrate:
+        exact_loss, exact = _training_step(_load_vanilla(c.source, torch.float32), c.ids, c.mask)
+        own_grads = max((float((exact[n] - reference[n]).abs().max()) for n in reference if n in exact), default=0.0)
+        loss_bound = max(loss_bound, BF16_CALIBRATION * abs(exact_loss - reference_loss))
+        grad_bound = max(grad_bound, BF16_CALIBRATION * own_grads)
+    # a pack that also replaces classes renames some parameters: those with vanilla's name and shape compare
+    common = [n for n in reference if n in grads and grads[n].shape == reference[n].shape]
+    c.report.step_loss_diff = abs(loss - reference_loss) / (abs(reference_loss) or 1.0)
+    c.report.step_grad_diff = max((float((grads[n] - reference[n]).abs().max()) for n in common), default=0.0)
+    where = ", ".join(c.report.steps)
+    if abs(loss - reference_loss) > loss_bound:
+        c.fail(f"model step(s) {where}: training loss {loss!r} differs from vanilla's {reference_loss!r}")
+    if c.report.step_grad_diff > grad_bound:
+        c.fail(
+            f"model step(s) {where}: gradients differ from vanilla's by {c.report.step_grad_diff:.3g} "
+            f"> {grad_bound:.3g}"
+        )
+    if not common:
+        c.fail(f"model step(s) {where}: no gradient to compare with vanilla's")
 
 
 def _check_generation(comparison: Comparison, tokens: int) -> None:
@@ -337,6 +405,7 @@ def _check_equivalence(
     if generate_tokens and expect == "same":
         _check_generation(comparison, generate_tokens)
     _check_round_trip(comparison)
+    _check_steps(comparison)
     if apply_path:
         from .applying import check_apply_path
 

@@ -6,12 +6,14 @@ plans the pack on it, and verifies it where it replaces something
 (``check_pack_equivalence``: weights, fp32 logits, greedy generation, the saved layout).
 Each model type gets one verdict:
 
-* ``exact``: the pack replaced classes and every check passed;
-* ``failed``: the pack replaced classes and a check failed (the first failure is the detail);
+* ``exact``: the pack replaced classes or installed model steps, and every check passed;
+* ``failed``: the pack replaced classes or installed model steps, and a check failed (the first
+  failure is the detail);
 * ``refused``: the pack found what it patches but refused it, with its reason (``Refusal``);
 * ``not applicable``: the pack has nothing for this model type;
 * ``no checkpoint``: no tiny checkpoint of this model type could be built, or vanilla transformers
-  cannot load it and run a padded batch (the pack is not to blame).
+  cannot load it and run a padded batch, or (for a pack of model steps) a training step on it
+  (the pack is not to blame).
 
 ``hfpatch verify PACK --all-model-types`` prints the table for one pack; ``make zoo``
 writes ``docs/zoo.md`` for every first-party pack (``.ci/zoo.py``).
@@ -52,7 +54,7 @@ class ZooRow:
         pack: the pack verified.
         model_type: the model type.
         verdict: one of ``VERDICTS``.
-        detail: the replaced classes (``exact``), the first failure (``failed``), the
+        detail: the replaced classes and installed model steps (``exact``), the first failure (``failed``), the
             reasons (``refused``), or why no checkpoint (``no checkpoint``); one line.
         seconds: how long the model type took.
         verified: the class and config type the checks loaded (``Qwen3_5ForCausalLM
@@ -137,17 +139,18 @@ def _offers_anything(pack: str, checkpoint: Path) -> bool:
         contexts.append(LoadContext(text.model_type, root.model_class_name, config=text, parent=root))
     for context in contexts:
         gathered = packs.gather(context)
-        if gathered.claims or gathered.converters or gathered.refused or gathered.failures:
+        if gathered.claims or gathered.converters or gathered.steps or gathered.refused or gathered.failures:
             return True
     return False
 
 
 def _vanilla_problem(checkpoint: Path, generate_tokens: int = 0) -> str | None:
     """Why vanilla transformers cannot load ``checkpoint`` whole (no key missing or unexpected), run a
-    padded batch and generate from it as the verdict compares (``None``: it can)."""
+    padded batch, save it in its source layout and generate from it as the verdict
+    compares (``None``: it can).  Asked only when a check failed."""
     import torch
 
-    from .models import comparison_prompts, load_model, logits_of
+    from .models import comparison_prompts, load_model, logits_of, safetensors_of, tensor_differences
 
     try:
         model, info = load_model(checkpoint, output_loading_info=True)
@@ -158,6 +161,17 @@ def _vanilla_problem(checkpoint: Path, generate_tokens: int = 0) -> str | None:
             )
         ids, mask = comparison_prompts(model.config)
         logits_of(model, ids, mask)
+        try:
+            source = safetensors_of(checkpoint)
+        except FileNotFoundError:  # another format: no layout to compare, as the round-trip check says
+            source = {}
+        layout: list[str] = []
+        if source:
+            with tempfile.TemporaryDirectory(prefix="hfpatch-zoo-vanilla-") as saved:
+                model.save_pretrained(saved)
+                layout = tensor_differences(source, safetensors_of(saved))
+        if layout:  # bert-generation on 5.3 writes LayerNorm's gamma/beta back as weight/bias
+            return f"vanilla transformers does not save it in its source layout ({', '.join(layout[:3])} ...)"
         if generate_tokens:
             with torch.no_grad():
                 model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=generate_tokens, do_sample=False)
@@ -211,7 +225,7 @@ def verdict_of(
     import torch
 
     from .checkpoints import tiny_checkpoint
-    from .equivalence import check_pack_equivalence
+    from .equivalence import VANILLA_CANNOT_TRAIN, check_pack_equivalence
 
     start = time.perf_counter()
     verified = ""
@@ -241,7 +255,7 @@ def verdict_of(
         vanilla = _vanilla_problem(checkpoint, generate_tokens)
         return row("no checkpoint", vanilla) if vanilla else row("failed", f"{type(exc).__name__}: {exc}")
     refusals = _refusals(report.plan)
-    if not report.replaced:
+    if not report.replaced and not report.steps:
         loading = [failure for failure in report.failures if failure.startswith("loading with pack")]
         if loading:
             vanilla = _vanilla_problem(checkpoint, generate_tokens)
@@ -250,9 +264,17 @@ def verdict_of(
             return row("refused", "; ".join(refusals), report)
         return row("not applicable", "", report)
     if report.failures:
+        untrainable = [failure for failure in report.failures if failure.startswith(VANILLA_CANNOT_TRAIN)]
+        if untrainable:
+            return row("no checkpoint", untrainable[0], report)
         vanilla = _vanilla_problem(checkpoint, generate_tokens)
         return row("no checkpoint", vanilla, report) if vanilla else row("failed", report.failures[0], report)
-    replaced = ", ".join(f"{original} <- {replacement}" for original, replacement in sorted(report.replaced.items()))
+    replaced = ", ".join(
+        [
+            *(f"{original} <- {replacement}" for original, replacement in sorted(report.replaced.items())),
+            *(f"model step {step}" for step in report.steps),
+        ]
+    )
     if refusals:
         replaced += f" (refused: {'; '.join(refusals)})"
     return row("exact", replaced, report)

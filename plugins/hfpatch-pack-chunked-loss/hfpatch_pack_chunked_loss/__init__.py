@@ -11,23 +11,34 @@ Afterwards a training step (``labels`` given, ``model.train()``, autograd on) co
 and its gradients chunk by chunk of tokens (``hfpatch_pack_chunked_loss.loss``), and ``.logits``
 holds the last position's logits only; every other forward is vanilla's.  ``uninstall(model)``
 reverts it.
+
+Selected like any pack (``HF_PATCH_PACKS=chunked-loss``), it is a model step
+(``hfpatch_core.ModelStep``, target ``causal-lm-loss``): every ``from_pretrained`` /
+``from_config`` of a causal LM and ``hfpatch_core.apply`` install it on the loaded model, the plan
+records it (or ``detect``'s refusal), and ``hfpatch_core.revert(model)`` uninstalls it.
 """
 
 from __future__ import annotations
 
 from .install import DEFAULT_CHUNK, ChunkedLossRefused, Installed, detect, install, installed, uninstall
 from .loss import HeadTransform, chunked_causal_lm_loss
+from .step import TARGET, install_step, provide_model_steps, provide_model_types, uninstall_step
 
 __version__ = "0.1.0"
 
 __all__ = [
     "DEFAULT_CHUNK",
+    "TARGET",
     "ChunkedLossRefused",
     "HeadTransform",
     "Installed",
     "chunked_causal_lm_loss",
     "detect",
     "install",
+    "install_step",
     "installed",
+    "provide_model_steps",
+    "provide_model_types",
     "uninstall",
+    "uninstall_step",
 ]

@@ -1,0 +1,75 @@
+"""The pack's hooks: the chunked loss as a model step, selected by ``HF_PATCH_PACKS=chunked-loss``.
+
+A load with the pack enabled installs it on the model it returns (``install``), after the weights
+are loaded; ``detect``'s refusals become the step's ``Refusal`` (on the model's plan, in
+``hfpatch verify`` and the zoo); ``hfpatch_core.revert(model)`` uninstalls it.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+from torch import nn
+
+import hfpatch_core
+from hfpatch_core import LoadContext, ModelStep, Refusal
+
+from .install import ChunkedLossRefused, install, uninstall
+
+#: What the step changes on the model: another pack's step for the same target competes with it.
+TARGET = "causal-lm-loss"
+
+#: Where ``hfpatch check`` and ``verify`` check the pack by default: the plain head, a soft-cap,
+#: a scale (the pack decides from the loaded model, so asked with ``config=None`` it offers nothing).
+SAMPLE_MODEL_TYPES = ("llama", "gemma2", "granite")
+
+
+def install_step(model: nn.Module) -> Refusal | None:
+    """``ModelStep.install``: the chunked loss on ``model``, or the refusal ``detect`` gives."""
+    try:
+        install(model)  # type: ignore[arg-type]
+    except ChunkedLossRefused as exc:
+        return Refusal(TARGET, str(exc))
+    except Exception as exc:  # the probe runs the model's own forward: one this cannot run is not claimed
+        # install changes nothing before detect has passed, so the model is as it was
+        return Refusal(TARGET, f"probing the model's forward raised {type(exc).__name__}: {exc}")
+    return None
+
+
+def uninstall_step(model: nn.Module) -> None:
+    """``ModelStep.uninstall``: vanilla's forward back."""
+    uninstall(model)
+
+
+def _has_a_loss_path(model_class: type | None) -> bool:
+    # a head class whose forward takes labels and logits_to_keep computes a causal LM's loss from
+    # logits; any other model has no loss this replaces (and is not probed at each load)
+    forward = getattr(model_class, "forward", None)
+    if forward is None:
+        return False
+    parameters = inspect.signature(forward).parameters
+    return "labels" in parameters and "logits_to_keep" in parameters
+
+
+@hfpatch_core.hookimpl
+def provide_model_types() -> list[str]:
+    """``SAMPLE_MODEL_TYPES``."""
+    return list(SAMPLE_MODEL_TYPES)
+
+
+@hfpatch_core.hookimpl
+def provide_model_steps(context: LoadContext) -> list[ModelStep | Refusal]:
+    """The chunked loss for a load of a class with a causal-LM loss path, refused where transformers
+    shards the model (tensor, fully sharded, pipeline or expert parallelism: the head may be a
+    DTensor, on which the chunked loss is not tested)."""
+    if context.config is None or not _has_a_loss_path(context.model_class):
+        return []
+    if context.parallel:
+        return [
+            Refusal(
+                TARGET,
+                f"the load is sharded by transformers ({', '.join(context.parallel)}): the LM head may be a "
+                "DTensor, on which the chunked loss is not tested; the vanilla loss runs",
+            )
+        ]
+    return [ModelStep(TARGET, install_step, uninstall_step)]

@@ -13,6 +13,8 @@ within a minor release:
 * ``views``: fusing them without re-writing the forward: the parts become views of one
   projection computed once per input (``fused_views_class``, ``fuse_as_views``,
   ``fusable_parts``, ``SharedProjection``, ``ProjectionView``);
+* ``classes``: replacement classes built at runtime that pickle as the call that builds
+  them (``runtime_class``);
 * ``calls``: proving from a forward's source that it gives several children the same
   input (``same_input``);
 * ``peft``: what PEFT sees of a patched model (``HIDDEN_FROM_ADAPTERS``);
@@ -26,9 +28,10 @@ within a minor release:
 from __future__ import annotations
 
 from ..conversion import source_patterns_of, target_patterns_of
-from . import calls, fusion, meta, packing, peft, probes, sized, views
+from . import calls, classes, fusion, meta, packing, peft, probes, sized, views
 from ._pages import release as release_pages
 from .calls import same_input
+from .classes import RuntimeClassMeta, runtime_class
 from .fusion import QKV_PROJECTIONS, FusedQKVAttentionBase, forward_for, fuse_projections, linear_like, local_sizes
 from .meta import build_on_meta
 from .packing import PACKED_MODULES, PACKED_SIZES, PackedLinear, PackedPart, packed_modules, packed_outputs
@@ -47,12 +50,14 @@ __all__ = [
     "PackedLinear",
     "PackedPart",
     "ProjectionView",
+    "RuntimeClassMeta",
     "SharedProjection",
     "SizedConcatenate",
     "SizedSplit",
     "build_on_meta",
     "calls",
     "class_keys_supported",
+    "classes",
     "forward_for",
     "fusable_parts",
     "fuse_as_views",
@@ -69,6 +74,7 @@ __all__ = [
     "peft",
     "probes",
     "release_pages",
+    "runtime_class",
     "same_input",
     "sized",
     "source_patterns_of",

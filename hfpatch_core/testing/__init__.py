@@ -30,7 +30,7 @@ The same checks back ``hfpatch verify``; the pytest fixtures live in
 The helpers live in one module per job, and every name is importable from here:
 ``checkpoints`` (``tiny_config``, ``tiny_checkpoint``, ``check_tiny_checkpoint``), ``installs`` (``install_pack``,
 ``install_wheel``, ``discover_from_wheel``), ``models`` (``load_model``,
-``padded_batch``, ``logits_of``, ``safetensors_of``), ``equivalence``
+``padded_batch``, ``logits_of``, ``safetensors_of``, ``reloaded_in_a_fresh_process``), ``equivalence``
 (``check_pack_equivalence``, ``assert_pack_equivalent``, ``Report``), ``training``
 (``check_training_equivalence``, ``TrainingReport``, ``TrainingTolerances``,
 ``training_batches``, ``adapter_steps``), ``routing`` (``HeldRouting``) and ``trainer`` (``trainer_losses``,
@@ -56,7 +56,15 @@ from .equivalence import (
     check_pack_equivalence,
 )
 from .installs import DiscoveredWheel, discover_from_wheel, install_pack, install_wheel
-from .models import load_model, logits_of, padded_batch, safetensors_of, text_config_of, text_token_ids
+from .models import (
+    load_model,
+    logits_of,
+    padded_batch,
+    reloaded_in_a_fresh_process,
+    safetensors_of,
+    text_config_of,
+    text_token_ids,
+)
 from .routing import HeldRouting
 from .trainer import TrainerBatches, trainer_losses
 from .training import (
@@ -95,6 +103,7 @@ __all__ = [
     "load_model",
     "logits_of",
     "padded_batch",
+    "reloaded_in_a_fresh_process",
     "safetensors_of",
     "text_config_of",
     "text_token_ids",

@@ -28,7 +28,8 @@ The same checks back ``hfpatch verify``; the pytest fixtures live in
 ``hfpatch_core.pytest_plugin``.
 
 The helpers live in one module per job, and every name is importable from here:
-``checkpoints`` (``tiny_config``, ``tiny_checkpoint``, ``check_tiny_checkpoint``), ``installs`` (``install_pack``,
+``checkpoints`` (``tiny_config``, ``tiny_checkpoint``, ``check_tiny_checkpoint``, ``TINY_DECODER``),
+``installs`` (``install_pack``,
 ``install_wheel``, ``discover_from_wheel``), ``models`` (``load_model``,
 ``padded_batch``, ``logits_of``, ``safetensors_of``, ``reloaded_in_a_fresh_process``), ``equivalence``
 (``check_pack_equivalence``, ``assert_pack_equivalent``, ``Report``), ``training``
@@ -41,6 +42,7 @@ from __future__ import annotations
 
 from .checkpoints import (
     SHRINK,
+    TINY_DECODER,
     TINY_PARAMETERS,
     TinyCheckpointError,
     check_tiny_checkpoint,
@@ -83,6 +85,7 @@ __all__ = [
     "BF16_TOLERANCES",
     "FP32_TOLERANCES",
     "SHRINK",
+    "TINY_DECODER",
     "TINY_PARAMETERS",
     "DiscoveredWheel",
     "EquivalenceError",

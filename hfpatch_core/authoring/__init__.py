@@ -21,6 +21,8 @@ within a minor release:
 * ``meta``: ``build_on_meta``, a model built on the meta device from inside a hook, as vanilla
   transformers builds it;
 * ``probes``: questions about the installed transformers (``class_keys_supported``, ...);
+* ``lists``: which of transformers' conversion lists a load reads (``conversion_key``,
+  ``conversion_lists``);
 * ``source_patterns_of`` / ``target_patterns_of``: a transform's patterns as written;
 * ``release_pages``: give back the memory-mapped checkpoint pages a conversion has copied.
 """
@@ -28,11 +30,12 @@ within a minor release:
 from __future__ import annotations
 
 from ..conversion import source_patterns_of, target_patterns_of
-from . import calls, classes, fusion, meta, packing, peft, probes, sized, views
+from . import calls, classes, fusion, lists, meta, packing, peft, probes, sized, views
 from ._pages import release as release_pages
 from .calls import same_input
 from .classes import RuntimeClassMeta, runtime_class
 from .fusion import QKV_PROJECTIONS, FusedQKVAttentionBase, forward_for, fuse_projections, linear_like, local_sizes
+from .lists import conversion_key, conversion_lists
 from .meta import build_on_meta
 from .packing import PACKED_MODULES, PACKED_SIZES, PackedLinear, PackedPart, packed_modules, packed_outputs
 from .peft import HIDDEN_FROM_ADAPTERS
@@ -58,6 +61,8 @@ __all__ = [
     "calls",
     "class_keys_supported",
     "classes",
+    "conversion_key",
+    "conversion_lists",
     "forward_for",
     "fusable_parts",
     "fuse_as_views",
@@ -65,6 +70,7 @@ __all__ = [
     "fused_views_class",
     "fusion",
     "linear_like",
+    "lists",
     "local_sizes",
     "meta",
     "packed_modules",

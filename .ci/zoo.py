@@ -65,6 +65,14 @@ def run_pack(pack: str, model_types: list[str] | None, dtype: str = "float32") -
     return rows
 
 
+def counts_of(rows: list[dict[str, object]]) -> dict[str, int]:
+    """How many of ``verify --json``'s rows have each verdict: ``hfpatch_core.testing.zoo.coverage``, the
+    count the table, the READMEs and ``verify`` itself state."""
+    from hfpatch_core.testing.zoo import ZooRow, coverage
+
+    return coverage([ZooRow.from_json(row) for row in rows])
+
+
 def table(rows_by_pack: dict[str, list[dict[str, object]]], version: str, date: str, dtype: str = "float32") -> str:
     packs = list(rows_by_pack)
     verdicts = {pack: {str(row["model_type"]): row for row in rows} for pack, rows in rows_by_pack.items()}
@@ -84,9 +92,7 @@ def table(rows_by_pack: dict[str, list[dict[str, object]]], version: str, date: 
         "|---|---|---|---|---|---|---|",
     ]
     for pack in packs:
-        counts = {verdict: 0 for verdict in SYMBOL}
-        for row in verdicts[pack].values():
-            counts[str(row["verdict"])] += 1
+        counts = counts_of(rows_by_pack[pack])
         candidates = counts["exact"] + counts["failed"] + counts["refused"]
         share = f"{counts['exact'] / candidates:.0%} ({counts['exact']}/{candidates})" if candidates else "-"
         lines.append(f"| `{pack}` | " + " | ".join(str(counts[v]) for v in SYMBOL) + f" | {share} |")
@@ -114,12 +120,7 @@ def update_readmes(rows_by_pack: dict[str, list[dict[str, object]]], version: st
     table just measured: the numbers the docs state have one source."""
     from hfpatch_core.testing.zoo import coverage_sentence, update_zoo_markers
 
-    sentences = {}
-    for pack, rows in rows_by_pack.items():
-        counts = dict.fromkeys(SYMBOL, 0)
-        for row in rows:
-            counts[str(row["verdict"])] += 1
-        sentences[pack] = coverage_sentence(counts, version)
+    sentences = {pack: coverage_sentence(counts_of(rows), version) for pack, rows in rows_by_pack.items()}
     for readme in [ROOT / "README.md", *sorted(ROOT.glob("plugins/**/README.md"))]:
         before = readme.read_text()
         after = update_zoo_markers(before, sentences)

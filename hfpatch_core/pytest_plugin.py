@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +42,54 @@ def tiny_checkpoint(tiny_checkpoint_factory: Callable[..., Path]) -> Callable[..
     imports both; new tests request ``tiny_checkpoint_factory``.
     """
     return tiny_checkpoint_factory
+
+
+#: What ``tiny_checkpoints`` gives: the cases (name -> a config, or a function making one) -> their directories.
+TinyCheckpoints = Callable[[Mapping[str, Any]], dict[str, Path]]
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TinyCheckpoints]:
+    """``tiny_checkpoints({"llama": llama_config, ...})``: a suite's cases saved, once per session.
+
+    What a pack suite's session-scoped ``checkpoints`` fixture returns::
+
+        CASES = {"llama": lambda: LlamaConfig(**TINY_DECODER), ...}
+
+        @pytest.fixture(scope="session")
+        def checkpoints(tiny_checkpoints: TinyCheckpoints) -> dict[str, Path]:
+            return tiny_checkpoints(CASES)
+
+    Each case, a config or a function making one, is saved with
+    ``hfpatch_core.testing.tiny_checkpoint`` by vanilla transformers (whatever packs the
+    environment or an ``enable()`` chose), the n-th with seed n, each into a directory of
+    its own under pytest's temporary directory.  Returns the directories by case name, in
+    the mapping's order.
+
+    From its first use to the end of the session, transformers' progress bars are off and
+    its logs below errors are not shown (every load of a pack suite would print them); both
+    are put back afterwards.
+    """
+    from transformers.utils import logging
+
+    from .testing import tiny_checkpoint
+
+    def save(cases: Mapping[str, Any]) -> dict[str, Path]:
+        paths = {}
+        for seed, (name, case) in enumerate(cases.items()):
+            config = case() if callable(case) else case
+            paths[name] = tiny_checkpoint(config, tmp_path_factory.mktemp(name), seed=seed)
+        return paths
+
+    verbosity, bars = logging.get_verbosity(), logging.is_progress_bar_enabled()
+    logging.set_verbosity_error()
+    logging.disable_progress_bar()
+    try:
+        yield save
+    finally:
+        logging.set_verbosity(verbosity)
+        if bars:
+            logging.enable_progress_bar()
 
 
 @pytest.fixture

@@ -8,10 +8,14 @@
 
 from __future__ import annotations
 
+import importlib.util
 import re
 from pathlib import Path
+from typing import Any
 
-from hfpatch_core.testing.zoo import VERDICTS, ZOO_MARKER, coverage_sentence, update_zoo_markers
+import pytest
+
+from hfpatch_core.testing.zoo import VERDICTS, ZOO_MARKER, ZooRow, coverage, coverage_sentence, update_zoo_markers
 
 ROOT = Path(__file__).resolve().parent.parent
 READMES = [ROOT / "README.md", *sorted(ROOT.glob("plugins/**/README.md"))]
@@ -65,3 +69,30 @@ def test_a_marker_is_rewritten_with_the_sentence() -> None:
         update_zoo_markers(text, {"a": "new"})
         == "before <!-- zoo:a -->new<!-- /zoo --> after <!-- zoo:b -->kept<!-- /zoo -->"
     )
+
+
+def _ci_zoo() -> Any:
+    """``.ci/zoo.py`` (``make zoo``), imported from its path: it is a script, not a package."""
+    spec = importlib.util.spec_from_file_location("ci_zoo", ROOT / ".ci" / "zoo.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_make_zoo_counts_verdicts_with_the_zoos_coverage() -> None:
+    rows = [
+        ZooRow("p", "llama", "exact", "LlamaMLP", 1.5, "LlamaForCausalLM (llama)"),
+        ZooRow("p", "qwen2", "exact"),
+        ZooRow("p", "gpt2", "not applicable"),
+        ZooRow("p", "mixtral", "refused", "a reason"),
+        ZooRow("p", "qwen2_vl", "no checkpoint", "too large"),
+    ]
+    written = [row.to_json() for row in rows]  # what `hfpatch verify --json` writes and make zoo reads
+    assert [ZooRow.from_json(row) for row in written] == rows
+    zoo = _ci_zoo()
+    assert zoo.counts_of(written) == coverage(rows) == {**dict.fromkeys(VERDICTS, 1), "exact": 2, "failed": 0}
+    summary = zoo.table({"p": written}, "5.0.0", "2026-01-01").splitlines()
+    assert "| `p` | 2 | 0 | 1 | 1 | 1 | 67% (2/3) |" in summary
+    with pytest.raises(ValueError, match="verdict must be one of"):
+        zoo.counts_of([{**written[0], "verdict": "exactish"}])

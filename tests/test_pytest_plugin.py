@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from transformers import conversion_mapping, monkey_patching
 from transformers.models.llama import modeling_llama
+from transformers.utils import logging as transformers_logging
 
 import hfpatch_core
 from conftest import Installer
@@ -291,3 +292,96 @@ def test_the_factory_fixture_and_its_old_name_build_checkpoints_beside_the_funct
     )
     result = pytester.runpytest_inprocess("-p", "no:cacheprovider", "-q")
     result.assert_outcomes(passed=1)
+
+
+#: A pack whose LlamaMLP holds one parameter more: a checkpoint saved with it enabled has ``mlp.marker``.
+MARKED_PACK = """
+import torch
+import torch.nn as nn
+from hfpatch_core import Patch, hookimpl
+from transformers.models.llama.modeling_llama import LlamaMLP
+
+class MarkedMLP(LlamaMLP):
+    def __init__(self, config):
+        super().__init__(config)
+        self.marker = nn.Parameter(torch.zeros(1))
+
+@hookimpl
+def provide_patches(context):
+    return [Patch("LlamaMLP", MarkedMLP)]
+"""
+
+
+def test_a_suites_cases_are_saved_once_per_session_by_vanilla_transformers(
+    pytester: pytest.Pytester, install: Installer
+) -> None:
+    """``tiny_checkpoints``: what every first-party pack's ``checkpoints`` fixture returns (issue 38.10)."""
+    install(PackSpec("marked", MARKED_PACK))
+    pytester.makeconftest(
+        """
+        import pytest
+        from transformers import LlamaConfig, Qwen2Config
+
+        import hfpatch_core
+        from hfpatch_core.testing import TINY_DECODER
+
+        CASES = {
+            "llama": lambda: LlamaConfig(**TINY_DECODER),
+            "qwen2": Qwen2Config(**{**TINY_DECODER, "num_hidden_layers": 1}),  # a config, not a function
+            "llama-again": lambda: LlamaConfig(**TINY_DECODER),
+        }
+        BUILT = []
+
+
+        @pytest.fixture(scope="session")
+        def checkpoints(tiny_checkpoints):
+            hfpatch_core.enable("marked", strict=True)  # a pack chosen when the session fixture runs
+            BUILT.append(1)
+            try:
+                return tiny_checkpoints(CASES)
+            finally:
+                hfpatch_core.disable()
+        """
+    )
+    pytester.makepyfile(
+        """
+        import json
+
+        from conftest import BUILT
+        from hfpatch_core.testing import TINY_DECODER, safetensors_of
+
+
+        def test_each_case_is_saved(checkpoints):
+            assert list(checkpoints) == ["llama", "qwen2", "llama-again"]
+            assert len({path.parent for path in checkpoints.values()}) == 1  # pytest's temporary directory
+            saved = {name: json.loads((path / "config.json").read_text()) for name, path in checkpoints.items()}
+            assert [config["model_type"] for config in saved.values()] == ["llama", "qwen2", "llama"]
+            assert saved["qwen2"]["num_hidden_layers"] == 1
+            assert all(saved[name]["initializer_range"] == TINY_DECODER["initializer_range"] for name in saved)
+
+
+        def test_vanilla_layout_and_one_seed_a_case(checkpoints):
+            llama, again = safetensors_of(checkpoints["llama"]), safetensors_of(checkpoints["llama-again"])
+            assert "model.layers.0.self_attn.q_proj.weight" in llama
+            assert not any(key.endswith("marker") for key in llama)  # built without the pack enabled around it
+            assert sorted(llama) == sorted(again)
+            assert not any(llama[key].equal(again[key]) for key in llama if key.endswith("q_proj.weight"))
+            assert BUILT == [1]  # once for the session
+
+
+        def test_transformers_is_quiet_for_the_session(checkpoints):
+            from transformers.utils import logging
+
+            assert logging.get_verbosity() == logging.ERROR and not logging.is_progress_bar_enabled()
+        """
+    )
+    verbosity = transformers_logging.get_verbosity()
+    transformers_logging.enable_progress_bar()
+    try:
+        result = pytester.runpytest_inprocess("-p", "no:cacheprovider", "-q")
+        result.assert_outcomes(passed=3)
+        assert_outer_state_clean()
+        # put back at the end of the inner session
+        assert transformers_logging.get_verbosity() == verbosity and transformers_logging.is_progress_bar_enabled()
+    finally:
+        transformers_logging.disable_progress_bar()  # as this suite's conftest has it

@@ -16,12 +16,16 @@ within a minor release:
 * ``experts``: loading experts stored 3-D (``[experts, ...]``, transformers' own layout) into
   one module per expert and saving them back (``split_converters``, ``ExpertsSlicing``,
   ``SplitExpertsConverter``, ``LoadOnlySplitConverter``, ``SplitExperts`` / ``StackExperts``);
+* ``classes``: replacement classes built at runtime that pickle as the call that builds
+  them (``runtime_class``);
 * ``calls``: proving from a forward's source that it gives several children the same
   input (``same_input``);
 * ``peft``: what PEFT sees of a patched model (``HIDDEN_FROM_ADAPTERS``);
 * ``meta``: ``build_on_meta``, a model built on the meta device from inside a hook, as vanilla
   transformers builds it, and ``nested_loads``, its sub-models that load in loads of their own;
 * ``probes``: questions about the installed transformers (``class_keys_supported``, ...);
+* ``lists``: which of transformers' conversion lists a load reads (``conversion_key``,
+  ``conversion_lists``);
 * ``source_patterns_of`` / ``target_patterns_of``: a transform's patterns as written;
 * ``release_pages``: give back the memory-mapped checkpoint pages a conversion has copied.
 """
@@ -29,9 +33,10 @@ within a minor release:
 from __future__ import annotations
 
 from ..conversion import source_patterns_of, target_patterns_of
-from . import calls, experts, fusion, meta, packing, peft, probes, sized, views
+from . import calls, classes, experts, fusion, lists, meta, packing, peft, probes, sized, views
 from ._pages import release as release_pages
 from .calls import same_input
+from .classes import RuntimeClassMeta, runtime_class
 from .experts import (
     ExpertsSlicing,
     LoadOnlySplitConverter,
@@ -41,6 +46,7 @@ from .experts import (
     split_converters,
 )
 from .fusion import QKV_PROJECTIONS, FusedQKVAttentionBase, forward_for, fuse_projections, linear_like, local_sizes
+from .lists import conversion_key, conversion_lists
 from .meta import build_on_meta, nested_loads
 from .packing import PACKED_MODULES, PACKED_SIZES, PackedLinear, PackedPart, packed_modules, packed_outputs
 from .peft import HIDDEN_FROM_ADAPTERS
@@ -60,6 +66,7 @@ __all__ = [
     "PackedLinear",
     "PackedPart",
     "ProjectionView",
+    "RuntimeClassMeta",
     "SharedProjection",
     "SizedConcatenate",
     "SizedSplit",
@@ -69,6 +76,9 @@ __all__ = [
     "build_on_meta",
     "calls",
     "class_keys_supported",
+    "classes",
+    "conversion_key",
+    "conversion_lists",
     "experts",
     "forward_for",
     "fusable_parts",
@@ -77,6 +87,7 @@ __all__ = [
     "fused_views_class",
     "fusion",
     "linear_like",
+    "lists",
     "local_sizes",
     "meta",
     "nested_loads",
@@ -87,6 +98,7 @@ __all__ = [
     "peft",
     "probes",
     "release_pages",
+    "runtime_class",
     "same_input",
     "sized",
     "source_patterns_of",

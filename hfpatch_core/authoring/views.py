@@ -35,7 +35,6 @@ Imported by its full name (``hfpatch_core.authoring.views``): it imports torch.
 
 from __future__ import annotations
 
-import copyreg
 import dataclasses
 import sys
 import threading
@@ -45,6 +44,7 @@ from typing import Any, ClassVar
 import torch
 import torch.nn as nn
 
+from .classes import RuntimeClassMeta, runtime_class
 from .packing import PackedLinear, PackedPart, local_sizes, mark_exposed, record_sizes
 from .peft import watch_peft
 
@@ -277,21 +277,9 @@ class FusedViewsMixin(nn.Module):
             fuse_as_views(self, parts, fused)
 
 
-class FusedClassMeta(type):
-    """The metaclass of ``fused_views_class``'s classes: they pickle as the call that builds them.
-
-    A class built at runtime cannot be found by its module and name in a fresh process
-    (``torch.load`` of a whole model, a copy sent to a worker); pickled as
-    ``fused_views_class(original, ...)``, with the original class by reference, it is
-    built again there.
-    """
-
-    __hfpatch_fused_args__: tuple[Any, ...]
-
-
-def _reduce_fused_class(cls: FusedClassMeta) -> tuple[Any, ...]:
-    original, frozen, module, name, mixins, namespace = cls.__hfpatch_fused_args__
-    return (_rebuild, (original, frozen, module, name, mixins, namespace))
+#: The metaclass of ``fused_views_class``'s classes (its name before it served every runtime
+#: class): they pickle as the call that builds them (``hfpatch_core.authoring.classes``).
+FusedClassMeta = RuntimeClassMeta
 
 
 def _rebuild(
@@ -304,8 +292,6 @@ def _rebuild(
 ) -> type[nn.Module]:
     return fused_views_class(original, dict(frozen), module=module, name=name, mixins=mixins, namespace=dict(namespace))
 
-
-copyreg.pickle(FusedClassMeta, _reduce_fused_class)
 
 _CLASSES: dict[tuple[Any, ...], type[nn.Module]] = {}
 _CLASSES_LOCK = threading.Lock()
@@ -336,28 +322,29 @@ def fused_views_class(
 
     Returns:
         The class; the same object for the same arguments.  Its metaclass is
-        ``FusedClassMeta`` (combined with ``original``'s own, if any).
+        ``RuntimeClassMeta`` (``hfpatch_core.authoring.classes``; combined with ``original``'s own, if any):
+        it pickles as this call.
     """
     frozen = tuple((fused, tuple(parts)) for fused, parts in groups.items())
     name = name or f"Fused{original.__name__}"
     extra = tuple(sorted((namespace or {}).items()))
-    arguments = (original, frozen, module, name, tuple(mixins), extra)
     key = (original, frozen, module, name, tuple(mixins), repr(extra))
     with _CLASSES_LOCK:
         found = _CLASSES.get(key)
         if found is None:
             attributes = {
-                "__module__": module,
-                "__qualname__": name,
                 "__doc__": f"``{original.__name__}`` with {', '.join(f'{f} from {list(p)}' for f, p in frozen)}.",
                 "hfpatch_packed_modules": dict(frozen),
-                "__hfpatch_fused_args__": arguments,
                 **dict(extra),
             }
-            meta: type = FusedClassMeta
-            if type(original) is not type and not issubclass(FusedClassMeta, type(original)):
-                meta = type(f"Fused{type(original).__name__}", (FusedClassMeta, type(original)), {})
-            found = meta(name, (FusedViewsMixin, *mixins, original), attributes)
+            found = runtime_class(
+                name,
+                (FusedViewsMixin, *mixins, original),
+                attributes,
+                module=module,
+                rebuild=_rebuild,
+                arguments=(original, frozen, module, name, tuple(mixins), extra),
+            )
             _CLASSES[key] = found
             target = sys.modules.get(module)
             if target is not None:

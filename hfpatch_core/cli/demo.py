@@ -64,9 +64,9 @@ def _default_pack(model_dir: str | None) -> str:
 
     installed = current_selection("all").packs
     if model_dir is not None:
-        from ..testing.zoo import _offers_anything
+        from ..testing.zoo import offers_anything
 
-        applying = [name for name in sorted(installed) if _offers_anything(name, Path(model_dir))]
+        applying = [name for name in sorted(installed) if offers_anything(name, Path(model_dir))]
         if applying:
             return ",".join(applying)
         return "none"

@@ -28,9 +28,10 @@ The same checks back ``hfpatch verify``; the pytest fixtures live in
 ``hfpatch_core.pytest_plugin``.
 
 The helpers live in one module per job, and every name is importable from here:
-``checkpoints`` (``tiny_config``, ``tiny_checkpoint``, ``check_tiny_checkpoint``), ``installs`` (``install_pack``,
+``checkpoints`` (``tiny_config``, ``tiny_checkpoint``, ``check_tiny_checkpoint``, ``TINY_DECODER``),
+``installs`` (``install_pack``,
 ``install_wheel``, ``discover_from_wheel``), ``models`` (``load_model``,
-``padded_batch``, ``logits_of``, ``safetensors_of``), ``equivalence``
+``padded_batch``, ``logits_of``, ``safetensors_of``, ``reloaded_in_a_fresh_process``), ``equivalence``
 (``check_pack_equivalence``, ``assert_pack_equivalent``, ``Report``), ``training``
 (``check_training_equivalence``, ``TrainingReport``, ``TrainingTolerances``,
 ``training_batches``, ``adapter_steps``), ``routing`` (``HeldRouting``) and ``trainer`` (``trainer_losses``,
@@ -41,6 +42,7 @@ from __future__ import annotations
 
 from .checkpoints import (
     SHRINK,
+    TINY_DECODER,
     TINY_PARAMETERS,
     TinyCheckpointError,
     check_tiny_checkpoint,
@@ -56,7 +58,15 @@ from .equivalence import (
     check_pack_equivalence,
 )
 from .installs import DiscoveredWheel, discover_from_wheel, install_pack, install_wheel
-from .models import load_model, logits_of, padded_batch, safetensors_of, text_config_of, text_token_ids
+from .models import (
+    load_model,
+    logits_of,
+    padded_batch,
+    reloaded_in_a_fresh_process,
+    safetensors_of,
+    text_config_of,
+    text_token_ids,
+)
 from .routing import HeldRouting
 from .trainer import TrainerBatches, trainer_losses
 from .training import (
@@ -75,6 +85,7 @@ __all__ = [
     "BF16_TOLERANCES",
     "FP32_TOLERANCES",
     "SHRINK",
+    "TINY_DECODER",
     "TINY_PARAMETERS",
     "DiscoveredWheel",
     "EquivalenceError",
@@ -95,6 +106,7 @@ __all__ = [
     "load_model",
     "logits_of",
     "padded_batch",
+    "reloaded_in_a_fresh_process",
     "safetensors_of",
     "text_config_of",
     "text_token_ids",

@@ -17,6 +17,7 @@ import shutil
 import tempfile
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any, TypeGuard
 
 import torch
@@ -76,6 +77,30 @@ SHRINK: Mapping[str, int] = {
     "index_head_dim": 16,
     "index_n_heads": 4,
 }
+
+#: A tiny decoder's config fields, for a test suite's explicit configs: ``LlamaConfig(**TINY_DECODER)``,
+#: ``Qwen2MoeConfig(**TINY_DECODER, num_experts=4, ...)``, ``{**TINY_DECODER, "vocab_size": 300}``.
+#: Grouped-query attention (4 heads, 2 key/value heads), two layers, untied embeddings, token
+#: ids 0 (padding), 1 and 2.  ``initializer_range`` is 0.2, ten times transformers' default, so
+#: that logits and routing are far from uniform: a permuted head, expert or half, or a missing
+#: scale, moves the logits by far more than the fp32 tolerance.  What the first-party packs'
+#: suites build their cases from (``tiny_checkpoints`` saves them).
+TINY_DECODER: Mapping[str, Any] = MappingProxyType(
+    {
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": 160,
+        "max_position_embeddings": 128,
+        "initializer_range": 0.2,
+        "pad_token_id": 0,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "tie_word_embeddings": False,
+    }
+)
 
 #: The fields that count a model's layers: a list as long as one of them is a per-layer pattern.
 _LAYER_COUNTS = ("num_hidden_layers", "n_layer", "num_layers", "decoder_layers", "encoder_layers", "n_layers")

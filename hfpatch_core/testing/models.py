@@ -8,6 +8,7 @@ checkpoint directory holds).
 from __future__ import annotations
 
 import contextlib
+import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -210,6 +211,56 @@ def logits_of(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor 
     with torch.no_grad():
         result: torch.Tensor = model(input_ids=input_ids, attention_mask=attention_mask).logits.float()
     return result
+
+
+#: Run by ``reloaded_in_a_fresh_process``'s interpreter: argv[1] is the directory it was given.
+_RELOAD = """
+import json, sys, torch
+from hfpatch_core.testing import logits_of
+
+model = torch.load(sys.argv[1] + "/model.pt", weights_only=False)
+input_ids, attention_mask = torch.load(sys.argv[1] + "/inputs.pt")
+torch.save(logits_of(model, input_ids, attention_mask), sys.argv[1] + "/logits.pt")
+print(json.dumps({name: type(module).__name__ for name, module in model.named_modules()}))
+"""
+
+
+def reloaded_in_a_fresh_process(
+    model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, directory: str | Path
+) -> tuple[dict[str, str], torch.Tensor]:
+    """``torch.save(model)`` here and ``torch.load`` in a new interpreter, which has built no class yet.
+
+    What a pack whose replacement classes are built at runtime must survive (a checkpoint of
+    the whole model, a copy sent to a worker): see ``hfpatch_core.authoring.runtime_class``.
+    The new interpreter inherits this one's environment (``PYTHONPATH`` included).
+
+    Args:
+        model: the (patched) model.
+        input_ids: a batch, as ``logits_of`` takes it.
+        attention_mask: its mask, or ``None``.
+        directory: where the pickled model, the batch and the logits are written.
+
+    Returns:
+        The class name of every module of the unpickled model, by module name
+        (``named_modules``), and its logits for the batch (``logits_of``).
+
+    Raises:
+        RuntimeError: the new interpreter failed (a class that does not unpickle, say);
+            the message holds its stderr.
+    """
+    import subprocess
+    import sys
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    torch.save(model, directory / "model.pt")
+    torch.save((input_ids, attention_mask), directory / "inputs.pt")
+    found = subprocess.run([sys.executable, "-c", _RELOAD, str(directory)], capture_output=True, text=True, timeout=600)
+    if found.returncode != 0:
+        raise RuntimeError(f"the model did not reload in a fresh process:\n{found.stderr}")
+    classes: dict[str, str] = json.loads(found.stdout.strip().splitlines()[-1])
+    logits: torch.Tensor = torch.load(directory / "logits.pt")
+    return classes, logits
 
 
 def safetensors_of(directory: str | Path) -> dict[str, torch.Tensor]:

@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 import tempfile
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -34,6 +34,7 @@ __all__ = [
     "causal_lm_model_types",
     "coverage",
     "coverage_sentence",
+    "offers_anything",
     "update_zoo_markers",
     "verdict_of",
     "zoo",
@@ -84,6 +85,12 @@ class ZooRow:
         fields = {field.name: getattr(self, field.name) for field in dataclasses.fields(self) if field.name != "report"}
         return {**fields, "report": self.report.to_json() if self.report is not None else None}
 
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> ZooRow:
+        """The row ``to_json`` wrote (``hfpatch verify --json``'s ``rows``), without its report (``None``)."""
+        names = {field.name for field in dataclasses.fields(cls)} - {"report"}
+        return cls(**{name: value for name, value in data.items() if name in names})
+
 
 def causal_lm_model_types() -> list[str]:
     """Every model type of the installed transformers' causal-LM mapping, sorted."""
@@ -116,11 +123,13 @@ def _refusals(plan: Any) -> list[str]:
     return list(dict.fromkeys(found))
 
 
-def _offers_anything(pack: str, checkpoint: Path) -> bool:
-    """Whether ``pack``'s hooks return anything for the model of ``checkpoint`` or its text model.
+def offers_anything(pack: str, checkpoint: Path) -> bool:
+    """Whether ``pack``'s hooks return anything for the model of ``checkpoint`` or its text model:
+    a patch, a converter, a refusal or a hook failure (``verdict_of`` says "not applicable" where not).
 
-    Asked without loading a weight, so that a model type the pack has nothing for costs
-    milliseconds, not two loads and a generation.
+    Asked of the installed pack without loading a weight (the checkpoint's config only), so
+    that a model type the pack has nothing for costs milliseconds, not two loads and a
+    generation; ``hfpatch demo --model`` picks the packs to show with it.
     """
     from transformers import AutoConfig
 
@@ -241,7 +250,7 @@ def verdict_of(
             return row("no checkpoint", f"{type(exc).__name__}: {exc}")
     verified = verified_as(checkpoint)
     try:
-        if not _offers_anything(pack, checkpoint):
+        if not offers_anything(pack, checkpoint):
             return row("not applicable")
         report = check_pack_equivalence(
             pack,

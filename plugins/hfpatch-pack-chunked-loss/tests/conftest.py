@@ -9,7 +9,6 @@ from typing import Any
 
 import pytest
 import torch
-import transformers
 from transformers import (
     AutoModelForCausalLM,
     CohereConfig,
@@ -21,29 +20,12 @@ from transformers import (
     Qwen2Config,
 )
 
-import hfpatch_core
-from hfpatch_core.pytest_plugin import HfPatchIsolation
-
-transformers.utils.logging.disable_progress_bar()
-transformers.utils.logging.set_verbosity_error()
+from hfpatch_core.pytest_plugin import HfPatchIsolation, TinyCheckpoints
+from hfpatch_core.testing import TINY_DECODER
 
 VOCAB = 300
 
-_COMMON: dict[str, Any] = dict(
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    vocab_size=VOCAB,
-    max_position_embeddings=128,
-    # far from uniform logits: a missing soft-cap or scale changes the loss by much more than 1e-6
-    initializer_range=0.2,
-    pad_token_id=0,
-    bos_token_id=1,
-    eos_token_id=2,
-    tie_word_embeddings=False,
-)
+_COMMON: dict[str, Any] = {**TINY_DECODER, "vocab_size": VOCAB}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,16 +54,9 @@ CASES = {
 
 
 @pytest.fixture(scope="session")
-def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+def checkpoints(tiny_checkpoints: TinyCheckpoints) -> dict[str, Path]:
     """Every case saved by vanilla transformers."""
-    hfpatch_core.disable()
-    paths = {}
-    for seed, (name, case) in enumerate(CASES.items()):
-        torch.manual_seed(seed)
-        path = tmp_path_factory.mktemp(name)
-        AutoModelForCausalLM.from_config(case.build()).save_pretrained(path)
-        paths[name] = path
-    return paths
+    return tiny_checkpoints({name: case.build for name, case in CASES.items()})
 
 
 def load(path: Path, dtype: torch.dtype = torch.float32) -> PreTrainedModel:

@@ -29,7 +29,7 @@ from transformers.core_model_loading import WeightConverter
 
 import hfpatch_core
 from hfpatch_core import Converter, LoadContext, Patch, Refusal
-from hfpatch_core.authoring import SizedConcatenate
+from hfpatch_core.authoring import SizedConcatenate, conversion_key, conversion_lists
 
 from .detection import Detection, Site, detect, model_class_for
 from .modules import FusedDense, fused_class
@@ -117,9 +117,9 @@ def _builtin_conversion_problems(keys: Iterable[str | None], detection: Detectio
     ``k_proj`` / ``v_proj`` (or ``gate_proj`` / ``up_proj``) while loading (a
     ``WeightConverter``); a converter of this pack would have to run after that one, which
     no release supports.  Renamings (``c_fc_0`` to ``gate_proj``) run before converters
-    and compose.  ``keys``: every list the load reads (the model type's, its class's, and in
-    a composite model the outer model's, which transformers applies to every sub-model:
-    kimi_k25's splits its vision tower's ``wqkv``).
+    and compose.  ``keys``: every list the load reads (``hfpatch_core.authoring.conversion_lists``:
+    in a composite model the outer model's too, which transformers applies to every
+    sub-model: kimi_k25's splits its vision tower's ``wqkv``).
     """
     try:
         from transformers.conversion_mapping import get_checkpoint_conversion_mapping
@@ -141,15 +141,6 @@ def _builtin_conversion_problems(keys: Iterable[str | None], detection: Detectio
                             f"{list(getattr(transform, 'source_patterns', []))}: a second conversion cannot follow it",
                         )
     return problems
-
-
-def _lists_read(context: LoadContext) -> list[str | None]:
-    """The conversion lists a load's tensors go through: its own (model type, class) and, for a
-    sub-model, the outer model's, which transformers applies unscoped to every sub-model."""
-    keys: list[str | None] = [context.model_type, converter_key(context)]
-    if context.parent is not None:
-        keys += [context.root.model_class_name, context.root.model_type]
-    return keys
 
 
 def refusals(config: Any, model_class_name: str | None = None) -> dict[str, str]:
@@ -223,21 +214,9 @@ def _own_classes(detection: Detection, model_class: type | None) -> set[str]:
     return {name for name, original in detection.originals.items() if original.__module__ == module}
 
 
-def converter_key(context: LoadContext) -> str:
-    """The conversion list a load's converters join: its model type, or for a model whose class
-    has a list of its own in transformers (a sub-model's ``SiglipVisionModel``, a composite
-    model's ``Qwen2_5_VLForConditionalGeneration``), that class name, which transformers looks
-    up first (and then not the model type's)."""
-    model_type = context.model_type or ""
-    if not context.model_class_name:
-        return model_type
-    try:
-        from transformers.conversion_mapping import get_checkpoint_conversion_mapping
-
-        own = get_checkpoint_conversion_mapping(context.model_class_name)
-    except Exception:  # a release without the table
-        own = None
-    return context.model_class_name if own is not None else model_type
+#: The conversion list a load's converters join (``hfpatch_core.authoring.conversion_key``); the
+#: pack's name for it before core had it.
+converter_key = conversion_key
 
 
 def fusions_for(context: LoadContext) -> list[Fusion]:
@@ -267,7 +246,7 @@ def fusions_for(context: LoadContext) -> list[Fusion]:
         if composite
         else set(detection.originals)
     )
-    refused = _builtin_conversion_problems(_lists_read(context), detection)
+    refused = _builtin_conversion_problems(conversion_lists(context), detection)
     fusions = [
         Fusion(original, fused_class(original, detection.groups(name)), detection.classes()[name])
         for name, original in detection.originals.items()

@@ -36,6 +36,7 @@ from typing import Any
 
 import hfpatch_core
 from hfpatch_core import Converter, LoadContext, Patch, Refusal
+from hfpatch_core.authoring import conversion_key, conversion_lists
 from hfpatch_core.authoring.experts import (
     ExpertsSlicing,
     LoadOnlySplitConverter,
@@ -110,21 +111,6 @@ def _own_classes(context: LoadContext, found: Discovery) -> Discovery:
     return Discovery(tuple(c for c in found.candidates if c.original.__module__ == module), found.refused)
 
 
-def _conversion_key(context: LoadContext) -> str:
-    """The list the load's converters join: the model type's, or the class's where transformers keeps
-    a list for the model's class (``Kimi_K25ForConditionalGeneration``): it reads that one first,
-    and then not the model type's."""
-    if context.model_class_name:
-        try:
-            from transformers.conversion_mapping import get_checkpoint_conversion_mapping
-
-            if get_checkpoint_conversion_mapping(context.model_class_name) is not None:
-                return context.model_class_name
-        except ImportError:  # a release without the table
-            pass
-    return context.model_type or ""
-
-
 def _converted_by_the_composite(context: LoadContext, found: Discovery) -> dict[str, str]:
     """The experts classes of a composite model whose tensors another conversion list of the load
     converts, other than the stacking the pack replaces (kimi_k25 stacks its text model's
@@ -145,12 +131,13 @@ def _converted_by_the_composite(context: LoadContext, found: Discovery) -> dict[
         from transformers.conversion_mapping import get_checkpoint_conversion_mapping
     except ImportError:  # a release without the table converts nothing by key
         return {}
-    # the lists of the load that claims are its own (a head's base model, built in a load of its own
-    # inside the head's, reads the same model type's list): only another model's count
-    own = {context.model_type, _conversion_key(context)} if root is not context else set()
-    keys = [key for key in (root.model_class_name, root.model_type) if key not in own]
     if root is context:  # the composite claims: its sub-models' lists apply to the tensors too
-        keys += _sub_model_keys(root.model_type or "", config)
+        keys = [root.model_class_name, root.model_type, *_sub_model_keys(root.model_type or "", config)]
+    else:
+        # the lists of the load that claims are its own (a head's base model, built in a load of its own
+        # inside the head's, reads the same model type's list): only another model's count
+        own = {context.model_type, conversion_key(context)}
+        keys = [key for key in conversion_lists(context) if key not in own]
     # converters only: a renaming of legacy names (aria's experts.fc1) leaves the tensors as they are;
     # and transformers' own (the outer load registered this pack's split where it claims the class)
     transforms = [
@@ -232,7 +219,7 @@ def provide_converters(context: LoadContext) -> list[Converter]:
     model's ``state_dict``) is split at load only (``LoadOnlySplitConverter``); or, for
     checkpoints storing the experts 3-D, split each 3-D tensor at load and stack it back on save.
     Tied to the classes' patches, so that a class another pack wins keeps transformers' conversion."""
-    load_key = _conversion_key(context)
+    load_key = conversion_key(context)
     converters: list[Converter] = []
     # (list, transformers' stacking patterns) -> (class, its load-only split converters) per class they stack
     removals: dict[tuple[str, tuple[str, ...]], list[tuple[str, tuple[SplitExpertsConverter, ...]]]] = {}

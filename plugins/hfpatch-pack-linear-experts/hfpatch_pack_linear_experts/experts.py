@@ -23,6 +23,8 @@ import torch
 import torch.nn as nn
 from transformers.integrations import moe
 
+from hfpatch_core.authoring import runtime_class
+
 __all__ = [
     "DEFAULT_NAMES",
     "ExpertLinears",
@@ -386,8 +388,15 @@ def linear_experts_class(
     with _classes_lock:
         known = _classes.get(key)
         if known is None:
-            namespace = {"layout": layout, "original": original, "__module__": __name__, **attributes}
-            known = type(f"Linear{original.__name__}", (LinearExperts, original), namespace)
+            # built at runtime, so it pickles as this call (torch.save of a whole model, a worker's copy)
+            known = runtime_class(
+                f"Linear{original.__name__}",
+                (LinearExperts, original),
+                {"layout": layout, "original": original, **attributes},
+                module=__name__,
+                rebuild=linear_experts_class,
+                arguments=(original, layout, plans),
+            )
             _classes[key] = known
         return known
 

@@ -7,11 +7,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
-import transformers
 from hfpatch_pack_linear_experts.experts import is_declared_experts
 from transformers import (
-    AutoModelForCausalLM,
     DeepseekV3Config,
     GptOssConfig,
     GraniteMoeConfig,
@@ -29,32 +26,14 @@ from transformers.models.nemotron_h import modeling_nemotron_h  # noqa: F401
 from transformers.models.olmoe import modeling_olmoe  # noqa: F401
 from transformers.models.qwen2_moe import modeling_qwen2_moe  # noqa: F401
 
-import hfpatch_core
-from hfpatch_core.pytest_plugin import HfPatchIsolation
-
-transformers.utils.logging.disable_progress_bar()
-transformers.utils.logging.set_verbosity_error()
+from hfpatch_core.pytest_plugin import HfPatchIsolation, TinyCheckpoints
+from hfpatch_core.testing import TINY_DECODER
 
 PACK = "linear-experts"
-VOCAB = 160
-PAD = 0
+VOCAB: int = TINY_DECODER["vocab_size"]
+PAD: int = TINY_DECODER["pad_token_id"]
 
-_COMMON: dict[str, Any] = dict(
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    num_experts_per_tok=2,
-    vocab_size=VOCAB,
-    max_position_embeddings=128,
-    # far from uniform routing: a permuted expert or a misplaced routing weight moves logits by much more than 1e-5
-    initializer_range=0.2,
-    pad_token_id=PAD,
-    bos_token_id=1,
-    eos_token_id=2,
-    tie_word_embeddings=False,
-)
+_COMMON: dict[str, Any] = {**TINY_DECODER, "num_experts_per_tok": 2}
 
 
 def mixtral() -> PretrainedConfig:
@@ -146,16 +125,9 @@ if any(isinstance(value, type) and is_declared_experts(value) for value in vars(
 
 
 @pytest.fixture(scope="session")
-def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+def checkpoints(tiny_checkpoints: TinyCheckpoints) -> dict[str, Path]:
     """Every case saved by vanilla transformers (which writes the per-expert layout)."""
-    hfpatch_core.disable()
-    paths = {}
-    for seed, (name, build) in enumerate(CASES.items()):
-        torch.manual_seed(seed)
-        path = tmp_path_factory.mktemp(name)
-        AutoModelForCausalLM.from_config(build()).save_pretrained(path)
-        paths[name] = path
-    return paths
+    return tiny_checkpoints(CASES)
 
 
 @pytest.fixture(autouse=True)

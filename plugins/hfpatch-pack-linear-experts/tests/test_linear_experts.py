@@ -301,3 +301,20 @@ def test_interleaved_halves_are_one_part() -> None:
 
 def test_no_config_no_patch() -> None:
     assert provide_patches(LoadContext("mixtral", "MixtralForCausalLM")) == []
+
+
+@pytest.mark.parametrize("family", ["mixtral", "gpt_oss"])
+def test_a_whole_patched_model_reloads_in_a_fresh_process(
+    family: str, checkpoints: dict[str, Path], tmp_path: Path
+) -> None:
+    """The per-expert classes are built at runtime: ``torch.save`` of the whole model loads back
+    with ``torch.load`` in a process that has built none of them (they pickle as their builder)."""
+    from hfpatch_core.testing import reloaded_in_a_fresh_process
+
+    model = load_model(checkpoints[family], PACK)
+    classes = {name: type(module).__name__ for name, module in model.named_modules()}
+    assert any(isinstance(module, LinearExperts) for module in model.modules())
+    ids, mask = padded_batch(VOCAB, pad_token_id=PAD)
+    reloaded, logits = reloaded_in_a_fresh_process(model, ids, mask, tmp_path / "reloaded")
+    assert reloaded == classes
+    assert torch.equal(logits, logits_of(model, ids, mask))

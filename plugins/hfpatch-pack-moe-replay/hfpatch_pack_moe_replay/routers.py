@@ -21,6 +21,8 @@ from typing import Any, ClassVar
 
 import torch.nn as nn
 
+from hfpatch_core.authoring import runtime_class
+
 from .discovery import Discovery, discover
 from .scope import _replay_of
 from .selection import Selection, SelectionMode, _recordings
@@ -87,14 +89,14 @@ def replayable_class(original: type[nn.Module]) -> type[ReplayableRouter]:
         found = _classes.get(original)
         if found is None:
             name = f"Replayable{original.__name__}"
-            found = _classes[original] = type(
+            # built at runtime, so it pickles as this call (torch.save of a whole model, a worker's copy)
+            found = _classes[original] = runtime_class(
                 name,
                 (ReplayableRouter, original),
-                {
-                    "__module__": __name__,
-                    "__qualname__": name,
-                    "__doc__": f"``{original.__name__}`` with routing replay (see ``ReplayableRouter``).",
-                },
+                {"__doc__": f"``{original.__name__}`` with routing replay (see ``ReplayableRouter``)."},
+                module=__name__,
+                rebuild=replayable_class,
+                arguments=(original,),
             )
         return found
 

@@ -9,11 +9,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
-import transformers
 from hfpatch_pack_moe_replay import scope, selection
 from transformers import (
-    AutoModelForCausalLM,
     FlexOlmoConfig,
     MiniMaxConfig,
     MixtralConfig,
@@ -24,33 +21,14 @@ from transformers import (
     Qwen3NextConfig,
 )
 
-import hfpatch_core
-from hfpatch_core.pytest_plugin import HfPatchIsolation
-
-transformers.utils.logging.disable_progress_bar()
-transformers.utils.logging.set_verbosity_error()
+from hfpatch_core.pytest_plugin import HfPatchIsolation, TinyCheckpoints
+from hfpatch_core.testing import TINY_DECODER
 
 PACK = "moe-replay"
-VOCAB = 160
-PAD = 0
+VOCAB: int = TINY_DECODER["vocab_size"]
+PAD: int = TINY_DECODER["pad_token_id"]
 
-COMMON: dict[str, Any] = dict(
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    num_experts_per_tok=2,
-    vocab_size=VOCAB,
-    max_position_embeddings=128,
-    # Larger than the default 0.02 so that router probabilities are far from uniform and
-    # a wrong expert or a wrong score changes the logits by far more than rounding.
-    initializer_range=0.2,
-    pad_token_id=PAD,
-    bos_token_id=1,
-    eos_token_id=2,
-    tie_word_embeddings=False,
-)
+COMMON: dict[str, Any] = {**TINY_DECODER, "num_experts_per_tok": 2}
 
 
 def deepseek_v3_config() -> Any:
@@ -138,16 +116,9 @@ CASES = {
 
 
 @pytest.fixture(scope="session")
-def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+def checkpoints(tiny_checkpoints: TinyCheckpoints) -> dict[str, Path]:
     """Every family saved by vanilla transformers."""
-    hfpatch_core.disable()
-    paths = {}
-    for seed, (name, case) in enumerate(CASES.items()):
-        torch.manual_seed(seed)
-        path = tmp_path_factory.mktemp(name)
-        AutoModelForCausalLM.from_config(case.config).save_pretrained(path)
-        paths[name] = path
-    return paths
+    return tiny_checkpoints({name: case.build for name, case in CASES.items()})
 
 
 @pytest.fixture(params=list(CASES))

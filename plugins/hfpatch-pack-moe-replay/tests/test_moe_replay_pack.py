@@ -39,7 +39,13 @@ from transformers import AutoModelForCausalLM, Qwen2MoeConfig
 import hfpatch_core
 from conftest import CASES, COMMON, PACK, PAD, VOCAB
 from hfpatch_core import LoadContext, PackWarning, Patch
-from hfpatch_core.testing import assert_pack_equivalent, discover_from_wheel, load_model, padded_batch
+from hfpatch_core.testing import (
+    assert_pack_equivalent,
+    discover_from_wheel,
+    load_model,
+    padded_batch,
+    reloaded_in_a_fresh_process,
+)
 
 PACK_DIR = Path(__file__).resolve().parents[1]
 
@@ -159,6 +165,18 @@ def test_without_replay_the_patched_model_is_vanilla_bit_for_bit(checkpoints: di
         assert torch.equal(got, want)
     # the recorder works on the vanilla model too, and sees the same routing
     assert record(vanilla, ids, mask) == record(patched, ids, mask)
+
+
+def test_a_whole_patched_model_reloads_in_a_fresh_process(checkpoints: dict[str, Path], tmp_path: Path) -> None:
+    """The replayable routers are built at runtime: ``torch.save`` of the whole model loads back with
+    ``torch.load`` in a process that has built none of them (they pickle as their builder)."""
+    model = load_model(checkpoints["qwen2_moe"], PACK)
+    classes = {name: type(module).__name__ for name, module in model.named_modules()}
+    assert classes["model.layers.0.mlp.gate"] == "ReplayableQwen2MoeTopKRouter"
+    ids, mask = padded_batch(VOCAB, pad_token_id=PAD)
+    reloaded, logits = reloaded_in_a_fresh_process(model, ids, mask, tmp_path / "reloaded")
+    assert reloaded == classes
+    assert torch.equal(logits, model(input_ids=ids, attention_mask=mask).logits.detach())
 
 
 # --- replay -------------------------------------------------------------------------------

@@ -8,41 +8,23 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
-import transformers
-from transformers import AutoModelForCausalLM, PretrainedConfig, Qwen2MoeConfig, Qwen3MoeConfig
-from transformers.models.qwen2_moe import modeling_qwen2_moe
-from transformers.models.qwen3_moe import modeling_qwen3_moe
+from transformers import PretrainedConfig, Qwen2MoeConfig, Qwen3MoeConfig
+from transformers.models.qwen2_moe import modeling_qwen2_moe  # noqa: F401  (recorders captured at start)
+from transformers.models.qwen3_moe import modeling_qwen3_moe  # noqa: F401
 
-import hfpatch_core
-from hfpatch_core.pytest_plugin import HfPatchIsolation
-
-transformers.utils.logging.disable_progress_bar()
-transformers.utils.logging.set_verbosity_error()
+from hfpatch_core.pytest_plugin import HfPatchIsolation, TinyCheckpoints
+from hfpatch_core.testing import TINY_DECODER
 
 PACK = "qwen-moe"
-VOCAB = 160
-PAD = 0
+VOCAB: int = TINY_DECODER["vocab_size"]
+PAD: int = TINY_DECODER["pad_token_id"]
 
-_COMMON: dict[str, Any] = dict(
-    hidden_size=32,
-    intermediate_size=64,
-    moe_intermediate_size=16,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    num_experts=4,
-    num_experts_per_tok=2,
-    vocab_size=VOCAB,
-    max_position_embeddings=128,
-    # Larger than the default 0.02 so that logits and routing are far from uniform:
-    # a pack that permuted experts or heads would change them by much more than 1e-5.
-    initializer_range=0.2,
-    pad_token_id=PAD,
-    bos_token_id=1,
-    eos_token_id=2,
-    tie_word_embeddings=False,
-)
+_COMMON: dict[str, Any] = {
+    **TINY_DECODER,
+    "moe_intermediate_size": 16,
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,18 +72,9 @@ CASES = {
 
 
 @pytest.fixture(scope="session")
-def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+def checkpoints(tiny_checkpoints: TinyCheckpoints) -> dict[str, Path]:
     """Every case saved by vanilla transformers (which writes the per-expert layout)."""
-    hfpatch_core.disable()
-    paths = {}
-    for seed, (name, case) in enumerate(CASES.items()):
-        torch.manual_seed(seed)
-        path = tmp_path_factory.mktemp(name)
-        model = AutoModelForCausalLM.from_config(case.config)
-        assert type(model).__module__ in (modeling_qwen2_moe.__name__, modeling_qwen3_moe.__name__)
-        model.save_pretrained(path)
-        paths[name] = path
-    return paths
+    return tiny_checkpoints({name: case.build for name, case in CASES.items()})
 
 
 @pytest.fixture(params=list(CASES))

@@ -17,10 +17,9 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
-from torch import nn
-
 from hfpatch_core import LoadContext, Patch, Refusal, hookimpl
 from hfpatch_core.authoring import build_on_meta
+from torch import nn
 
 #: How each known norm scales the normalised hidden states (``x``: in float32, ``dtype``: the input's).
 SCALINGS: dict[str, Callable[[nn.Module, torch.Tensor, torch.dtype], torch.Tensor]] = {

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import difflib
 import os
+import sys
 from typing import Any
 
 import torch.nn as nn
@@ -21,6 +22,7 @@ from .planning import default_class_names, modeling_module, module_classes
 __all__ = [
     "ModelNotFoundError",
     "default_config",
+    "load_classes",
     "load_config",
     "model_class_for",
     "modeling_module_classes",
@@ -75,6 +77,39 @@ def modeling_module_classes(model_type: str) -> dict[str, type]:
     """The ``nn.Module`` classes of ``transformers.models.<type>.modeling_<type>`` (empty if none)."""
     module = modeling_module(model_type)
     return module_classes(module) if module is not None else {}
+
+
+def load_classes(model_type: str, config: Any = None) -> dict[str, type]:
+    """The module classes a load of ``model_type`` resolves patch targets against.
+
+    Those of its modeling module, and of the modules its model class and its sub-models'
+    classes are defined in: ``gemma3_text`` loads ``Gemma3ForCausalLM`` of ``modeling_gemma3``,
+    ``exaone`` loads ``LlamaForCausalLM``; transformers' patch registry replaces a name in every
+    module that holds it, so a claim on a class of those modules is applied.
+
+    Args:
+        model_type: the model type.
+        config: its config (default: its default config; without one, only its modeling module).
+    """
+    classes = dict(modeling_module_classes(model_type))
+    config = default_config(model_type) if config is None else config
+    pending, seen = [config] if config is not None else [], set()
+    while pending:
+        current = pending.pop()
+        if id(current) in seen:
+            continue
+        seen.add(id(current))
+        try:
+            module = sys.modules.get(model_class_for(current).__module__)
+        except (ModelNotFoundError, ValueError, KeyError):  # a sub-config with no model class of its own
+            module = None
+        if module is not None:
+            classes.update((name, cls) for name, cls in module_classes(module).items() if name not in classes)
+        for name in getattr(current, "sub_configs", None) or {}:
+            sub = getattr(current, name, None)
+            if sub is not None and getattr(sub, "model_type", None):
+                pending.append(sub)
+    return classes
 
 
 def default_config(model_type: str) -> Any:

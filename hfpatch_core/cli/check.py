@@ -22,8 +22,8 @@ from .._pipeline.discovery import PackInfo
 from .._pipeline.gathering import Gathered, PackSet
 from .._pipeline.model_types import (
     default_config,
+    load_classes,
     model_class_for,
-    modeling_module_classes,
     unknown_model_type,
 )
 from .._pipeline.planning import decider, default_class_names, gather_for, plan_load
@@ -288,7 +288,7 @@ class _PackCheck:
             self.note(
                 f"pack {self.name!r} returns no patch and no converter for {model_type} (asked with a config of it)"
             )
-        classes = modeling_module_classes(model_type)
+        classes = load_classes(model_type, config)
         for converter in gathered.converters:
             self._converter_key(converter.key, model_type, bool(gathered.claims))
         try:
@@ -307,7 +307,8 @@ class _PackCheck:
             if not hit:
                 self.note(
                     f"pack {self.name!r}: patch target {claim.target!r} matches no module class of "
-                    f"transformers.models.{model_type} in transformers {transformers.__version__}; "
+                    f"transformers.models.{model_type} (nor of the modules its load resolves) in "
+                    f"transformers {transformers.__version__}; "
                     "check the class name (it may have been renamed)."
                 )
 
@@ -326,16 +327,16 @@ class _PackCheck:
 
 
 def targets_of(model_type: str, patch_targets: Iterable[str], classes: Mapping[str, type] | None = None) -> set[Target]:
-    """Every class of ``model_type``'s modeling module that one of ``patch_targets`` matches
+    """Every class a load of ``model_type`` resolves (``load_classes``) that one of ``patch_targets`` matches
     (transformers' rules, as a load applies them), with its signatures: what a drift record
     lists for patches with those targets.
 
     Args:
         model_type: the model type.
         patch_targets: ``Patch.target`` values (class names or patterns).
-        classes: the modeling module's classes, when the caller has them already.
+        classes: those classes, when the caller has them already.
     """
-    classes = modeling_module_classes(model_type) if classes is None else classes
+    classes = load_classes(model_type) if classes is None else classes
     return {
         Target.of(model_type, module_class)
         for target in patch_targets
@@ -424,7 +425,7 @@ def check_combination(
         packs = PackSet({name: session.selection.packs[name] for name in names}, guard=HOOK_GUARD)
         config = configs(model_type)
         context = _context(model_type, config)
-        classes = modeling_module_classes(model_type)
+        classes = load_classes(model_type, config)
         together = " + ".join(sorted(names))
         try:
             plan = plan_load(
@@ -524,7 +525,7 @@ def find_conflicts(selection: Selection, *, config_for: ConfigFor | None = None)
         context = LoadContext(
             model_type=model_type, model_class_name=_default_class_name(model_type), config=configs(model_type)
         )
-        classes = tuple(modeling_module_classes(model_type))
+        classes = tuple(load_classes(model_type, context.config))
         gathered = gather_for(context, packs, priority_offsets=offsets, class_names=classes)
         decide = decider(context, classes, registered={})
         problems.append(Problem(model_type, gathered, decide))

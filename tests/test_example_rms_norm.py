@@ -72,3 +72,17 @@ def test_a_norm_it_cannot_reproduce_is_refused_with_the_reason(pack: ModuleType,
     assert refused.pack == PACK and refused.target == "CohereLayerNorm"
     assert refused.reason.startswith("it computes none of rms_norm's scalings (tried weight with variance_epsilon")
     assert {type(module) for module in model.modules()} == {type(module) for module in load_model(checkpoint).modules()}
+
+
+def test_a_norm_whose_name_another_left_alone_contains_is_refused(pack: ModuleType, tmp_path: Path) -> None:
+    """transformers' registry searches class names with a plain name as a pattern: claiming
+    ``Qwen3NextRMSNorm`` would replace the gated norm (refused: it takes a gate) too."""
+    checkpoint = tiny_checkpoint("qwen3_next", tmp_path / "qwen3_next")
+    plan = plan_of(load_model(checkpoint, PACK))
+    assert plan is not None and not plan.replaced
+    reasons = {refused.target: refused.reason for refused in plan.refused}
+    assert (
+        reasons["Qwen3NextRMSNorm"]
+        == "the registry would replace Qwen3NextRMSNormGated too (its name contains this one)"
+    )
+    assert reasons["Qwen3NextRMSNormGated"].startswith("its forward does not take the hidden states alone")

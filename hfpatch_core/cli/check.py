@@ -238,13 +238,20 @@ class _PackCheck:
     imported: bool = True
     found: set[Target] = dataclasses.field(default_factory=set)
     refusals: list[str] = dataclasses.field(default_factory=list)
+    answers: dict[str, tuple[Any, Gathered]] = dataclasses.field(default_factory=dict)
 
     def note(self, message: str) -> None:
         if message not in self.problems:
             self.problems.append(message)
 
     def gather(self, context: LoadContext) -> Gathered:
+        # finding the targets asks each model type with its config, checking it asks again: a
+        # structural pack builds and probes the model each time, so the answer is kept
+        cached = self.answers.get(context.model_type or "")
+        if cached is not None and cached[0] is context.config and context.config is not None:
+            return cached[1]
         gathered = self.packs.gather(context)
+        self.answers[context.model_type or ""] = (context.config, gathered)
         for failure in gathered.failures:
             self.note(str(failure))
             self.imported = self.imported and failure.stage != "import"

@@ -16,6 +16,7 @@ looks like a norm and matches none is refused, with what the probe saw.
 from __future__ import annotations
 
 import copy
+import re
 import sys
 from collections.abc import Callable
 
@@ -134,12 +135,29 @@ def provide_patches(context: LoadContext) -> list[Patch | Refusal]:
             first, _ = found.setdefault(type(module).__name__, (type(module), module))
             if first is not type(module):  # a patch replaces by name: both or neither
                 decisions.append(Refusal(first.__name__, f"two classes of this name: {first} and {type(module)}"))
+    replacements: dict[str, type[nn.Module]] = {}
     for name, (module_class, module) in sorted(found.items()):
         decided = _decide(module_class, module)
         if isinstance(decided, str):
             decisions.append(Refusal(name, decided))
         else:
-            decisions.append(Patch(name, decided))
+            replacements[name] = decided
+    # transformers' registry also replaces every class whose name contains a claimed plain name
+    # (it searches names as patterns): a class left alone must not contain a claimed one
+    names = {type(module).__name__ for module in model.modules()}
+    while True:
+        shadowed = {
+            name: other
+            for name in replacements
+            for other in sorted(names - set(replacements))
+            if other != name and re.search(name, other)
+        }
+        if not shadowed:
+            break
+        for name, other in shadowed.items():
+            del replacements[name]
+            decisions.append(Refusal(name, f"the registry would replace {other} too (its name contains this one)"))
+    decisions.extend(Patch(name, replacement) for name, replacement in sorted(replacements.items()))
     return decisions
 {% endraw %}{% else -%}
 """{{ cookiecutter.description.rstrip('.') | replace('\\', '\\\\') | replace('"', '\\"') | wordwrap(96, break_long_words=False) }}.

@@ -103,8 +103,12 @@ def load_classes(model_type: str, config: Any = None) -> dict[str, type]:
             module = sys.modules.get(model_class_for(current).__module__)
         except (ModelNotFoundError, ValueError, KeyError):  # a sub-config with no model class of its own
             module = None
-        if module is not None:
-            classes.update((name, cls) for name, cls in module_classes(module).items() if name not in classes)
+        found = module_classes(module) if module is not None else {}
+        # a sub-model's own modeling module too: its model class may be mapped to another
+        # family's (pixtral's is llava's in transformers 5.3)
+        sub_type = getattr(current, "model_type", None)
+        found.update(modeling_module_classes(sub_type) if isinstance(sub_type, str) and sub_type else {})
+        classes.update((name, cls) for name, cls in found.items() if name not in classes)
         for name in getattr(current, "sub_configs", None) or {}:
             sub = getattr(current, name, None)
             if sub is not None and getattr(sub, "model_type", None):

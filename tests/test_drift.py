@@ -189,3 +189,50 @@ def test_recording_some_model_types_keeps_the_others_of_that_release(install, ca
     assert main(["check", "--record", "two", "--model-type", "llama"]) == 0
     assert json.loads(record.read_text())["releases"][INSTALLED] == both
     capsys.readouterr()
+
+
+#: Claims the class of each model's final norm, whatever it is called, for two model types whose
+#: load builds classes of another modeling module: gemma3_text loads Gemma3ForCausalLM (of
+#: modeling_gemma3), exaone loads LlamaForCausalLM.
+BORROWED_NORM_PACK = """
+    from hfpatch_core import Patch, hookimpl
+    from hfpatch_core.authoring import build_on_meta
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    TYPES = [model_type for model_type in ("gemma3_text", "exaone") if model_type in CONFIG_MAPPING_NAMES]
+
+    @hookimpl
+    def provide_model_types():
+        return TYPES
+
+    @hookimpl
+    def provide_patches(context):
+        if context.model_type not in TYPES or context.config is None:
+            return []
+        norm = type(build_on_meta(context).model.norm)
+        return [Patch(norm.__name__, type("Functional" + norm.__name__, (norm,), {}))]
+"""
+
+
+def test_check_resolves_classes_as_a_load_does_and_records_them(install, capsys) -> None:
+    """A class reached through another modeling module is a target, as transformers' patch registry
+    applies it; it was flagged as matching nothing, and ``--record`` refused to write (issue 38.6)."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    from hfpatch_core._pipeline.model_types import modeling_module_classes
+    from hfpatch_core.cli import main
+
+    expected = {("gemma3_text", "Gemma3RMSNorm"), ("exaone", "LlamaRMSNorm")}  # exaone is not in 5.3
+    expected = {(model_type, name) for model_type, name in expected if model_type in CONFIG_MAPPING_NAMES}
+    types = ", ".join(model_type for model_type in ("gemma3_text", "exaone") if model_type in CONFIG_MAPPING_NAMES)
+    site = install(PackSpec("borrowed", BORROWED_NORM_PACK))
+    assert main(["check", "--record", "borrowed"]) == 0, capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert out.startswith(f"ok    borrowed 1.0.0: targets {types}\n"), out
+    record = json.loads((site / "hfpatch_test_pack_borrowed.hfpatch-record.json").read_text())
+    recorded = {(target["model_type"], target["class"]) for target in record["releases"][INSTALLED]}
+    assert recorded == expected
+    # neither class is in its model type's own modeling module (gemma3_text and exaone have none of their own)
+    assert all(name not in modeling_module_classes(model_type) for model_type, name in recorded)
+    assert main(["check", "borrowed"]) == 0
+    assert capsys.readouterr().out == f"ok    borrowed 1.0.0: targets {types}\n"

@@ -69,9 +69,9 @@ def generated(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Generated]:
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("COOKIECUTTER_CONFIG", str(_cookiecutter_config(root)))
         default = new_pack(no_input=True, output_dir=root / "projects")
-        # pack_name, project_slug, module_name, model_type, target_class, description, author,
-        # transformers_range: the empty lines accept the defaults.
-        answers = 'fast-mlp\n\n\nqwen2\nQwen2MLP\nA "fast" Qwen2 MLP\nAda Lovelace\n\n'
+        # pack_name, project_slug, module_name, variant, model_type, target_class, description,
+        # author, transformers_range: the empty lines accept the defaults.
+        answers = 'fast-mlp\n\n\n\nqwen2\nQwen2MLP\nA "fast" Qwen2 MLP\nAda Lovelace\n\n'
         patch.setattr(sys, "stdin", io.StringIO(answers))
         custom = new_pack(output_dir=root / "projects")
     assert default == root / "projects" / "hfpatch-pack-my-pack"
@@ -98,6 +98,7 @@ def test_template_is_found_in_the_checkout() -> None:
         "pack_name",
         "project_slug",
         "module_name",
+        "variant",
         "model_type",
         "target_class",
         "description",
@@ -148,6 +149,9 @@ def test_generated_projects_have_the_pack_layout(generated: Generated) -> None:
         assert "SizedConcatenate(dim=0" in source and "WeightConverter(" in source
         test = (project / "tests" / "test_pack.py").read_text()
         assert f'PACK = "{pack}"\nMODEL_TYPE = "{model_type}"\nTARGET = "{target}"\n' in test
+        # the replacement's name comes from the pack: renaming the class needs no change here
+        assert f"from {module} import REPLACEMENT\n" in test and f"Patched{target}" not in test
+        assert f"\nREPLACEMENT = Patched{target}\n" in source
         assert "assert_pack_equivalent(PACK, MODEL_TYPE, expected_replacements=[TARGET])" in test
         assert "assert_pack_equivalent(PACK, MODEL_TYPE, generate_tokens=0, train_steps=5)" in test
         workflow = (project / ".github" / "workflows" / "tests.yml").read_text()
@@ -323,3 +327,43 @@ def test_unknown_template_variables_are_rejected_before_generating(tmp_path: Pat
     with pytest.raises(ScaffoldError, match="unknown template variable 'colour'; the pack template asks for pack_name"):
         new_pack(no_input=True, output_dir=tmp_path / "out", extra_context={"colour": "blue"})
     assert list(tmp_path.iterdir()) == []
+
+
+def test_generated_projects_hold_no_bytecode(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """pip byte-compiles the installed template's valid Python files; the project gets none of it."""
+    template = tmp_path / "template"
+    shutil.copytree(template_path(), template)
+    for folder in ("{{cookiecutter.project_slug}}", "{{cookiecutter.project_slug}}/tests"):
+        cache = template / folder / "__pycache__"
+        cache.mkdir()
+        (cache / "compat.cpython-311.pyc").write_bytes(b"compiled")
+    (template / "{{cookiecutter.project_slug}}" / "stray.pyc").write_bytes(b"compiled")
+    monkeypatch.setattr("hfpatch_core.cli.scaffold.template_path", lambda: template)
+    project = new_pack(no_input=True, output_dir=tmp_path / "out")
+    assert (project / "compat.py").is_file()
+    assert [path for path in project.rglob("*") if path.name == "__pycache__" or path.suffix in (".pyc", ".pyo")] == []
+
+
+def test_structural_project_starts_from_the_example_and_passes_its_tests(tmp_path: Path) -> None:
+    """``hfpatch new --structural``: the docs' rms-norm example under the pack's name, its tests passing."""
+    created = run(HFPATCH, "new", "norms", "--structural", "--no-input", "-o", str(tmp_path / "projects"))
+    assert created.returncode == 0, created.stdout + created.stderr
+    project = tmp_path / "projects" / "hfpatch-pack-norms"
+    module = (project / "hfpatch_pack_norms" / "__init__.py").read_text()
+    example = (REPOSITORY / "docs" / "examples" / "rms-norm" / "hfpatch_pack_rms_norm.py").read_text()
+    # the same module, under the project's one-line description
+    assert module.splitlines()[0].startswith('"""hfpatch pack replacing every RMS norm')
+    assert module.splitlines()[1:] == example.splitlines()[1:]
+    assert "import hfpatch_pack_norms as pack" in (project / "tests" / "test_pack.py").read_text()
+    lint = run(tool("ruff"), "check", "--no-cache", str(project))
+    assert lint.returncode == 0, lint.stdout + lint.stderr
+    site = tmp_path / "site"
+    install = run(
+        sys.executable,
+        *("-m", "pip", "install", "--no-deps", "--no-build-isolation", "--disable-pip-version-check", "-q"),
+        *("--target", str(site), str(project)),
+    )
+    assert install.returncode == 0, install.stdout + install.stderr
+    result = run(sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(project / "tests"), site=site)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "5 passed, 1 deselected" in result.stdout

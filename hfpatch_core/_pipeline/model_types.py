@@ -9,7 +9,6 @@ from __future__ import annotations
 import difflib
 import os
 import sys
-import types
 from typing import Any
 
 import torch.nn as nn
@@ -23,6 +22,7 @@ from .planning import default_class_names, modeling_module, module_classes
 __all__ = [
     "ModelNotFoundError",
     "default_config",
+    "load_classes",
     "load_config",
     "model_class_for",
     "modeling_module_classes",
@@ -74,53 +74,47 @@ def model_class_for(config: Any) -> type[nn.Module]:
 
 
 def modeling_module_classes(model_type: str) -> dict[str, type]:
-    """The ``nn.Module`` classes a load of ``model_type`` resolves claims against, by name.
+    """The ``nn.Module`` classes of ``transformers.models.<type>.modeling_<type>`` (empty if none);
+    a load resolves more (``load_classes``)."""
+    module = modeling_module(model_type)
+    return module_classes(module) if module is not None else {}
 
-    A load resolves against the modeling module of the class it builds
-    (``class_names_for``), which is not always ``transformers.models.<type>.modeling_<type>``:
-    gemma3_text's ``Gemma3ForCausalLM`` lives in ``modeling_gemma3``, exaone loads as
-    ``LlamaForCausalLM``.  So: the modules of every class transformers' auto mappings build
-    for the model type, its own modeling module where there is one, and, for a composite
-    model, the same for each sub-config's model type (its sub-models load in loads of their
-    own, against their own modules).  Empty when none can be imported.
+
+def load_classes(model_type: str, config: Any = None) -> dict[str, type]:
+    """The module classes a load of ``model_type`` resolves patch targets against.
+
+    Those of its modeling module, and of the modules its model class and its sub-models'
+    classes are defined in: ``gemma3_text`` loads ``Gemma3ForCausalLM`` of ``modeling_gemma3``,
+    ``exaone`` loads ``LlamaForCausalLM``; transformers' patch registry replaces a name in every
+    module that holds it, so a claim on a class of those modules is applied.
+
+    Args:
+        model_type: the model type.
+        config: its config (default: its default config; without one, only its modeling module).
     """
-    classes: dict[str, type] = {}
-    for module in _load_modules(model_type, set()):
-        for name, cls in module_classes(module).items():
-            classes.setdefault(name, cls)
-    return classes
-
-
-def _load_modules(model_type: str, seen: set[str]) -> list[types.ModuleType]:
-    if model_type in seen:
-        return []
-    seen.add(model_type)
-    from transformers.models.auto import modeling_auto
-
-    found: dict[str, types.ModuleType] = {}
-    own = modeling_module(model_type)
-    if own is not None:
-        found[own.__name__] = own
-    for mapping_name in dir(modeling_auto):
-        mapping = getattr(modeling_auto, mapping_name)
-        if not mapping_name.endswith("MAPPING_NAMES") or not isinstance(mapping, dict):
+    classes = dict(modeling_module_classes(model_type))
+    config = default_config(model_type) if config is None else config
+    pending, seen = [config] if config is not None else [], set()
+    while pending:
+        current = pending.pop()
+        if id(current) in seen:
             continue
-        names = mapping.get(model_type)
-        for name in (names,) if isinstance(names, str) else names or ():
-            try:
-                cls = getattr(transformers, name, None)
-            except Exception:  # a class whose module needs a library that is not installed
-                continue
-            module = sys.modules.get(getattr(cls, "__module__", "")) if isinstance(cls, type) else None
-            if module is not None:
-                found.setdefault(module.__name__, module)
-    modules = list(found.values())
-    config = default_config(model_type)
-    for value in vars(config).values() if config is not None else ():
-        sub_type = getattr(value, "model_type", None) if isinstance(value, transformers.PretrainedConfig) else None
-        if isinstance(sub_type, str) and sub_type in CONFIG_MAPPING_NAMES:
-            modules += [m for m in _load_modules(sub_type, seen) if m not in modules]
-    return modules
+        seen.add(id(current))
+        try:
+            module = sys.modules.get(model_class_for(current).__module__)
+        except (ModelNotFoundError, ValueError, KeyError):  # a sub-config with no model class of its own
+            module = None
+        found = module_classes(module) if module is not None else {}
+        # a sub-model's own modeling module too: its model class may be mapped to another
+        # family's (pixtral's is llava's in transformers 5.3)
+        sub_type = getattr(current, "model_type", None)
+        found.update(modeling_module_classes(sub_type) if isinstance(sub_type, str) and sub_type else {})
+        classes.update((name, cls) for name, cls in found.items() if name not in classes)
+        for name in getattr(current, "sub_configs", None) or {}:
+            sub = getattr(current, name, None)
+            if sub is not None and getattr(sub, "model_type", None):
+                pending.append(sub)
+    return classes
 
 
 def default_config(model_type: str) -> Any:

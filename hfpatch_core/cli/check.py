@@ -22,8 +22,8 @@ from .._pipeline.discovery import PackInfo
 from .._pipeline.gathering import Gathered, PackSet
 from .._pipeline.model_types import (
     default_config,
+    load_classes,
     model_class_for,
-    modeling_module_classes,
     unknown_model_type,
 )
 from .._pipeline.planning import decider, default_class_names, gather_for, plan_load
@@ -238,13 +238,20 @@ class _PackCheck:
     imported: bool = True
     found: set[Target] = dataclasses.field(default_factory=set)
     refusals: list[str] = dataclasses.field(default_factory=list)
+    answers: dict[str, tuple[Any, Gathered]] = dataclasses.field(default_factory=dict)
 
     def note(self, message: str) -> None:
         if message not in self.problems:
             self.problems.append(message)
 
     def gather(self, context: LoadContext) -> Gathered:
+        # finding the targets asks each model type with its config, checking it asks again: a
+        # structural pack builds and probes the model each time, so the answer is kept
+        cached = self.answers.get(context.model_type or "")
+        if cached is not None and cached[0] is context.config and context.config is not None:
+            return cached[1]
         gathered = self.packs.gather(context)
+        self.answers[context.model_type or ""] = (context.config, gathered)
         for failure in gathered.failures:
             self.note(str(failure))
             self.imported = self.imported and failure.stage != "import"
@@ -308,7 +315,7 @@ class _PackCheck:
             self.note(
                 f"pack {self.name!r} returns no patch and no converter for {model_type} (asked with a config of it)"
             )
-        classes = modeling_module_classes(model_type)
+        classes = load_classes(model_type, config)
         for converter in gathered.converters:
             self._converter_key(converter.key, model_type, bool(gathered.claims))
         try:
@@ -347,16 +354,16 @@ class _PackCheck:
 
 
 def targets_of(model_type: str, patch_targets: Iterable[str], classes: Mapping[str, type] | None = None) -> set[Target]:
-    """Every class of ``model_type``'s modeling modules (``modeling_module_classes``) that one of
-    ``patch_targets`` matches (transformers' rules, as a load applies them), with its signatures: what a drift record
+    """Every class a load of ``model_type`` resolves (``load_classes``) that one of ``patch_targets`` matches
+    (transformers' rules, as a load applies them), with its signatures: what a drift record
     lists for patches with those targets.
 
     Args:
         model_type: the model type.
         patch_targets: ``Patch.target`` values (class names or patterns).
-        classes: the modeling module's classes, when the caller has them already.
+        classes: those classes, when the caller has them already.
     """
-    classes = modeling_module_classes(model_type) if classes is None else classes
+    classes = load_classes(model_type) if classes is None else classes
     return {
         Target.of(model_type, module_class)
         for target in patch_targets
@@ -445,7 +452,7 @@ def check_combination(
         packs = PackSet({name: session.selection.packs[name] for name in names}, guard=HOOK_GUARD)
         config = configs(model_type)
         context = _context(model_type, config)
-        classes = modeling_module_classes(model_type)
+        classes = load_classes(model_type, config)
         together = " + ".join(sorted(names))
         try:
             plan = plan_load(
@@ -550,7 +557,7 @@ def find_conflicts(selection: Selection, *, config_for: ConfigFor | None = None)
         context = LoadContext(
             model_type=model_type, model_class_name=_default_class_name(model_type), config=configs(model_type)
         )
-        classes = tuple(modeling_module_classes(model_type))
+        classes = tuple(load_classes(model_type, context.config))
         gathered = gather_for(context, packs, priority_offsets=offsets, class_names=classes)
         decide = decider(context, classes, registered={})
         problems.append(Problem(model_type, gathered, decide))

@@ -39,6 +39,7 @@ def cmd_new(args: argparse.Namespace) -> int:
             args.name,
             model_type=args.model_type,
             target=args.target,
+            structural=args.structural,
             no_input=args.no_input,
             output_dir=args.output_dir,
         )
@@ -228,6 +229,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     creating.add_argument(
         "--target", metavar="CLASS", help="the transformers class to replace (default: the model type's MLP class)"
+    )
+    creating.add_argument(
+        "--structural",
+        action="store_true",
+        help="start from the structural example (docs/examples/rms-norm): classes found by what they compute",
     )
     creating.add_argument("--no-input", action="store_true", help="ask nothing: use the values given and the defaults")
     creating.add_argument(

@@ -129,11 +129,21 @@ def _context(
     return context
 
 
+def _drop_bytecode(project: Path) -> None:
+    """Remove what Python compiled inside the template: pip byte-compiles the installed template's
+    valid Python files, and cookiecutter copies the ``__pycache__`` directories with the rest."""
+    for cache in sorted(project.rglob("__pycache__"), reverse=True):
+        shutil.rmtree(cache, ignore_errors=True)
+    for compiled in project.rglob("*.py[co]"):
+        compiled.unlink(missing_ok=True)
+
+
 def new_pack(
     name: str | None = None,
     *,
     model_type: str | None = None,
     target: str | None = None,
+    structural: bool = False,
     no_input: bool = False,
     output_dir: str | Path = ".",
     extra_context: Mapping[str, str] | None = None,
@@ -146,6 +156,9 @@ def new_pack(
         model_type: the ``config.model_type`` the example patch applies to.
         target: the transformers class to replace (default: the model type's MLP class,
             ``LlamaMLP`` for ``llama``).
+        structural: start from the structural example (``docs/examples/rms-norm``: the classes
+            to replace found by what they compute, refused with a reason otherwise) instead of
+            one class of one model type; the template variable ``variant``.
         no_input: use the given values and the template's defaults without prompting.
         output_dir: where to create the project directory.
         extra_context: more answers by template variable (``description``, ``author``,
@@ -166,6 +179,8 @@ def new_pack(
 
     template = template_path()
     context = _context(template, name, model_type, target, extra_context)
+    if structural:
+        context["variant"] = "structural"
     root = Path(output_dir).expanduser().absolute()
     created = _create_directory(root)
     done = False
@@ -195,6 +210,7 @@ def new_pack(
                     raise ScaffoldError(f"{exc}; remove it or choose another pack name or output directory") from None
                 except CookiecutterException as exc:
                     raise ScaffoldError(f"cookiecutter could not generate the project: {exc}") from None
+            _drop_bytecode(generated)
             destination = root / generated.name
             if destination.exists() or destination.is_symlink():
                 raise ScaffoldError(

@@ -216,7 +216,7 @@ FAULTS: dict[str, Fault] = {
         bad(hook("return [Patch('LlamaMPL', LlamaMLP)] if context.model_type == 'llama' else []")),
         r"pack 'bad': patch target 'LlamaMPL' matches no module class of the installed transformers",
         **PACK_FAILURE,
-        check=r"pack 'bad': patch target 'LlamaMPL' matches no module class of transformers\.models\.llama",
+        check=r"pack 'bad': patch target 'LlamaMPL' matches no module class a llama load reads",
     ),
     "target of no class anywhere, next to a good one": Fault(
         bad(

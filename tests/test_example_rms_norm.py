@@ -86,3 +86,17 @@ def test_a_norm_whose_name_another_left_alone_contains_is_refused(pack: ModuleTy
         == "the registry would replace Qwen3NextRMSNormGated too (its name contains this one)"
     )
     assert reasons["Qwen3NextRMSNormGated"].startswith("its forward does not take the hidden states alone")
+
+
+def test_a_norm_whose_instances_differ_is_refused(pack: ModuleType, tmp_path: Path) -> None:
+    """gemma3n's norm has a weight in some instances only (``with_scale``): one probed instance
+    cannot speak for the others (claimed, the weightless ones failed to load)."""
+    from hfpatch_core.testing.zoo import zoo_model_types
+
+    if "gemma3n_text" not in zoo_model_types():
+        pytest.skip("no gemma3n_text in this transformers")
+    checkpoint = tiny_checkpoint("gemma3n_text", tmp_path / "gemma3n_text")
+    plan = plan_of(load_model(checkpoint, PACK))
+    assert plan is not None and "Gemma3nRMSNorm" not in plan.replaced
+    reasons = {refused.target: refused.reason for refused in plan.refused}
+    assert reasons["Gemma3nRMSNorm"] == "its instances differ: some have a weight, some do not"

@@ -130,13 +130,20 @@ def provide_patches(context: LoadContext) -> list[Patch | Refusal]:
         return []
     found: dict[str, tuple[type[nn.Module], nn.Module]] = {}
     decisions: list[Patch | Refusal] = []
+    weighted: dict[str, set[bool]] = {}
     for module in model.modules():
         if _looks_like_a_norm(module):
             first, _ = found.setdefault(type(module).__name__, (type(module), module))
+            weighted.setdefault(type(module).__name__, set()).add("weight" in dict(module.named_parameters()))
             if first is not type(module):  # a patch replaces by name: both or neither
                 decisions.append(Refusal(first.__name__, f"two classes of this name: {first} and {type(module)}"))
     replacements: dict[str, type[nn.Module]] = {}
     for name, (module_class, module) in sorted(found.items()):
+        # one instance is probed for the class: its instances must all compute the same form
+        # (gemma3n's norm has a weight in some instances only)
+        if len(weighted[name]) > 1:
+            decisions.append(Refusal(name, "its instances differ: some have a weight, some do not"))
+            continue
         decided = _decide(module_class, module)
         if isinstance(decided, str):
             decisions.append(Refusal(name, decided))

@@ -12,6 +12,7 @@ looks like a norm and matches none is refused, with what the probe saw.
 from __future__ import annotations
 
 import copy
+import inspect
 import re
 import sys
 from collections.abc import Callable
@@ -95,6 +96,10 @@ def _probed(module_class: type[nn.Module], module: nn.Module) -> type[nn.Module]
     home = sys.modules.get(module_class.__module__)
     if getattr(home, name, None) is not module_class:
         return f"{module_class.__module__} does not hold it as {name}, the name a patch replaces it by"
+    # the probe calls the forward with the hidden states alone; a model may pass more (a gate)
+    extra = [p for p in list(inspect.signature(module_class.forward).parameters)[2:] if p not in ("args", "kwargs")]
+    if extra:
+        return f"its forward takes more than the hidden states ({', '.join(extra)})"
     tried: list[str] = []
     for epsilon in _epsilons(module):
         for scaling in SCALINGS:

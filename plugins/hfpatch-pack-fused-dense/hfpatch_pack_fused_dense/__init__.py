@@ -21,7 +21,6 @@ qwen3_moe attention) wins the classes it also claims, and this pack keeps the ot
 from __future__ import annotations
 
 import dataclasses
-import re
 from collections.abc import Iterable
 from typing import Any
 
@@ -31,7 +30,7 @@ import hfpatch_core
 from hfpatch_core import Converter, LoadContext, Patch, Refusal
 from hfpatch_core.authoring import SizedConcatenate, conversion_key, conversion_lists
 
-from .detection import Detection, Site, detect, model_class_for
+from .detection import Detection, Site, builds_reason, built_part, builtin_converters, detect, model_class_for
 from .modules import FusedDense, fused_class
 
 __version__ = "0.1.0"
@@ -121,25 +120,14 @@ def _builtin_conversion_problems(keys: Iterable[str | None], detection: Detectio
     in a composite model the outer model's too, which transformers applies to every
     sub-model: kimi_k25's splits its vision tower's ``wqkv``).
     """
-    try:
-        from transformers.conversion_mapping import get_checkpoint_conversion_mapping
-    except Exception:  # a release without the table converts nothing itself
-        return {}
     problems: dict[str, str] = {}
     for key in dict.fromkeys(key for key in keys if key):
-        builtin = get_checkpoint_conversion_mapping(key)
-        # a renaming (legacy names to q_proj, ...) runs before any converter: it composes
-        for transform in (each for each in builtin or () if isinstance(each, WeightConverter)):
-            targets = [str(pattern) for pattern in getattr(transform, "target_patterns", None) or ()]
+        for transform in builtin_converters(key):
             for name in detection.originals:
                 for parts in detection.groups(name).values():
-                    named = [part for part in parts for target in targets if re.search(rf"(?<!\w){part}(?!\w)", target)]
-                    if named:
-                        problems.setdefault(
-                            name,
-                            f"transformers' own conversion for {key!r} builds {named[0]} from the checkpoint's "
-                            f"{list(getattr(transform, 'source_patterns', []))}: a second conversion cannot follow it",
-                        )
+                    part = built_part(transform, parts)
+                    if part is not None:
+                        problems.setdefault(name, builds_reason(repr(key), transform, part))
     return problems
 
 

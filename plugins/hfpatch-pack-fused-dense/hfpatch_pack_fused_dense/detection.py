@@ -309,27 +309,38 @@ def _converted_above(
         prefix = f"{prefix}.{name}" if prefix else name
         owner = type(modules[prefix]).__name__
         if owner not in lists:
-            lists[owner] = _own_list(owner)
+            lists[owner] = builtin_converters(owner)
         for transform in lists[owner]:
-            targets = [str(pattern) for pattern in getattr(transform, "target_patterns", None) or ()]
-            named = [part for part in parts for target in targets if re.search(rf"(?<!\w){part}(?!\w)", target)]
-            if named:
-                sources = list(getattr(transform, "source_patterns", []))
-                return (
-                    f"transformers' own conversion for {owner!r} (at {prefix}) builds {named[0]} from the "
-                    f"checkpoint's {sources}: a second conversion cannot follow it"
-                )
+            part = built_part(transform, parts)
+            if part is not None:
+                return builds_reason(f"{owner!r} (at {prefix})", transform, part)
     return None
 
 
-def _own_list(class_name: str) -> list[Any]:
-    """The converters (not the renamings, which compose) of transformers' conversion list for ``class_name``."""
+def builtin_converters(key: str) -> list[Any]:
+    """The converters (not the renamings, which run first and compose) of transformers' own conversion
+    list for ``key`` (a model type or a class name); none on a release without the table."""
     try:
         from transformers.conversion_mapping import get_checkpoint_conversion_mapping
         from transformers.core_model_loading import WeightConverter
-    except ImportError:  # a release without the table converts nothing itself
+    except ImportError:
         return []
-    return [each for each in get_checkpoint_conversion_mapping(class_name) or () if isinstance(each, WeightConverter)]
+    return [each for each in get_checkpoint_conversion_mapping(key) or () if isinstance(each, WeightConverter)]
+
+
+def built_part(transform: Any, parts: Iterable[str]) -> str | None:
+    """The first of ``parts`` that converter ``transform`` builds (names in a target pattern), or ``None``."""
+    targets = [str(pattern) for pattern in getattr(transform, "target_patterns", None) or ()]
+    return next((part for part in parts for target in targets if re.search(rf"(?<!\w){part}(?!\w)", target)), None)
+
+
+def builds_reason(where: str, transform: Any, part: str) -> str:
+    """Why a class is refused: transformers' own converter (of the list ``where`` names) builds ``part``."""
+    sources = list(getattr(transform, "source_patterns", []))
+    return (
+        f"transformers' own conversion for {where} builds {part} from the checkpoint's {sources}: "
+        "a second conversion cannot follow it"
+    )
 
 
 def _pattern_problem(site: Site, keys: Iterable[str], paths: set[str]) -> str | None:

@@ -131,8 +131,10 @@ _ISOLATION = pytest.StashKey[_Isolation]()
 
 
 def _isolate(item: pytest.Item) -> _Isolation:
+    from ._session.loaders import settle_autorun
     from ._session.session import active_session
 
+    settle_autorun(enable=True)  # HF_PATCH_PACKS=x pytest: the session start-up chose is the one restored
     isolation = _Isolation(GlobalState.capture(), HfPatchIsolation(), active_session())
     item.stash[_ISOLATION] = isolation
     return isolation

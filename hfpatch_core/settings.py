@@ -46,6 +46,11 @@ CACHE_ENV = "HF_PATCH_CACHE"
 #: when transformers' modeling code is first imported.
 AUTORUN_ENV = "HFPATCH_AUTORUN"
 
+#: The module of the start-up hook (``_hfpatch_autorun.py``, imported by the ``hfpatch_autorun.pth``
+#: that hfpatch-core installs in site-packages when one of ``HF_PATCH_PACKS`` (set, not ``none``),
+#: ``HF_PATCH_LOCK`` or ``HFPATCH_AUTORUN`` is set): hfpatch enables itself at the first load.
+AUTORUN_MODULE = "_hfpatch_autorun"
+
 #: The ``source`` of a selection made while ``HF_PATCH_PACKS`` is unset.
 UNSET = "<unset>"
 

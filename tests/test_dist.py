@@ -10,6 +10,7 @@ hfpatch-core (installed editable here) stays out of sight.
 
 from __future__ import annotations
 
+import dataclasses
 import email.parser
 import os
 import re
@@ -79,7 +80,32 @@ def bare_environment() -> dict[str, str]:
     }
 
 
-def test_the_wheelhouse_installs_into_a_new_environment_and_the_demo_passes(tmp_path: Path) -> None:
+@dataclasses.dataclass(frozen=True)
+class Environment:
+    """A new virtual environment with hfpatch-core and the qwen-moe pack installed from the wheelhouse."""
+
+    venv: Path
+    purelib: Path
+    cwd: Path
+
+    def run(self, *command: str | Path, **variables: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            list(map(str, command)),
+            capture_output=True,
+            text=True,
+            timeout=300,
+            cwd=self.cwd,
+            env={**bare_environment(), "USE_HUB_KERNELS": "0", **variables},
+        )
+
+    def python(self, code: str, **variables: str) -> subprocess.CompletedProcess[str]:
+        return self.run(self.venv / "bin" / "python", "-c", code, **variables)
+
+
+@pytest.fixture(scope="module")
+def environment(tmp_path_factory: pytest.TempPathFactory) -> Environment:
+    """``make dist``, then ``pip install --find-links dist hfpatch-pack-qwen-moe`` into a new venv."""
+    tmp_path = tmp_path_factory.mktemp("dist")
     if shutil.which("make") is None:
         pytest.fail("make is not installed; the wheelhouse is built by `make dist`")
     wheelhouse = tmp_path / "dist"
@@ -116,25 +142,76 @@ def test_the_wheelhouse_installs_into_a_new_environment_and_the_demo_passes(tmp_
     assert not any(path.name.startswith(("hfpatch", "_hfpatch")) for path in lent.iterdir())
     (Path(purelib) / "third-party.pth").write_text(f"{lent}\n")
 
-    environment = bare_environment()
-
-    def run(*command: str | Path) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            list(map(str, command)), capture_output=True, text=True, timeout=300, cwd=tmp_path, env=environment
-        )
-
-    install = run(sys.executable, "-m", "pip", "--python", python, "install", "--disable-pip-version-check", "-q",
-                  "--no-index", "--find-links", wheelhouse, PACK)  # fmt: skip
+    made = Environment(venv, Path(purelib), tmp_path)
+    install = made.run(sys.executable, "-m", "pip", "--python", python, "install", "--disable-pip-version-check",
+                       "-q", "--no-index", "--find-links", wheelhouse, PACK)  # fmt: skip
     assert install.returncode == 0, install.stdout + install.stderr
-    installed = sorted(path.name.split("-")[0] for path in Path(purelib).glob("*.dist-info"))
+    return made
+
+
+def test_the_wheelhouse_installs_into_a_new_environment_and_the_demo_passes(environment: Environment) -> None:
+    purelib = environment.purelib
+    installed = sorted(path.name.split("-")[0] for path in purelib.glob("*.dist-info"))
     assert installed == ["hfpatch_core", "hfpatch_pack_qwen_moe"]  # the requirements were met by the lent ones
-    where = run(
-        python, "-c", "import hfpatch_core, hfpatch_pack_qwen_moe as p; print(hfpatch_core.__file__, p.__file__)"
+    where = environment.python(
+        "import hfpatch_core, hfpatch_pack_qwen_moe as p; print(hfpatch_core.__file__, p.__file__)"
     )
     assert where.returncode == 0, where.stderr
     assert all(Path(path).is_relative_to(purelib) for path in where.stdout.split()), where.stdout
 
-    demo = run(venv / "bin" / "hfpatch", "demo")
+    demo = environment.run(environment.venv / "bin" / "hfpatch", "demo")
     assert demo.returncode == 0, demo.stdout + demo.stderr
     assert "qwen-moe 0.1.0" in demo.stdout and "FAIL" not in demo.stdout, demo.stdout
     assert demo.stdout.count("PASS") == 5, demo.stdout
+
+
+#: a program that never names hfpatch: what the pack did to its model, read from outside
+TRAIN = """
+import sys
+from transformers import AutoModelForCausalLM
+model = AutoModelForCausalLM.from_pretrained(sys.argv[1])
+experts = type(model.model.layers[0].mlp.experts).__name__
+plan = sys.modules["hfpatch_core"].plan_of(model) if "hfpatch_core" in sys.modules else None
+print(experts, plan.summary() if plan else None)
+"""
+
+#: what start-up imported, in a program that imports nothing itself
+IMPORTED = (
+    "import sys; print(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'transformers', 'hfpatch_core', "
+    "'_hfpatch_autorun'}))"
+)
+
+
+def test_the_environment_variable_alone_enables_the_pack(environment: Environment) -> None:
+    """Issue 44.1: ``HF_PATCH_PACKS=qwen-moe python train.py``, and train.py never names hfpatch."""
+    checkpoint = environment.cwd / "qwen2_moe"
+    saved = environment.python(
+        f"from hfpatch_core.testing import tiny_checkpoint; tiny_checkpoint('qwen2_moe', {str(checkpoint)!r})"
+    )
+    assert saved.returncode == 0, saved.stderr
+    script = environment.cwd / "train.py"
+    script.write_text(TRAIN)
+    python = environment.venv / "bin" / "python"
+
+    patched = environment.run(python, script, checkpoint, HF_PATCH_PACKS="qwen-moe")
+    assert patched.returncode == 0, patched.stderr
+    assert "[qwen-moe==0.1.0]" in patched.stdout and not patched.stdout.startswith("Qwen2MoeExperts"), patched.stdout
+    for variables in ({}, {"HF_PATCH_PACKS": "none"}, {"HF_PATCH_PACKS": " "}):
+        vanilla = environment.run(python, script, checkpoint, **variables)
+        assert vanilla.returncode == 0, vanilla.stderr
+        assert vanilla.stdout.split() == ["Qwen2MoeExperts", "None"], (variables, vanilla.stdout)
+
+    # unset or none: start-up imports nothing; set, only its hook, until the program imports transformers
+    for variables, imported in (
+        ({}, []),
+        ({"HF_PATCH_PACKS": "none"}, []),
+        ({"HF_PATCH_PACKS": "qwen-moe"}, ["_hfpatch_autorun"]),
+    ):
+        started = environment.python(IMPORTED, **variables)
+        assert started.returncode == 0, started.stderr
+        assert started.stdout.strip() == repr(imported), (variables, started.stdout)
+
+    # a pack that is not installed is the first load's error, with the selection's own message
+    typo = environment.run(python, script, checkpoint, HF_PATCH_PACKS="qwen-mo")
+    assert typo.returncode == 1
+    assert "SelectionError: HF_PATCH_PACKS='qwen-mo' names pack 'qwen-mo', which is not installed" in typo.stderr

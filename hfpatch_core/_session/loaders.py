@@ -34,7 +34,7 @@ from .._runtime.parallel_plans import add_declared_plans
 from .._scope import LOAD_LOCK, in_vanilla_block, vanilla
 from ..errors import HfPatchError
 from ..plan import PLAN_ATTRIBUTE, Plan
-from ..settings import log_level_from_env
+from ..settings import AUTORUN_MODULE, log_level_from_env
 from .session import LockChoice, Session, activate, active_session, current_session, live_session, new_session, scoped
 
 logger = logging.getLogger("hfpatch")
@@ -43,6 +43,24 @@ logger = logging.getLogger("hfpatch")
 _originals: dict[str, tuple[Any, Any]] = {}
 #: ``enabled()`` blocks open, in every thread and task (guarded by ``LOAD_LOCK``).
 _open_blocks = 0
+
+
+def settle_autorun(*, enable: bool) -> None:
+    """Finish the enable start-up left pending (``HF_PATCH_PACKS`` set, or ``hfpatch run``), or drop it.
+
+    ``enable``: enable hfpatch now if start-up would at the first load (``enabled()`` blocks
+    then nest inside that choice, and ``is_enabled()`` tells the truth before any load);
+    otherwise forget it: the program chose for itself (``enable()``, ``disable()``).
+    """
+    settle = getattr(sys.modules.get(AUTORUN_MODULE), "settle", None)  # an older hfpatch-core's hook has none
+    if settle is not None:
+        settle(enable=enable)
+
+
+def _unless_stand_in(name: str, value: Any) -> Any:
+    """Transformers' own loader where ``value`` is the start-up hook's stand-in for it."""
+    original_of = getattr(sys.modules.get(AUTORUN_MODULE), "original_of", None)
+    return value if original_of is None else original_of(name, value)
 
 
 def configure_logging() -> None:
@@ -258,6 +276,7 @@ def _hook() -> None:
     if not _originals:
         for owner, name, wrap in _hooked():
             original = owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)
+            original = _unless_stand_in(name, original)
             _originals[name] = (owner, original)
             setattr(owner, name, wrap(original))
 
@@ -312,6 +331,7 @@ def enable(packs: str | Iterable[str] | None = None, strict: bool | None = None,
     configure_logging()
     session.report(session.selection.problems)
     install(session)
+    settle_autorun(enable=False)  # this call is the choice (after install: no load between finds transformers' own)
     return session.selection
 
 
@@ -345,6 +365,7 @@ def enabled(
         ValueError: ``HF_PATCH_STRICT``, ``HF_PATCH_AUTOLOAD`` or ``HF_PATCH_LOG`` holds no valid value.
     """
     global _open_blocks
+    settle_autorun(enable=True)  # the block nests in the process-wide choice start-up made
     session = new_session(packs, strict, lock)
     configure_logging()
     session.report(session.selection.problems)
@@ -363,6 +384,7 @@ def enabled(
 def disable() -> None:
     """Drop ``enable()``'s process-wide choice: loads outside ``enabled()`` blocks behave as in
     plain transformers again (and, once no block is open, transformers' functions are back)."""
+    settle_autorun(enable=False)
     with LOAD_LOCK:
         activate(None)
         _unhook_if_unused()
@@ -371,4 +393,5 @@ def disable() -> None:
 def is_enabled() -> bool:
     """Whether loads here go through hfpatch: ``enable()`` is in force, or an ``enabled()`` block
     is open on this thread or task."""
+    settle_autorun(enable=True)
     return current_session() is not None

@@ -15,8 +15,9 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch.nn as nn
-from transformers import PreTrainedModel, monkey_patching
+from transformers import AutoConfig, PreTrainedModel, monkey_patching
 
+from .._pipeline.model_types import ModelNotFoundError, unknown_model_type
 from .._pipeline.planning import context_for
 from .._runtime import recorders
 from .._runtime.application import apply_mapping
@@ -40,7 +41,9 @@ def patched(config_or_model_type: Any, *, model_class: type | None = None) -> It
     those ``HF_PATCH_PACKS`` selects.
 
     Args:
-        config_or_model_type: a config, or a ``model_type`` string.
+        config_or_model_type: a config, or a ``model_type`` string (planned with that type's
+            default config, ``AutoConfig.for_model(model_type)``: packs decide from a config, as
+            they do for the models built in the block).
         model_class: the class about to be built, when the config does not name it
             (otherwise the config's architecture, else the model type's causal LM,
             else its base model).
@@ -52,12 +55,23 @@ def patched(config_or_model_type: Any, *, model_class: type | None = None) -> It
 
     Yields:
         The plan in force inside the block.
+
+    Raises:
+        ModelNotFoundError: ``config_or_model_type`` is a string that names no model type of the
+            installed transformers (a ``ValueError``).
     """
     # a nested patched() without enable() shares the outer block's session, so that the
     # outer block's registrations count as hfpatch's own (overridable), not the user's
     outer_session: Session | None = getattr(_manual, "session", None)
     session = current_session() or outer_session or new_session()
     _manual.session = session
+    if isinstance(config_or_model_type, str):
+        # without a config the packs that read one (most do) would claim nothing in the block, while the
+        # models built in it have one, and a nested from_config inside them (a generic head's base) is planned with it
+        problem = unknown_model_type(config_or_model_type)
+        if problem is not None:
+            raise ModelNotFoundError(f"patched(): {problem}; pass a model type or a config")
+        config_or_model_type = AutoConfig.for_model(config_or_model_type)
     context, class_names = context_for(config_or_model_type, model_class, load_module=True)
     with (
         _manual_session_restored(outer_session),

@@ -17,8 +17,6 @@ if TYPE_CHECKING:
     from collections.abc import Sequence
     from typing import NoReturn
 
-_HOOK_MODULE = "_hfpatch_autorun.py"
-
 #: Commands that mean this environment's interpreter, not the first one on ``PATH``: a
 #: Python of another environment would not have hfpatch's start-up hook.
 PYTHON_NAMES = frozenset({"python", "python3", f"python{sys.version_info[0]}.{sys.version_info[1]}"})
@@ -49,6 +47,7 @@ def launch(command: Sequence[str]) -> NoReturn:
     from ..errors import HfPatchError
     from ..settings import (
         AUTORUN_ENV,
+        AUTORUN_MODULE,
         LOCK_ENV,
         PACKS_ENV,
         autoload_from_env,
@@ -62,7 +61,7 @@ def launch(command: Sequence[str]) -> NoReturn:
         command = command[1:]
     if not command:
         raise LaunchError("hfpatch run needs a command: hfpatch run -- python train.py")
-    if not any(os.path.isfile(os.path.join(entry or ".", _HOOK_MODULE)) for entry in sys.path):
+    if not any(os.path.isfile(os.path.join(entry or ".", f"{AUTORUN_MODULE}.py")) for entry in sys.path):
         raise LaunchError("hfpatch's start-up hook is not installed; reinstall hfpatch-core with pip")
     choice = os.environ.get(PACKS_ENV)
     try:

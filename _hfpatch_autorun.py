@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import importlib.abc
 import importlib.machinery
+import os
 import sys
 import threading
 from collections.abc import Sequence
@@ -115,8 +116,19 @@ def pending() -> bool:
     return bool(_replaced) or any(isinstance(finder, _EnableAfterImport) for finder in sys.meta_path)
 
 
+def _wanted() -> bool:
+    """What the ``.pth`` line approximates: ``hfpatch run``, a lock, or a selection of at least one item
+    that is not ``none`` (``HF_PATCH_PACKS=","`` selects nothing, as ``enable()`` reads it)."""
+    environ = os.environ
+    items = [item.strip() for item in environ.get("HF_PATCH_PACKS", "").split(",") if item.strip()]
+    launched_or_locked = bool(environ.get("HFPATCH_AUTORUN") or environ.get("HF_PATCH_LOCK", "").strip())
+    return launched_or_locked or items not in ([], ["none"])
+
+
 def install() -> None:
     """Enable hfpatch on the first load once transformers' modeling code is imported."""
+    if not _wanted():
+        return
     modeling_utils = sys.modules.get(_TARGET)
     if modeling_utils is not None:
         if not _replaced:

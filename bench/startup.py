@@ -3,10 +3,13 @@
 hfpatch-core installs ``hfpatch_autorun.pth`` into site-packages.  ``site`` runs its one
 line in *every* interpreter of that environment, at start-up:
 
-    import os; os.environ.get("HFPATCH_AUTORUN") and __import__("_hfpatch_autorun")
+    import os; (os.environ.get("HFPATCH_AUTORUN") or os.environ.get("HF_PATCH_LOCK", "").strip() or
+    os.environ.get("HF_PATCH_PACKS", "none").strip() not in ("", "none")) and __import__("_hfpatch_autorun")
+    (one line)
 
-With ``HFPATCH_AUTORUN`` unset that is one environment lookup; ``hfpatch run`` sets it,
-and the line then imports ``_hfpatch_autorun``, which enables hfpatch once
+With the three variables unset that is three environment lookups; ``hfpatch run`` sets
+``HFPATCH_AUTORUN`` (and a user ``HF_PATCH_PACKS``), and the line then imports
+``_hfpatch_autorun``, which enables hfpatch at the first load once
 ``transformers.modeling_utils`` is imported.
 
 How the A/B is made faithful: two throwaway virtual environments are created that
@@ -27,8 +30,9 @@ Measured, each command in a fresh subprocess, interleaved round by round (median
    script, validates ``HF_PATCH_PACKS`` (discovering the installed packs) and ``execve``s
    the command with ``HFPATCH_AUTORUN=1``.
 3. For information: ``python -c "import transformers.modeling_utils"`` with
-   ``HFPATCH_AUTORUN=1`` vs unset, i.e. what the child pays when it does reach the
-   modeling code and hfpatch gets enabled.
+   ``HFPATCH_AUTORUN=1`` vs unset, i.e. what the child pays when it reaches the modeling
+   code: the hook puts its stand-ins in front of the loaders (hfpatch itself is enabled
+   at the first load, which this does not make).
 
 Run: ``.venv/bin/python bench/startup.py`` (uses the interpreter running it).
 """
@@ -101,20 +105,20 @@ def ratio_rows(
 
 
 def pth_cost(site_packages: Path, count: int) -> float:
-    """Seconds ``site`` spends on the installed ``.pth`` file (HFPATCH_AUTORUN unset).
+    """Seconds ``site`` spends on the installed ``.pth`` file (its variables unset).
 
     ``site.addpackage`` is exactly what start-up runs for each ``.pth`` file: open it, read
     it, ``exec`` its ``import`` line.
     """
     import site
 
-    saved = os.environ.pop("HFPATCH_AUTORUN", None)
+    variables = ("HFPATCH_AUTORUN", "HF_PATCH_PACKS", "HF_PATCH_LOCK")
+    saved = {name: os.environ.pop(name) for name in variables if name in os.environ}
     try:
         samples = repeat(lambda: site.addpackage(str(site_packages), PTH, set()), count)
     finally:
-        if saved is not None:
-            os.environ["HFPATCH_AUTORUN"] = saved
-    assert "_hfpatch_autorun" not in sys.modules or saved is not None
+        os.environ.update(saved)
+    assert "_hfpatch_autorun" not in sys.modules or saved
     return median(samples)
 
 
@@ -253,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
         ratio_rows(
             samples,
             {
-                "autorun": f"HFPATCH_AUTORUN=1 python -c '{modeling}' (enables hfpatch)",
+                "autorun": f"HFPATCH_AUTORUN=1 python -c '{modeling}' (the hook's stand-ins)",
                 "plain": f"python -c '{modeling}'",
             },
             [("autorun", "plain", None)],

@@ -99,6 +99,7 @@ class Block:
     code: str
     end: int = 0  # 1-based line of the closing fence
     follows: bool = False  # only blank lines between the previous block's closing fence and this one
+    title: str = ""  # ```python title="train.py"```: a program the page runs from a console block
 
 
 def blocks(path: Path) -> list[Block]:
@@ -127,7 +128,9 @@ def blocks(path: Path) -> list[Block]:
             raise AssertionError(f"{path}:{start - 1}: unclosed code fence")
         index += 1
         follows = bool(found) and all(not text.strip() for text in lines[found[-1].end : start - 2])
-        found.append(Block(path, start, language, "\n".join(body) + "\n", end=index, follows=follows))
+        title = re.search(r'\btitle="([^"]+)"', opening["info"])
+        code = "\n".join(body) + "\n"
+        found.append(Block(path, start, language, code, end=index, follows=follows, title=title[1] if title else ""))
     return found
 
 
@@ -141,7 +144,8 @@ def expand_includes(code: str) -> str:
 
 
 def python_blocks(path: Path) -> list[Block]:
-    return [block for block in blocks(path) if block.language in RUNNABLE]
+    """The blocks a page runs in its namespace: python, except the programs (``title="train.py"``)."""
+    return [block for block in blocks(path) if block.language in RUNNABLE and not block.title]
 
 
 @pytest.fixture(scope="module")
@@ -291,7 +295,7 @@ def run_page(path: Path, namespace: dict[str, Any], request: pytest.FixtureReque
     environment = dict(os.environ)
     page = blocks(path)
     for number, block in enumerate(page):
-        if block.language not in RUNNABLE:
+        if block.language not in RUNNABLE or block.title:
             continue
         before = {name: value for name, value in namespace.items() if name.startswith("test")}
         printed = run_block(block, namespace)
@@ -445,6 +449,74 @@ def test_page_commands_print_what_is_shown(
         assert matches(printed, shown), (
             f"{page.name}:{line}: hfpatch {' '.join(args)} printed\n{printed}\nthe page shows\n{shown}"
         )
+
+
+_PROGRAM = re.compile(r"^\$ (?P<env>(?:[A-Z_]+=\S* )*)python (?P<file>[\w.-]+\.py)(?P<args>[^&|;#]*?)\s*(?:#.*)?$")
+
+
+def shown_programs(path: Path) -> tuple[dict[str, Block], list[tuple[int, dict[str, str], list[str], str]]]:
+    """A page's programs (``python title="train.py"`` blocks) and the console lines that run them,
+    ``$ HF_PATCH_PACKS=x python train.py``: (line, environment, arguments, output shown below it)."""
+    page = blocks(path)
+    programs = {block.title: block for block in page if block.language in RUNNABLE and block.title}
+    runs = []
+    for block in page:
+        if block.language != "console":
+            continue
+        lines = block.code.splitlines()
+        for number, line in enumerate(lines):
+            match = _PROGRAM.match(line)
+            if match is None:
+                continue
+            output = []
+            for later in lines[number + 1 :]:
+                if later.startswith("$ "):
+                    break
+                output.append(later)
+            env = dict(item.split("=", 1) for item in match["env"].split())
+            runs.append((block.line + number, env, [match["file"], *match["args"].split()], "\n".join(output)))
+    return programs, runs
+
+
+PAGES_WITH_PROGRAMS = [page for page in [*PAGES, README] if shown_programs(page)[0]]
+
+
+@pytest.fixture(scope="module")
+def chunked_loss_site(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
+    """The first-party ``chunked-loss``, whose page trains with ``HF_PATCH_PACKS=chunked-loss python train.py``."""
+    return build_packs([ROOT / "plugins" / "hfpatch-pack-chunked-loss"], tmp_path_factory.mktemp("chunked-loss"))
+
+
+@pytest.mark.parametrize("page", PAGES_WITH_PROGRAMS, ids=[page.name for page in PAGES_WITH_PROGRAMS])
+def test_page_programs_run_as_shown(
+    page: Path, page_state: Path, example_sites: list[Path], chunked_loss_site: list[Path]
+) -> None:
+    """Issue 44.1: a page's program runs as the page runs it, ``HF_PATCH_PACKS=x python train.py``, a
+    subprocess of this environment's Python (whose site-packages holds hfpatch_autorun.pth) with the
+    packs installed and nothing else: no ``hfpatch run``, no ``enable()`` unless the program has one."""
+    programs, runs = shown_programs(page)
+    for name, block in programs.items():
+        (page_state / name).write_text(expand_includes(block.code), encoding="utf-8")
+    inherited = [entry for entry in os.environ.get("PYTHONPATH", "").split(os.pathsep) if entry]
+    path = os.pathsep.join([*map(str, [*example_sites, *chunked_loss_site]), *inherited, str(ROOT)])
+    bare = {key: value for key, value in os.environ.items() if not key.startswith(("HF_PATCH", "HFPATCH"))}
+    assert {arguments[0] for _, _, arguments, _ in runs} >= set(programs), f"{page.name}: a program no line runs"
+    for line, env, arguments, shown in runs:
+        assert arguments[0] in programs, f"{page.name}:{line}: no python block titled {arguments[0]!r}"
+        result = subprocess.run(
+            [sys.executable, *arguments],
+            cwd=page_state,
+            env={**bare, "PYTHONPATH": path, **env},
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=False,
+        )
+        assert result.returncode == 0, f"{page.name}:{line}: {' '.join(arguments)} failed\n{result.stderr}"
+        if shown.strip():
+            assert matches(result.stdout, shown), (
+                f"{page.name}:{line}: python {' '.join(arguments)} printed\n{result.stdout}\nthe page shows\n{shown}"
+            )
 
 
 @pytest.mark.parametrize("page", PAGES, ids=[page.name for page in PAGES])

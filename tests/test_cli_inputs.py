@@ -171,6 +171,16 @@ def test_bad_input_is_reported_before_transformers_is_imported(install, tmp_path
     assert result.imported == set(), result.stderr
 
 
+def test_explain_of_a_folder_named_without_a_path_says_what_it_lacks(tmp_path) -> None:
+    """Issue 44.7: ``hfpatch explain EMPTYDIR`` printed transformers' "Unrecognized model in EMPTYDIR"."""
+    (tmp_path / "EMPTYDIR").mkdir()
+    result = hfpatch("explain", "EMPTYDIR", site=None, cache=tmp_path / "cache", cwd=tmp_path)
+    assert result.code == 2, result.stdout + result.stderr
+    assert "explain 'EMPTYDIR': no config.json in it; give a checkpoint directory saved by save_pretrained" in (
+        result.stderr
+    )
+
+
 def test_explain_reads_a_model_type_as_a_model_type_even_beside_a_folder_of_its_name(tmp_path, capsys) -> None:
     from transformers import Qwen2Config
 

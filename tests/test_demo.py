@@ -1,6 +1,8 @@
 from __future__ import annotations
 
 import io
+import sys
+from pathlib import Path
 
 from hfpatch_core.cli import main
 from hfpatch_core.cli.demo import EXAMPLE_PACK, run_demo
@@ -85,7 +87,7 @@ def test_demo_of_a_model_without_a_choice_uses_the_installed_packs_that_apply(
     assert "then with HF_PATCH_PACKS=mlp,norms ..." in out.getvalue()
     explicit = io.StringIO()
     assert not run_demo(str(llama_checkpoint), "qwen-only", out=explicit).ok  # an explicit choice is kept
-    assert "FAIL  classes replaced: none" in explicit.getvalue()
+    assert "FAIL  classes replaced or steps installed: none" in explicit.getvalue()
 
 
 def test_a_truncated_safetensors_file_is_named_before_any_load(llama_checkpoint, tmp_path, capsys) -> None:
@@ -100,3 +102,16 @@ def test_a_truncated_safetensors_file_is_named_before_any_load(llama_checkpoint,
         assert main(command) == 2
         error = capsys.readouterr().err
         assert f"{weights.name} is not a readable safetensors file" in error and "save or download it again" in error
+
+
+def test_demo_shows_the_model_steps_and_checks_a_training_step(monkeypatch) -> None:
+    """Issue 44.7: ``hfpatch demo --packs fused-dense,chunked-loss`` never mentioned the installed step."""
+    monkeypatch.syspath_prepend(str(Path(sys.prefix) / "first-party-packs"))
+    out = io.StringIO()
+    report = run_demo(packs="fused-dense,chunked-loss", out=out)
+    text = out.getvalue()
+    assert report.ok, text
+    assert "Model steps:\n  causal-lm-loss             installed: hfpatch_pack_chunked_loss." in text
+    assert "[chunked-loss 0.1.0]" in text
+    assert "PASS  classes replaced or steps installed: LlamaAttention, LlamaMLP, step causal-lm-loss" in text
+    assert "PASS  training step matches: loss diff" in text

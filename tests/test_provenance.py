@@ -23,7 +23,9 @@ def keys(directory) -> set[str]:
 
 
 def test_a_patched_save_records_its_packs_beside_the_original_layout(install, llama_checkpoint, tmp_path) -> None:
-    install(PackSpec("fused", FUSED_MLP_PACK))
+    # issue 44.7: a pack selected for the load that changed nothing in it (qwen-only here) made nothing of the save
+    qwen_only = MLP_PACK.replace('context.model_type == "llama"', 'context.model_type == "qwen2_moe"')
+    install(PackSpec("fused", FUSED_MLP_PACK), PackSpec("qwen-only", qwen_only))
     hfpatch_core.enable()
     model = AutoModelForCausalLM.from_pretrained(llama_checkpoint)
     model.save_pretrained(tmp_path / "saved")

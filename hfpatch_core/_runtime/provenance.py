@@ -21,8 +21,15 @@ FILE_NAME = "hfpatch_provenance.json"
 
 
 def _packs(plan: Plan) -> list[dict[str, str]]:
-    seen = dict.fromkeys(pack for inner in plan.all_plans() for pack in inner.packs)
-    return [{"name": name, "version": version} for name, version in sorted(seen)]
+    """The packs that changed the model: a class replaced, a converter, a step installed (a pack that
+    took part in the load and offered nothing for this model made nothing of the checkpoint)."""
+    versions = dict(pack for inner in plan.all_plans() for pack in inner.packs)
+    changed = {
+        claim.pack
+        for inner in plan.all_plans()
+        for claim in (*inner.entries, *inner.conversions.claims, *inner.installed_steps)
+    }
+    return [{"name": name, "version": versions[name]} for name in sorted(changed & set(versions))]
 
 
 def record(plan: Plan) -> dict[str, Any]:

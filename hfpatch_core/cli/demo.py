@@ -129,7 +129,7 @@ def run_demo(model_dir: str | None = None, packs: str | None = None, *, out: Tex
     from .._pipeline.selection import current_selection, parse_selection
     from ..conversion import describe_transform
     from ..settings import PACKS_ENV, packs_from_env
-    from ..testing import check_pack_equivalence, tiny_checkpoint
+    from ..testing import check_pack_equivalence, check_training_equivalence, tiny_checkpoint
 
     stream = out or sys.stdout
 
@@ -166,6 +166,13 @@ def run_demo(model_dir: str | None = None, packs: str | None = None, *, out: Tex
             for name, claim in sorted(plan.replaced.items()):
                 if name in report.replaced:
                     write(f"  {name:<26} -> {claim.patch.replacement_name}  [{claim.pack} {claim.version}]")
+            if plan.steps:
+                write("Model steps:")
+                refusals = {(refusal.pack, refusal.target): refusal.reason for refusal in plan.refused}
+                for step in plan.steps:
+                    refused = refusals.get((step.pack, step.target))
+                    verdict = f"refused: {refused}" if refused else f"installed: {step.step.install_name}"
+                    write(f"  {step.target:<26} {verdict}  [{step.pack} {step.version}]")
             if plan.conversions:
                 write("Converters applied:")
                 for key, entries in plan.conversions.lists.items():
@@ -174,8 +181,10 @@ def run_demo(model_dir: str | None = None, packs: str | None = None, *, out: Tex
                 for removal in plan.conversions.removed:
                     write(f"  {removal.key}: removed {describe_transform(removal.transform)}  [by {removal.pack}]")
         write("")
+        installed = [step.target for step in plan.installed_steps] if plan is not None else []
+        applied = [*sorted(report.replaced), *(f"step {target}" for target in installed)]
         checks = [
-            ("classes replaced", bool(report.replaced), ", ".join(sorted(report.replaced)) or "none"),
+            ("classes replaced or steps installed", bool(applied), ", ".join(applied) or "none"),
             (
                 "logits match (fp32, atol 1e-5)",
                 report.max_abs_diff is not None and report.max_abs_diff <= 1e-5,
@@ -185,6 +194,18 @@ def run_demo(model_dir: str | None = None, packs: str | None = None, *, out: Tex
             ("save round trip", bool(report.round_trip), "original layout written, vanilla reload matches"),
             ("nothing left behind", monkey_patching.get_patch_mapping() == registry_before, "registries restored"),
         ]
+        if installed:  # a step changes training (the logits above are eval's): one AdamW step against vanilla's
+            training = check_training_equivalence(choice, model_dir, steps=1)
+            checks.insert(
+                3,
+                (
+                    "training step matches",
+                    training.ok,
+                    f"loss diff {training.max_loss_diff:.1e}, gradient diff {training.max_gradient_diff:.1e}"
+                    if training.ok
+                    else "; ".join(training.failures),
+                ),
+            )
         for name, ok, detail in checks:
             write(f"{'PASS' if ok else 'FAIL'}  {name}: {detail}")
         for failure in report.failures:

@@ -97,12 +97,14 @@ def check_input(args: argparse.Namespace) -> None:
         models = None
         if given_as_path(args.model):
             _directory("explain", args.model)
-        elif not os.path.isdir(args.model):
+        else:
             from .._pipeline.selection import installed_transformers_version
             from .cache import model_types as known_types
 
             names = known_types()
-            if args.model not in names:
+            if args.model not in names and os.path.isdir(args.model):  # a model type's name is the type
+                _directory("explain", args.model)
+            elif args.model not in names:
                 # worded as model_types.load_config says it once transformers is imported
                 raise UsageError(
                     f"{args.model!r} is neither a checkpoint directory nor a model type known to transformers "

@@ -25,9 +25,13 @@ def _packs(plan: Plan) -> list[dict[str, str]]:
     took part in the load and offered nothing for this model made nothing of the checkpoint)."""
     versions = dict(pack for inner in plan.all_plans() for pack in inner.packs)
     changed = {
-        claim.pack
+        pack
         for inner in plan.all_plans()
-        for claim in (*inner.entries, *inner.conversions.claims, *inner.installed_steps)
+        for pack in (
+            *(claim.pack for claim in inner.entries),
+            *(claim.pack for claim in inner.conversions.claims),
+            *(claim.pack for claim in inner.installed_steps),
+        )
     }
     return [{"name": name, "version": versions[name]} for name in sorted(changed & set(versions))]
 

@@ -27,13 +27,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         except LaunchError as exc:
             print(f"hfpatch: error: {exc}", file=sys.stderr)
             return EXIT_USAGE
-    # the command plans and loads with the packs it is asked about, vanilla where it compares: never
-    # under the process-wide enable that HF_PATCH_PACKS in its environment starts (_hfpatch_autorun)
-    from ..settings import AUTORUN_MODULE
-
-    autorun = sys.modules.get(AUTORUN_MODULE)
-    if autorun is not None and hasattr(autorun, "settle"):
-        autorun.settle(enable=False)
     from .parser import main as cli_main
 
     return cli_main(args)

@@ -10,7 +10,7 @@ import sys
 import warnings
 from collections.abc import Callable, Sequence
 
-from ..settings import LOCK_FILE
+from ..settings import AUTORUN_MODULE, LOCK_FILE
 from .exit_codes import EXIT_BROKEN_PIPE, EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE
 from .output import UsageError, show_warning, without_progress_bars
 
@@ -261,6 +261,11 @@ _LOADING_COMMANDS = frozenset({"verify", "demo", "explain"})
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    # a command plans and loads with the packs it is asked about, vanilla where it compares: never under
+    # the process-wide enable that a selection in its environment starts at the first load (_hfpatch_autorun)
+    autorun = sys.modules.get(AUTORUN_MODULE)
+    if autorun is not None and hasattr(autorun, "settle"):
+        autorun.settle(enable=False)
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

@@ -143,12 +143,12 @@ CONFIG_READING_PACK = """
 
 
 @pytest.mark.parametrize("build", ["LlamaForCausalLM", "LlamaModel", "LlamaForSequenceClassification"])
-def test_patched_with_a_model_type_patches_every_class_built_in_it(install, monkeypatch, build: str) -> None:
+def test_patched_with_a_model_type_patches_every_class_built_in_it(install, build: str) -> None:
     """Issue 44.3: ``patched("llama")`` planned without a config, so a pack that reads one claimed nothing (but
     did in the generic head's nested ``from_config``)."""
     import transformers
 
-    monkeypatch.syspath_prepend(str(install(PackSpec("configured", CONFIG_READING_PACK))))
+    install(PackSpec("configured", CONFIG_READING_PACK))  # first on sys.path until the test ends (conftest)
     hfpatch_core.enable("configured")
     config = tiny_config("llama")
     for form in ("llama", config):

@@ -75,17 +75,20 @@ def _without(directory: Path, *keys: str) -> Path:
     return directory
 
 
-def _run(checkpoint: Path, **env: str) -> dict:
+def _start(checkpoint: Path, **env: str) -> subprocess.Popen[str]:
     assert (PACKS_SITE / "hfpatch_pack_fused_dense").is_dir(), f"no first-party packs in {PACKS_SITE}: run make venv"
     environment = {k: v for k, v in os.environ.items() if not k.startswith(("HF_PATCH", "HFPATCH"))}
     environment["PYTHONPATH"] = os.pathsep.join(path for path in (str(PACKS_SITE), CHECKOUT) if path)
     environment.update(USE_HUB_KERNELS="0", OMP_NUM_THREADS="1", **env)
-    done = subprocess.run(
-        [sys.executable, "-c", LOAD, str(checkpoint)], env=environment, capture_output=True, text=True, timeout=300
-    )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    result = json.loads(done.stdout.strip().splitlines()[-1])
-    result["stderr"] = done.stderr
+    command = [sys.executable, "-c", LOAD, str(checkpoint)]
+    return subprocess.Popen(command, env=environment, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _result(process: subprocess.Popen[str]) -> dict:
+    stdout, stderr = process.communicate(timeout=300)
+    assert process.returncode == 0, stdout[-3000:] + stderr[-3000:]
+    result = json.loads(stdout.strip().splitlines()[-1])
+    result["stderr"] = stderr
     return result
 
 
@@ -96,8 +99,17 @@ def without_k(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return _without(directory, "model.layers.0.self_attn.k_proj.weight")
 
 
-def test_a_fused_part_missing_loads_as_vanilla_by_default(without_k: Path) -> None:
-    seen = _run(without_k, HF_PATCH_PACKS="fused-dense")
+@pytest.fixture(scope="module")
+def loads(without_k: Path) -> dict[str, dict]:
+    """What a user sees loading it with ``HF_PATCH_PACKS=fused-dense``, by default and with
+    ``HF_PATCH_STRICT=1`` (the two processes run side by side)."""
+    default = _start(without_k, HF_PATCH_PACKS="fused-dense")
+    strict = _start(without_k, HF_PATCH_PACKS="fused-dense", HF_PATCH_STRICT="1")
+    return {"default": _result(default), "strict": _result(strict)}
+
+
+def test_a_fused_part_missing_loads_as_vanilla_by_default(loads: dict[str, dict]) -> None:
+    seen = loads["default"]
     assert "error" not in seen, seen
     assert seen["plan"]
     assert seen["missing"] == ["model.layers.0.self_attn.k_proj.weight"] and seen["unexpected"] == []
@@ -110,8 +122,8 @@ def test_a_fused_part_missing_loads_as_vanilla_by_default(without_k: Path) -> No
     assert "(?!" not in seen["stderr"] and "issues during automatic conversion" not in seen["stderr"]
 
 
-def test_a_fused_part_missing_is_a_weight_layout_error_in_strict_mode(without_k: Path) -> None:
-    seen = _run(without_k, HF_PATCH_PACKS="fused-dense", HF_PATCH_STRICT="1")
+def test_a_fused_part_missing_is_a_weight_layout_error_in_strict_mode(loads: dict[str, dict]) -> None:
+    seen = loads["strict"]
     assert seen.get("error") == "WeightLayoutError", seen
     assert "model.layers.0.self_attn.k_proj.weight: missing from the checkpoint" in seen["message"]
     assert "pack 'fused-dense'" in seen["message"] and "strict mode" in seen["message"]

@@ -445,13 +445,14 @@ def secure(model: nn.Module, plan: Plan, loading_info: Mapping[str, Any] | None,
     the load ran transformers' own conversions), and, where a replacement declares packed
     modules or ``hfpatch_hidden_from_adapters``, PEFT's injection hooked (``adapters``).
     ``strict``: weights the checkpoint lacks are an error, not a warning (``check_loading_info``)."""
-    if loading_info is not None and plan.touches_weights:
-        check_loading_info(model, plan, loading_info, strict=strict)
     recorded = getattr(model, "_weight_conversions", None)
     if loading_info is None and plan.conversions and recorded is None:
         object.__setattr__(model, "_weight_conversions", reversible_conversions(model))
     elif loading_info is not None and plan.touches_weights and recorded is not None:
         _save_with_all_conversions(model, recorded)
+    if loading_info is not None and plan.touches_weights:
+        # after the conversions are settled: its messages spell keys as the checkpoint does, through them
+        check_loading_info(model, plan, loading_info, strict=strict)
     guard_saving(model, plan)
     # Trainer's resume loads the original layout (hfpatch_core._runtime.state_dicts): a model a pack
     # touched needs it, and so does one whose load ran transformers' own conversions (5.25

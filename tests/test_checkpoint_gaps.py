@@ -226,3 +226,20 @@ def test_sized_concatenate_zero_fills_and_records_a_missing_part() -> None:
         2,
     )
     assert parts_not_in_checkpoint(model) == []  # read once
+
+
+def test_qwen_moe_fused_attention_missing_a_part_loads_the_others(first_party, tmp_path: Path) -> None:
+    """The same generic path for another pack's ``SizedConcatenate`` (qwen-moe's fused q/k/v of qwen3_moe)."""
+    from transformers import AutoModelForCausalLM
+
+    key = "model.layers.1.self_attn.q_proj.weight"
+    directory = _without(tiny_checkpoint("qwen3_moe", tmp_path / "qwen3_moe"), key)
+    checkpoint = load_file(directory / "model.safetensors")
+    with hfpatch_core.enabled(packs="qwen-moe", strict=False):
+        model, info = AutoModelForCausalLM.from_pretrained(directory, output_loading_info=True)
+    assert sorted(info["missing_keys"]) == [key]
+    fused = model.get_parameter("model.layers.1.self_attn.qkv_proj.weight").detach()
+    k, v = (checkpoint[f"model.layers.1.self_attn.{name}_proj.weight"] for name in "kv")
+    q_rows = fused.shape[0] - k.shape[0] - v.shape[0]
+    assert torch.equal(fused[q_rows : q_rows + k.shape[0]], k) and torch.equal(fused[q_rows + k.shape[0] :], v)
+    assert fused[:q_rows].abs().sum() > 0  # initialised

@@ -35,19 +35,19 @@ _NOT_IN_CHECKPOINT: weakref.WeakKeyDictionary[Any, list[PartNotInCheckpoint]] = 
 _NOT_A_NAME = re.compile(r"\(\?<?[!=][^)]*\)|^\^|\$$")
 
 
-def pattern_name(pattern: str) -> str:
+def _pattern_name(pattern: str) -> str:
     """The name a converter's source or target ``pattern`` matches, as a checkpoint spells it:
     look-arounds and anchors dropped, escaped dots plain (``self_attn.k_proj.weight(?!@llama)``
     -> ``self_attn.k_proj.weight``)."""
     return _NOT_A_NAME.sub("", pattern).replace("\\.", ".")
 
 
-def checkpoint_key(full_target: str | None, target_pattern: str, source_pattern: str) -> str:
+def _checkpoint_key(full_target: str | None, target_pattern: str, source_pattern: str) -> str:
     """The checkpoint key of ``source_pattern`` whose tensor makes ``full_target`` (a parameter
     name the target pattern matches): ``model.layers.0.self_attn.k_proj.weight`` for
     ``model.layers.0.self_attn.qkv_proj.weight``; the source's name alone where the target
     is not in it."""
-    target, source = pattern_name(target_pattern), pattern_name(source_pattern)
+    target, source = _pattern_name(target_pattern), _pattern_name(source_pattern)
     if not full_target or target not in full_target:
         return source
     prefix, _, suffix = full_target.partition(target)
@@ -321,7 +321,7 @@ class SizedConcatenate(ConversionOps):
             value = input_dict.pop(pattern)
             tensors.extend(value if isinstance(value, list) else [value])
         found = tuple(int(tensor.shape[self.dim]) for tensor in tensors)
-        keys = [checkpoint_key(target, target_patterns[0], pattern) for pattern in source_patterns]
+        keys = [_checkpoint_key(target, target_patterns[0], pattern) for pattern in source_patterns]
         if len(present) == len(self.sizes) and not all(present) and tensors:
             return {target_patterns[0]: self._with_parts_missing(tensors, present, keys, kwargs)}
         fully_sharded = _fully_sharded_target(kwargs.get("model"), target, self.dim)
@@ -350,12 +350,18 @@ class SizedConcatenate(ConversionOps):
         expected = tuple(size for size, here in zip(self.sizes, present, strict=True) if here)
         found = tuple(int(tensor.shape[self.dim]) for tensor in tensors)
         missing = [key for key, here in zip(keys, present, strict=True) if not here]
+        there = [key for key, here in zip(keys, present, strict=True) if here]
         model = kwargs.get("model")
-        if found != expected or _fully_sharded_target(model, kwargs.get("full_layer_name"), self.dim) is not None:
+        if found != expected:
             raise ValueError(
-                f"{self!r}: the checkpoint lacks {missing} and its other parts "
-                f"{[key for key, here in zip(keys, present, strict=True) if here]} have sizes {list(found)} along "
-                f"dim {self.dim} (expected {list(expected)}); a sharded load needs every part in the checkpoint"
+                f"{self!r}: the checkpoint lacks {missing}, and its other parts {there} have sizes {list(found)} "
+                f"along dim {self.dim}, not {list(expected)} (a checkpoint of another configuration of the model, "
+                "or a sharded load: sharded, every part must be in the checkpoint)"
+            )
+        if _fully_sharded_target(model, kwargs.get("full_layer_name"), self.dim) is not None:
+            raise ValueError(
+                f"{self!r}: the checkpoint lacks {missing}; a load sharded by FSDP2 cuts each rank's rows of the "
+                "fused tensor from every part, so every part must be in the checkpoint (load it on one process)"
             )
         target = str(kwargs.get("full_layer_name"))
         shape = list(tensors[0].shape)

@@ -337,8 +337,9 @@ class Lock:
     Attributes:
         path: the file it was read from (or is written to).
         selection: the ``HF_PATCH_PACKS`` value it was written with (``"all"`` when unset).
-        transformers: the transformers version it was written with (shown, not compared:
-            a plan that changes with it is).
+        transformers: the transformers version it was written with: not compared for the
+            model types it has plans for (a plan that changes with it is); a load of
+            another model type the packs change passes only under this version.
         packs: the selected packs, by name.
         plans: the plan of each model type, by model type.
     """

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import transformers
 from transformers import LlamaForCausalLM
 
 import hfpatch_core
@@ -146,16 +147,26 @@ def test_a_different_plan_with_the_same_packs_fails_the_load(install, monkeypatc
     assert main(["--no-cache", "lock", "--check", str(lock)]) == 1
 
 
-def test_a_model_type_the_lock_has_no_plan_for_fails_only_when_patched(install, monkeypatch, tmp_path) -> None:
+def test_a_model_type_the_lock_has_no_plan_for_passes_under_the_locked_transformers_only(
+    install, monkeypatch, tmp_path
+) -> None:
+    """Issue 44.6: the locked packs, unchanged, decide now what they decided when the lock was written,
+    for every model type, planned then or not; under another transformers they may not."""
     install(PackSpec("mlp", MLP_PACK))
     monkeypatch.setenv("HF_PATCH_PACKS", "mlp")
     lock = tmp_path / "hfpatch.lock"
     data = write_lock(lock)
     del data["plans"]["llama"]
     lock.write_text(json.dumps(data))
+    with hfpatch_core.enabled(lock=lock):
+        model = load()
+    assert type(model.model.layers[0].mlp).__name__ == "PackMLP"
+    data["transformers"] = "5.0.0.dev0"
+    lock.write_text(json.dumps(data))
     with hfpatch_core.enabled(lock=lock), pytest.raises(hfpatch_core.LockError) as caught:
         load()
     assert "model type 'llama' has no plan in the lock" in str(caught.value)
+    assert f"transformers is {transformers.__version__} (locked: 5.0.0.dev0)" in str(caught.value)
     assert "--model-type llama" in str(caught.value)
 
 
@@ -378,3 +389,77 @@ def test_a_lock_of_the_previous_format_is_refused_with_how_to_write_it_again(loc
     lock.write_text(json.dumps(data))
     with pytest.raises(hfpatch_core.LockError, match=r"not an hfpatch lock of format 2 .*hfpatch lock -o"):
         hfpatch_core.enable(lock=lock)
+
+
+#: Loads a tiny checkpoint (argv[1]) as a job does under HF_PATCH_LOCK; prints the attention class or the error.
+_FLEET_LOAD = """
+import sys
+import hfpatch_core
+hfpatch_core.enable()
+from transformers import AutoModelForCausalLM
+try:
+    model = AutoModelForCausalLM.from_pretrained(sys.argv[1])
+except hfpatch_core.LockError as exc:
+    print("LockError:", exc)
+else:
+    print(type(model.model.layers[0].self_attn).__name__)
+"""
+
+
+def _installed_first_party(site: Path, *packages: str) -> Path:
+    """The first-party packs ``packages`` as ``make venv`` installed them (files and RECORD), copied to ``site``."""
+    built = Path(sys.prefix) / "first-party-packs"
+    assert (built / "hfpatch_pack_fused_dense").is_dir(), f"no first-party packs in {built}: run make venv"
+    for package in packages:
+        shutil.copytree(built / package, site / package)
+        for dist_info in built.glob(f"{package}-*.dist-info"):
+            shutil.copytree(dist_info, site / dist_info.name)
+    return site
+
+
+def test_a_fleet_lock_holds_every_model_type_its_packs_apply_to(tmp_path) -> None:
+    """Issue 44.6: ``HF_PATCH_PACKS=qwen-moe,fused-dense hfpatch lock`` plans the types the packs declare
+    (no mixtral); a mixtral load under that lock gets fused-dense, and fails once a locked pack changed."""
+    import os
+    import subprocess
+
+    from hfpatch_core.testing import tiny_checkpoint
+
+    site = _installed_first_party(tmp_path / "site", "hfpatch_pack_qwen_moe", "hfpatch_pack_fused_dense")
+    checkout = str(Path(hfpatch_core.__file__).resolve().parents[1])
+    environment = {k: v for k, v in os.environ.items() if not k.startswith(("HF_PATCH", "HFPATCH"))}
+    environment.update(
+        PYTHONPATH=os.pathsep.join([str(site), checkout]),
+        HF_PATCH_CACHE=str(tmp_path / "cache"),
+        USE_HUB_KERNELS="0",
+        OMP_NUM_THREADS="1",
+    )
+    lock = tmp_path / "hfpatch.lock"
+    written = subprocess.run(
+        [sys.executable, "-m", "hfpatch_core", "lock", "-o", str(lock)],
+        env={**environment, "HF_PATCH_PACKS": "qwen-moe,fused-dense"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert written.returncode == 0, written.stdout + written.stderr
+    assert "mixtral" not in json.loads(lock.read_text())["plans"]
+    checkpoint = tiny_checkpoint("mixtral", tmp_path / "mixtral")
+
+    def load_under_lock() -> str:
+        done = subprocess.run(
+            [sys.executable, "-c", _FLEET_LOAD, str(checkpoint)],
+            env={**environment, "HF_PATCH_LOCK": str(lock)},
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        return done.stdout.strip().splitlines()[-1]
+
+    assert load_under_lock() == "FusedQKVMixtralAttention"
+    with open(site / "hfpatch_pack_fused_dense" / "__init__.py", "a") as handle:
+        handle.write("# edited in place\n")
+    changed = load_under_lock()
+    assert changed.startswith("LockError:")
+    assert "edited since installed: hfpatch_pack_fused_dense/__init__.py" in changed

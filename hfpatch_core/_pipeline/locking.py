@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import functools
 import hashlib
 import json
 import os
@@ -29,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 from ..errors import LockError
 from ..settings import PACKS_ENV
 from .discovery import PackInfo
-from .selection import Selection
+from .selection import Selection, installed_transformers_version
 
 if TYPE_CHECKING:
     from ..plan import Plan
@@ -336,8 +337,9 @@ class Lock:
     Attributes:
         path: the file it was read from (or is written to).
         selection: the ``HF_PATCH_PACKS`` value it was written with (``"all"`` when unset).
-        transformers: the transformers version it was written with (shown, not compared:
-            a plan that changes with it is).
+        transformers: the transformers version it was written with: not compared for the
+            model types it has plans for (a plan that changes with it is); a load of
+            another model type the packs change passes only under this version.
         packs: the selected packs, by name.
         plans: the plan of each model type, by model type.
     """
@@ -467,17 +469,33 @@ class Lock:
 
     def plan_changes(self, plan: Plan, source: str = "") -> list[str]:
         """How ``plan`` differs from the locked plan of its model type, one phrase each; a model
-        type the lock has no plan for differs when the plan replaces or converts anything."""
+        type the lock has no plan for differs only when the plan replaces or converts anything
+        and transformers is not the locked version (``decision_changes``)."""
         now = LockedPlan.of(plan, source)
         if now.model_type not in self.plans and not plan.entries and not plan.conversions and not plan.steps:
             return []
         return self.decision_changes(now)
 
     def decision_changes(self, now: LockedPlan) -> list[str]:
-        """How ``now`` (a plan as the lock records it) differs from the locked plan of its model type."""
+        """How ``now`` (a plan as the lock records it) differs from the locked plan of its model type.
+
+        A model type the lock has no plan for (``hfpatch lock`` plans the model types the packs
+        declare or claim without a config; fused-dense applies to hundreds more) passes when
+        the installed transformers is the locked version: the packs are the locked ones, file
+        for file (``check_packs`` runs first), so what they decide now is what they decided
+        when the lock was written.  Under another transformers it differs when the packs
+        replace, convert or install anything in it.
+        """
         locked = self.plans.get(now.model_type)
         if locked is None:
             if not now.claims and not now.converters and not now.steps:
+                return []
+            installed = _transformers_version()
+            if installed == self.transformers:
+                # the packs were checked unchanged (check_packs, before any plan), and transformers is
+                # the locked one: what they decide now for this model type is what they decided when
+                # the lock was written, had it been planned then (a fleet lock holds every model its
+                # packs apply to, fused-dense's ~200 model types, without planning each one)
                 return []
             what = ", ".join(
                 [
@@ -486,7 +504,11 @@ class Lock:
                     *(f"step {s}" for s in now.steps),
                 ]
             )
-            return [f"model type {now.model_type or '?'!r} has no plan in the lock, and the packs would apply {what}"]
+            return [
+                f"model type {now.model_type or '?'!r} has no plan in the lock, the packs would apply {what}, and "
+                f"transformers is {installed} (locked: {self.transformers}), with which the locked packs may decide "
+                "otherwise than they did"
+            ]
         if locked.decision == now.decision:
             return []
         return locked.differences(now)
@@ -520,6 +542,12 @@ class Lock:
         if changes:
             model_type = plan.context.model_type if plan.context is not None else None
             raise self.error(changes, model_types=[model_type or ""])
+
+
+@functools.cache
+def _transformers_version() -> str:
+    """The installed transformers version (its metadata, read once: a process does not change it)."""
+    return installed_transformers_version()
 
 
 def read_lock(path: str | os.PathLike[str]) -> Lock:

@@ -10,13 +10,14 @@ module whose code raised only through the ``self`` of its traceback frames.
 from __future__ import annotations
 
 import dataclasses
+import re
 import sys
 import types
 from typing import Any
 
 from .. import _compat
 from ..conversion import source_patterns_of
-from ..errors import ConverterConflictError, HfPatchError, PackError
+from ..errors import ConverterConflictError, HfPatchError, PackError, WeightLayoutError
 from ..plan import BUILTIN, Claim, Plan
 from ..settings import PACKS_ENV
 
@@ -104,11 +105,16 @@ def blame(exc: BaseException, plan: Plan) -> HfPatchError | None:
     """A PackError naming the replacement class whose code raised ``exc``, if one did; else the
     claim that replaced the class of a model being built (a catch-all pattern such as ``".*"``
     also replaces the model class and every config class, and transformers' code then fails
-    far from the pack); or a ``ConverterConflictError`` when ``exc`` is transformers refusing a
-    fused module's transform that a pack's converter competes with (see ``fusion_conflict``)."""
+    far from the pack); a ``ConverterConflictError`` when ``exc`` is transformers refusing a
+    fused module's transform that a pack's converter competes with (see ``fusion_conflict``);
+    or a ``WeightLayoutError`` when a pack's converter failed on the checkpoint's tensors
+    (see ``conversion_failure``)."""
     conflict = fusion_conflict(exc, plan)
     if conflict is not None:
         return conflict
+    failed = conversion_failure(exc, plan)
+    if failed is not None:
+        return failed
     claims: dict[type, Claim] = {claim.patch.replacement: claim for each in plan.all_plans() for claim in each.entries}
     culprit = None
     traceback = exc.__traceback__
@@ -176,3 +182,70 @@ def fusion_conflict(exc: BaseException, plan: Plan) -> ConverterConflictError | 
                     "or tie the converter to the patch the fusion replaces (Converter(..., patch_targets=...))."
                 )
     return None
+
+
+#: A look-around in a conversion pattern (hfpatch's ``(?!@llama)`` marks, transformers' own):
+#: no part of a name, dropped from what a message quotes.
+_LOOK_AROUND = re.compile(r"\(\?<?[!=][^)]*\)")
+
+
+def _conversion_errors(exc: BaseException) -> dict[str, str]:
+    """The ``conversion_errors`` of the loading info of the load ``exc`` ended (``{}`` if none).
+
+    transformers 5.25 records each failed conversion there (the target parameter -> the
+    operation's traceback and message) and, once the load report is logged, raises a
+    ``RuntimeError`` that only points at that report; the info itself is a local of the
+    loader's frames that ``exc`` went through.
+    """
+    traceback = exc.__traceback__
+    while traceback is not None:
+        info = traceback.tb_frame.f_locals.get("loading_info")
+        errors = getattr(info, "conversion_errors", None)
+        if isinstance(errors, dict) and errors:
+            return {str(key): str(value) for key, value in errors.items()}
+        traceback = traceback.tb_next
+    return {}
+
+
+def _cause(recorded: str) -> str:
+    """The operation's own message in one of transformers' ``conversion_errors`` entries
+    (its traceback, then the message, then transformers' ``Error: ... destined for``
+    line), look-arounds dropped."""
+    message = recorded.rsplit("\nError", 1)[0]
+    lines = [line for line in message.splitlines() if line.strip()]
+    return _LOOK_AROUND.sub("", lines[-1] if lines else recorded).strip()
+
+
+def conversion_failure(exc: BaseException, plan: Plan) -> WeightLayoutError | None:
+    """The pack whose converter failed on the checkpoint's tensors, named with what it said.
+
+    transformers turns a converter's exception into an entry of its loading report and a
+    bare ``RuntimeError`` ("issues during automatic conversion of the weights") after the
+    load; where the failed targets are a pack's converter's, the error names the pack, each
+    target parameter and the operation's message (without the patterns' internal marks).
+    Conversions of transformers' own are left to its error.
+    """
+    if not isinstance(exc, RuntimeError):
+        return None
+    errors = _conversion_errors(exc)
+    if not errors:
+        return None
+    from .layout import converter_owner
+
+    lines, packs = [], []
+    for target, recorded in sorted(errors.items()):
+        pack = converter_owner(target, plan)
+        if pack is None:
+            continue
+        packs.append(pack)
+        lines.append(f"{target} (converter of pack {pack!r}): {_cause(recorded)}")
+    if not lines:
+        return None
+    named = ", ".join(repr(pack) for pack in dict.fromkeys(packs))
+    return WeightLayoutError(
+        f"the checkpoint's tensors do not convert into the patched model's ({len(lines)} parameters):\n  "
+        + "\n  ".join(lines)
+        + f"\nThe checkpoint does not fit what pack {named} expects (another configuration of the model, or a "
+        f"checkpoint edited by hand); load it with the config it was saved with, or without the pack "
+        f"({PACKS_ENV}=all,-{packs[0]})."
+    )

@@ -24,6 +24,7 @@ import torch.nn as nn
 
 from .._scope import vanilla
 from ..authoring.peft import concerns_adapters, watch_peft
+from ..authoring.sized import PartNotInCheckpoint, parts_not_in_checkpoint
 from ..conversion import pattern_regex, source_patterns_of, target_patterns_of
 from ..errors import PackWarning, WeightLayoutError
 from ..plan import BUILTIN, Plan, plan_of
@@ -47,7 +48,8 @@ def _module_owners(model: nn.Module, plan: Plan) -> dict[str, str]:
     return owners
 
 
-def _converter_owner(key: str, plan: Plan) -> str | None:
+def converter_owner(key: str, plan: Plan) -> str | None:
+    """The pack whose converter's source or target patterns match ``key`` (``None``: no pack's)."""
     lists = [entries for each in plan.all_plans() for entries in each.conversions.lists.values()]
     for entries in lists:
         for entry in entries:
@@ -69,7 +71,7 @@ def owner_of(key: str, owners: Mapping[str, str], plan: Plan, prefix: str = "") 
             path = ".".join(parts[:end])
             if path in owners:
                 return owners[path]
-    return _converter_owner(key, plan)
+    return converter_owner(key, plan)
 
 
 def _past_a_container(key: str, modules: Mapping[str, nn.Module], prefix: str) -> bool:
@@ -94,6 +96,83 @@ def _replaced_module(key: str, owners: Mapping[str, str], prefix: str) -> str:
     return key.rsplit(".", 2)[0]
 
 
+#: transformers' flag on a tensor it loaded or initialised, which its init functions skip.
+_INITIALIZED = "_is_hf_initialized"
+
+
+def _initialise_parts(model: nn.Module, parts: list[PartNotInCheckpoint]) -> None:
+    """Initialise each part of a fused parameter the checkpoint lacked as vanilla transformers
+    initialises that weight: the model's ``_init_weights`` on the module the checkpoint key
+    names (``self_attn.k_proj``, a view of its rows of the fused ``qkv_proj`` in a fused
+    model), else on the fused parameter's module; only the part's rows are kept.  Rows that
+    neither rule writes (a module the model's rule does not know) stay zero.
+    """
+    for part in parts:
+        try:
+            fused = model.get_parameter(part.target)
+        except AttributeError:
+            continue
+        if fused.is_meta:
+            continue  # offloaded (device_map "disk"): nor are transformers' own missing weights there
+        before = fused.detach().clone()
+        rows = fused.detach().narrow(part.dim, part.start, part.size)
+        rows.fill_(float("nan"))
+        flagged = getattr(fused, _INITIALIZED, False)
+        if flagged:
+            delattr(fused, _INITIALIZED)
+        try:
+            with torch.no_grad():
+                for path in (part.key.rpartition(".")[0], part.target.rpartition(".")[0]):
+                    try:
+                        module = model.get_submodule(path)
+                    except AttributeError:
+                        continue
+                    init_weights: Any = model._init_weights  # PreTrainedModel's (torch types it as a tensor)
+                    init_weights(module)
+                    if not bool(torch.isnan(rows).any()):
+                        break
+        finally:
+            if flagged:
+                setattr(fused, _INITIALIZED, True)
+        with torch.no_grad():
+            initialised = torch.nan_to_num(rows, nan=0.0)
+            fused.copy_(before)
+            fused.narrow(part.dim, part.start, part.size).copy_(initialised)
+
+
+def _add_missing(info: Mapping[str, Any], keys: list[str]) -> None:
+    """Add ``keys`` to the ``missing_keys`` of transformers' loading info (a set in 5.25, a list in 5.3)."""
+    if not keys:
+        return
+    missing = info.get("missing_keys")
+    if isinstance(missing, set):
+        missing.update(keys)
+    elif isinstance(missing, list):
+        missing.extend(key for key in keys if key not in missing)
+    elif isinstance(info, dict):
+        info["missing_keys"] = set(keys)
+
+
+def _spelled(model: nn.Module, key: str) -> str:
+    """How the checkpoint spells the model's ``key`` where it spells it otherwise (`` (checkpoint
+    keys: ...)``), else ``""``: the model's conversions reversed on one meta tensor, as
+    ``save_pretrained`` reverses them (``qkv_proj.weight`` -> ``q_proj`` / ``k_proj`` / ``v_proj``;
+    mixtral's ``mlp.experts.0.w1.weight`` -> ``block_sparse_moe.experts.0.w1.weight``)."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    try:
+        shape = tuple(model.get_parameter(key).shape)
+    except AttributeError:
+        shape = (0,)  # a part of a fused parameter: no parameter of the model has its name
+    try:
+        names = list(revert_weight_conversion(model, {key: torch.empty(shape, device="meta")}))  # type: ignore[arg-type]
+    except Exception:  # a conversion that cannot run on one meta tensor: the model's name alone
+        return ""
+    if not names or names == [key]:
+        return ""
+    return f" (checkpoint key{'s' if len(names) > 1 else ''}: {', '.join(names)})"
+
+
 def check_loading_info(model: nn.Module, plan: Plan, info: Mapping[str, Any], *, strict: bool = True) -> None:
     """Check every key transformers reports missing, unexpected or mismatched that a pack is responsible for.
 
@@ -104,12 +183,17 @@ def check_loading_info(model: nn.Module, plan: Plan, info: Mapping[str, Any], *,
     ``missing_keys`` (``output_loading_info=True``), logs and initialises: the same here,
     with a warning on the ``hfpatch`` logger naming the pack, unless ``strict``
     (``HF_PATCH_STRICT=1``, ``enable(strict=True)``) makes it an error.  A fused weight
-    some of whose parts are in the checkpoint never loads half random: the pack's
-    ``SizedConcatenate`` refuses the parts it gets, and the load raises.
+    some of whose parts are not in the checkpoint (``k_proj`` of a ``qkv_proj``) is
+    loaded as vanilla loads the unfused ones: the parts it has, the others initialised
+    by ``SizedConcatenate``, whose checkpoint keys are added to ``missing_keys`` here
+    (``info`` is the loading info the caller gets) and reported as the others are.
 
     Raises:
         WeightLayoutError: a module the pack did not map, or ``strict`` and any reported key.
     """
+    parts = parts_not_in_checkpoint(model)
+    _initialise_parts(model, parts)
+    _add_missing(info, [part.key for part in parts])
     kinds = ("missing_keys", "unexpected_keys", "mismatched_keys")
     if not any(info.get(kind) for kind in kinds):
         return  # the usual case: nothing to attribute, so no walk over the model
@@ -136,6 +220,9 @@ def check_loading_info(model: nn.Module, plan: Plan, info: Mapping[str, Any], *,
         kind == "unexpected_keys" and _replaced_module(key, owners, prefix) in missing_in for kind, key, _, _ in found
     )
     problems = [f"{key}: {label}; touched by pack {pack!r}" for _, key, label, pack in found]
+    problems[:20] = [
+        f"{key}{_spelled(model, key)}: {label}; touched by pack {pack!r}" for _, key, label, pack in found[:20]
+    ]
     shown = "\n  ".join(problems[:20])
     more = f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else ""
     if unmapped:
@@ -358,13 +445,14 @@ def secure(model: nn.Module, plan: Plan, loading_info: Mapping[str, Any] | None,
     the load ran transformers' own conversions), and, where a replacement declares packed
     modules or ``hfpatch_hidden_from_adapters``, PEFT's injection hooked (``adapters``).
     ``strict``: weights the checkpoint lacks are an error, not a warning (``check_loading_info``)."""
-    if loading_info is not None and plan.touches_weights:
-        check_loading_info(model, plan, loading_info, strict=strict)
     recorded = getattr(model, "_weight_conversions", None)
     if loading_info is None and plan.conversions and recorded is None:
         object.__setattr__(model, "_weight_conversions", reversible_conversions(model))
     elif loading_info is not None and plan.touches_weights and recorded is not None:
         _save_with_all_conversions(model, recorded)
+    if loading_info is not None and plan.touches_weights:
+        # after the conversions are settled: its messages spell keys as the checkpoint does, through them
+        check_loading_info(model, plan, loading_info, strict=strict)
     guard_saving(model, plan)
     # Trainer's resume loads the original layout (hfpatch_core._runtime.state_dicts): a model a pack
     # touched needs it, and so does one whose load ran transformers' own conversions (5.25

@@ -9,6 +9,9 @@ parts, and release the checkpoint pages they read (``_pages``).
 
 from __future__ import annotations
 
+import dataclasses
+import re
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -18,6 +21,65 @@ from ..errors import InvalidPatchError
 from ._pages import release, trim_heap
 
 __all__ = ["SizedConcatenate", "SizedSplit"]
+
+
+#: model being loaded -> the parts of fused tensors a ``SizedConcatenate`` did not find in the
+#: checkpoint (``parts_not_in_checkpoint``).  transformers gives a conversion
+#: no way to report a key of its own: ``missing_keys`` holds the model's parameter names only
+#: (its ``_move_missing_keys_from_meta_to_device`` looks each one up), and any conversion
+#: error fails the whole load.
+_NOT_IN_CHECKPOINT: weakref.WeakKeyDictionary[Any, list[PartNotInCheckpoint]] = weakref.WeakKeyDictionary()
+
+#: What a source or target pattern holds besides the name it matches: look-arounds (hfpatch's
+#: ``(?!@llama)`` marks, transformers' own), anchors.
+_NOT_A_NAME = re.compile(r"\(\?<?[!=][^)]*\)|^\^|\$$")
+
+
+def _pattern_name(pattern: str) -> str:
+    """The name a converter's source or target ``pattern`` matches, as a checkpoint spells it:
+    look-arounds and anchors dropped, escaped dots plain (``self_attn.k_proj.weight(?!@llama)``
+    -> ``self_attn.k_proj.weight``)."""
+    return _NOT_A_NAME.sub("", pattern).replace("\\.", ".")
+
+
+def _checkpoint_key(full_target: str | None, target_pattern: str, source_pattern: str) -> str:
+    """The checkpoint key of ``source_pattern`` whose tensor makes ``full_target`` (a parameter
+    name the target pattern matches): ``model.layers.0.self_attn.k_proj.weight`` for
+    ``model.layers.0.self_attn.qkv_proj.weight``; the source's name alone where the target
+    is not in it."""
+    target, source = _pattern_name(target_pattern), _pattern_name(source_pattern)
+    if not full_target or target not in full_target:
+        return source
+    prefix, _, suffix = full_target.partition(target)
+    return prefix + source + suffix
+
+
+@dataclasses.dataclass(frozen=True)
+class PartNotInCheckpoint:
+    """A part of a fused parameter that the checkpoint lacks, which ``SizedConcatenate`` zero-filled.
+
+    Attributes:
+        key: the checkpoint key it would have had (``model.layers.0.self_attn.k_proj.weight``).
+        target: the model's fused parameter (``model.layers.0.self_attn.qkv_proj.weight``).
+        dim: the dimension the parts are concatenated along.
+        start: where the part starts along ``dim``.
+        size: its size along ``dim``.
+    """
+
+    key: str
+    target: str
+    dim: int
+    start: int
+    size: int
+
+
+def parts_not_in_checkpoint(model: Any) -> list[PartNotInCheckpoint]:
+    """The fused parts that ``SizedConcatenate`` did not find in the checkpoint while loading
+    ``model`` (left zero), forgotten once read.  hfpatch's load check calls it after each
+    patched ``from_pretrained``, initialises them as the model initialises a missing weight
+    and reports their keys as transformers reports a missing key (``missing_keys``, a
+    warning; an error in strict mode)."""
+    return _NOT_IN_CHECKPOINT.pop(model, [])
 
 
 def _sizes(sizes: Sequence[int], what: str) -> tuple[int, ...]:
@@ -250,6 +312,8 @@ class SizedConcatenate(ConversionOps):
 
         if len(target_patterns) != 1:
             raise ValueError(f"{self!r} makes one tensor, got targets {target_patterns}")
+        target = kwargs.get("full_layer_name")
+        present = [pattern in input_dict for pattern in source_patterns]
         tensors = []
         for pattern in source_patterns:
             if pattern not in input_dict:
@@ -257,18 +321,63 @@ class SizedConcatenate(ConversionOps):
             value = input_dict.pop(pattern)
             tensors.extend(value if isinstance(value, list) else [value])
         found = tuple(int(tensor.shape[self.dim]) for tensor in tensors)
-        fully_sharded = _fully_sharded_target(kwargs.get("model"), kwargs.get("full_layer_name"), self.dim)
+        keys = [_checkpoint_key(target, target_patterns[0], pattern) for pattern in source_patterns]
+        if len(present) == len(self.sizes) and not all(present) and tensors:
+            return {target_patterns[0]: self._with_parts_missing(tensors, present, keys, kwargs)}
+        fully_sharded = _fully_sharded_target(kwargs.get("model"), target, self.dim)
         if fully_sharded is not None:
-            fused = _cut_of_gathered(tensors, self.sizes, self.dim, fully_sharded, f"{self!r} for {source_patterns}")
+            fused = _cut_of_gathered(tensors, self.sizes, self.dim, fully_sharded, f"{self!r} for {keys}")
             return {target_patterns[0]: fused}
         if found != self.sizes and not _rank_shares(found, self.sizes):
             raise ValueError(
-                f"{self!r}: the checkpoint tensors for {source_patterns} have sizes {list(found)} along dim "
-                f"{self.dim}; the converter expects {list(self.sizes)}"
+                f"{self!r}: the checkpoint tensors {keys} have sizes {list(found)} along dim {self.dim}; "
+                f"the converter expects {list(self.sizes)} (a checkpoint of another configuration of the model?)"
             )
         fused = torch.cat(tensors, dim=self.dim)
         release(tensors)  # the checkpoint pages just copied: see pages.py
         return {target_patterns[0]: fused}
+
+    def _with_parts_missing(self, tensors: list[Any], present: list[bool], keys: list[str], kwargs: Any) -> Any:
+        """The fused tensor of a checkpoint that lacks some of its parts (``present``): the parts
+        it has copied in, the others zero and recorded (``parts_not_in_checkpoint``) for the
+        load check, which initialises and reports them as vanilla transformers initialises
+        and reports a weight the checkpoint lacks.
+
+        Raises:
+            ValueError: a part it has is not of its size, or the load is sharded (a rank's
+                share of a part cannot be told from a part of another size).
+        """
+        expected = tuple(size for size, here in zip(self.sizes, present, strict=True) if here)
+        found = tuple(int(tensor.shape[self.dim]) for tensor in tensors)
+        missing = [key for key, here in zip(keys, present, strict=True) if not here]
+        there = [key for key, here in zip(keys, present, strict=True) if here]
+        model = kwargs.get("model")
+        if found != expected:
+            raise ValueError(
+                f"{self!r}: the checkpoint lacks {missing}, and its other parts {there} have sizes {list(found)} "
+                f"along dim {self.dim}, not {list(expected)} (a checkpoint of another configuration of the model, "
+                "or a sharded load: sharded, every part must be in the checkpoint)"
+            )
+        if _fully_sharded_target(model, kwargs.get("full_layer_name"), self.dim) is not None:
+            raise ValueError(
+                f"{self!r}: the checkpoint lacks {missing}; a load sharded by FSDP2 cuts each rank's rows of the "
+                "fused tensor from every part, so every part must be in the checkpoint (load it on one process)"
+            )
+        target = str(kwargs.get("full_layer_name"))
+        shape = list(tensors[0].shape)
+        shape[self.dim] = sum(self.sizes)
+        fused = tensors[0].new_zeros(shape)
+        at, parts, absent = 0, iter(tensors), []
+        for size, key, here in zip(self.sizes, keys, present, strict=True):
+            if here:
+                fused.narrow(self.dim, at, size).copy_(next(parts))
+            else:
+                absent.append(PartNotInCheckpoint(key, target, self.dim, at, size))
+            at += size
+        release(tensors)  # the checkpoint pages just copied: see pages.py
+        if model is not None:
+            _NOT_IN_CHECKPOINT.setdefault(model, []).extend(absent)
+        return fused
 
     @property
     def reverse_op(self) -> ConversionOps:

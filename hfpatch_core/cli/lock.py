@@ -6,6 +6,8 @@ checkpoints ``--model`` names.  Planning imports transformers and every pack and
 for many model types: the targeted model types and each plan are kept in the cache
 (``cache.Cache``, keyed by the installed versions and the packs' files), so that a second
 ``lock --check`` reads the lock, hashes the packs and compares without importing either.
+A model type the lock did not plan is held by it too, under the locked transformers
+(``Lock.decision_changes``): the lock need not plan every model type its packs apply to.
 """
 
 from __future__ import annotations
@@ -229,6 +231,10 @@ def cmd_lock(args: argparse.Namespace) -> int:
     print(
         f"Run with {LOCK_ENV}={lock.path} (and {PACKS_ENV} unset, or {PACKS_ENV}={lock.selection}): a load whose "
         "packs or plan differ raises."
+    )
+    print(
+        f"A model type not planned here loads under it with the locked packs while transformers is {lock.transformers} "
+        "(docs/reproducible.md)."
     )
     return EXIT_OK
 

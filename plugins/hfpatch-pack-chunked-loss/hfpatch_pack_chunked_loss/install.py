@@ -43,10 +43,10 @@ DEFAULT_BUDGET = 256 * 2**20
 
 #: How many float32 chunk x vocabulary tensors one chunk's loss holds at once, at most: the
 #: logits (their transform's output and the float32 copy replace them), ``log_softmax``'s output
-#: saved for the backward, and in the backward the incoming gradient and the one it makes
-#: (a soft-cap's ``tanh`` output, saved too, is the fifth).  ``tests/test_budget.py`` measures a
-#: step's peak against the budget.
-LOGIT_COPIES = 5
+#: saved for the backward, and in the backward the gradient it receives and the one it makes; a
+#: soft-cap's ``tanh`` output, saved for its backward, is the fourth (a scale's product replaces
+#: the logits).  ``tests/test_budget.py`` measures a step's logits against the budget.
+LOGIT_COPIES = 4
 
 _UNITS = {"": 1, "b": 1, "k": 2**10, "kib": 2**10, "m": 2**20, "mib": 2**20, "g": 2**30, "gib": 2**30}
 _BYTES = re.compile(r"\s*(?P<number>\d+)\s*(?P<unit>[a-z]*)\s*")
@@ -87,12 +87,13 @@ def budget_from_env() -> int:
     return int(match["number"]) * _UNITS[match["unit"]]
 
 
-def chunk_for(budget: int, vocab: int) -> int:
-    """Tokens per chunk such that a chunk's logits (``LOGIT_COPIES`` float32 tensors) fit ``budget`` bytes.
+def chunk_for(budget: int, vocab: int, held: int = 0) -> int:
+    """Tokens per chunk such that a chunk's logits (``LOGIT_COPIES`` float32 tensors) and ``held`` bytes
+    (the last position's logits a training step returns) fit ``budget`` bytes.
 
     One token at least: a budget below one token's logits gives chunks of one token.
     """
-    return max(1, budget // (vocab * 4 * LOGIT_COPIES))
+    return max(1, (budget - held) // (vocab * 4 * LOGIT_COPIES))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,9 +115,9 @@ class Installed:
     budget: int | None = None
     aux_loss_coefficient: str | None = None
 
-    def chunk_of(self, vocab: int) -> int:
-        """Tokens per chunk for a head of ``vocab`` rows."""
-        return self.chunk if self.chunk is not None else chunk_for(self.budget or DEFAULT_BUDGET, vocab)
+    def chunk_of(self, vocab: int, held: int = 0) -> int:
+        """Tokens per chunk for a head of ``vocab`` rows, with ``held`` bytes of logits already alive."""
+        return self.chunk if self.chunk is not None else chunk_for(self.budget or DEFAULT_BUDGET, vocab, held)
 
 
 def _modules_named(model: nn.Module) -> dict[int, str]:
@@ -536,7 +537,7 @@ class _ChunkedForward:
             head,
             labels,
             installed.transform,
-            chunk=installed.chunk_of(int(head.weight.shape[0])),
+            chunk=installed.chunk_of(int(head.weight.shape[0]), _held(getattr(out, "logits", None))),
             num_items_in_batch=extra.get("num_items_in_batch"),
             ignore_index=extra.get("ignore_index", -100),
             shift_labels=extra.get("shift_labels"),
@@ -546,6 +547,12 @@ class _ChunkedForward:
             loss = loss + coefficient * aux.to(loss.device)
         out.loss = loss
         return out.to_tuple() if want_tuple else out
+
+
+def _held(logits: Any) -> int:
+    # the last position's logits the step returns, with what their graph saves (a soft-cap's tanh):
+    # counted as a chunk's tokens are
+    return logits.numel() * 4 * LOGIT_COPIES if isinstance(logits, torch.Tensor) else 0
 
 
 def _wants_tuple(model: nn.Module, arguments: dict[str, Any], extra: dict[str, Any]) -> bool:

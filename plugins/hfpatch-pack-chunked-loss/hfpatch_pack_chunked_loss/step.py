@@ -15,7 +15,7 @@ from torch import nn
 import hfpatch_core
 from hfpatch_core import LoadContext, ModelStep, Refusal
 
-from .install import ChunkedLossRefused, install, uninstall
+from .install import ChunkedLossRefused, budget_from_env, install, uninstall
 
 logger = logging.getLogger("hfpatch")
 
@@ -29,8 +29,10 @@ SAMPLE_MODEL_TYPES = ("llama", "gemma2", "granite")
 
 def install_step(model: nn.Module) -> Refusal | None:
     """``ModelStep.install``: the chunked loss on ``model``, or the refusal ``detect`` gives."""
+    # a budget that is not a number is the user's error, raised (a pack failure), not a refusal
+    budget = budget_from_env()
     try:
-        install(model)  # type: ignore[arg-type]
+        install(model, budget=budget)  # type: ignore[arg-type]
     except ChunkedLossRefused as exc:
         return _refused(type(model).__name__, str(exc))
     except Exception as exc:  # the probe runs the model's own forward: one this cannot run is not claimed

@@ -31,6 +31,7 @@ from .install import (
     detect,
     install,
     installed,
+    loss_computed_by,
     uninstall,
 )
 from .loss import HeadTransform, chunked_causal_lm_loss
@@ -53,6 +54,7 @@ __all__ = [
     "install",
     "install_step",
     "installed",
+    "loss_computed_by",
     "provide_model_steps",
     "provide_model_types",
     "uninstall",

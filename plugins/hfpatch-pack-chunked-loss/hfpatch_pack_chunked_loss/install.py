@@ -30,6 +30,7 @@ __all__ = [
     "detect",
     "install",
     "installed",
+    "loss_computed_by",
     "uninstall",
 ]
 
@@ -471,12 +472,12 @@ class _ChunkedForward:
     with it (a cycle the garbage collector breaks).
     """
 
-    def __init__(
-        self, model: nn.Module, decoder: nn.Module, head: nn.Linear, installed: Installed, original: Any
-    ) -> None:
+    def __init__(self, model: nn.Module, decoder: nn.Module, installed: Installed, original: Any) -> None:
         self.model = model
         self.decoder = decoder
-        self.head = head
+        self.active = False  # in a call of this forward (the decoder's hook then has nothing to say)
+        self.watch: _Watch | None = None
+        self.handles: list[Any] = []  # the _Watch's hook on the decoder, removed by uninstall
         self.installed = installed
         # a forward set on the instance before the install (another wrapper): called as the original
         self.original = original
@@ -493,21 +494,28 @@ class _ChunkedForward:
         return inspect.signature(self._target())
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        was, self.active = self.active, True
+        try:
+            return self._call(*args, **kwargs)
+        finally:
+            self.active = was
+
+    def _call(self, *args: Any, **kwargs: Any) -> Any:
         target = self._target()
-        model, head, installed = self.model, self.head, self.installed
+        model, installed = self.model, self.installed
         arguments = dict(inspect.signature(target).bind(*args, **kwargs).arguments)
         labels = arguments.get("labels")
         extra = dict(arguments.pop("kwargs", {}) or {})
-        current = model.get_output_embeddings()
+        head = _active_head(model.get_output_embeddings())  # type: ignore[assignment]
         if (
             self.disabled
             or labels is None
             or not model.training
             or not torch.is_grad_enabled()
-            or current is not head
-            or type(current) is not nn.Linear
-            or _sharded(current) is not None
+            or head is None
+            or _sharded(head) is not None
             or arguments.get("logits_to_keep", 0) != 0
+            or "adapter_names" in extra
         ):
             return target(*args, **kwargs)
         want_tuple = _wants_tuple(model, arguments, extra)
@@ -545,6 +553,8 @@ class _ChunkedForward:
         if aux is not None:
             coefficient = operator.attrgetter(installed.aux_loss_coefficient)(model)  # type: ignore[arg-type]
             loss = loss + coefficient * aux.to(loss.device)
+        if self.watch is not None and model.__dict__.get("forward") is not self:
+            self.watch.say(f"chunked-loss (called with labels by {_described(model.__dict__.get('forward'))})")
         out.loss = loss
         return out.to_tuple() if want_tuple else out
 
@@ -553,6 +563,78 @@ def _held(logits: Any) -> int:
     # the last position's logits the step returns, with what their graph saves (a soft-cap's tanh):
     # counted as a chunk's tokens are
     return logits.numel() * 4 * LOGIT_COPIES if isinstance(logits, torch.Tensor) else 0
+
+
+def _described(function: Any) -> str:
+    # functools.wraps gives a wrapper its wrapped function's name (TRL's fused head is named
+    # LlamaForCausalLM.forward): the code object says where it was written
+    function = getattr(function, "__func__", function)
+    code, module = getattr(function, "__code__", None), getattr(function, "__globals__", {}).get("__name__")
+    if code is None:
+        return f"{type(function).__module__}.{type(function).__qualname__}"
+    return f"{module}.{code.co_qualname}" if module else str(code.co_qualname)
+
+
+class _Watch:
+    """A hook on the decoder: when ``model.forward`` was replaced after the install (TRL's
+    ``add_fused_lm_head`` wraps it) and the wrapper runs the decoder itself in a training step, the
+    wrapper computes that step's loss, not the pack (which computes it when the wrapper calls the
+    forward it wrapped with labels); the first step of each kind logs which (``hfpatch`` logger, info).
+    """
+
+    def __init__(self, forward: _ChunkedForward) -> None:
+        self.forward = forward
+        self.said: set[str] = set()
+
+    def after(self, module: nn.Module, args: Any, output: Any) -> None:
+        forward = self.forward
+        wrapper = forward.model.__dict__.get("forward")
+        if forward.disabled or forward.active or wrapper is forward:
+            return
+        if forward.model.training and torch.is_grad_enabled():
+            self.say(f"{_described(wrapper)}, which replaced the forward after chunked-loss's install")
+
+    def say(self, who: str) -> None:
+        if who not in self.said:
+            self.said.add(who)
+            name = type(self.forward.model).__name__
+            logger.info("hfpatch: %s: this training step's loss is computed by %s", name, who)
+
+
+def loss_computed_by(model: nn.Module) -> str | None:
+    """Who computes a training step's loss on ``model``: ``"chunked-loss"``, the wrapper set on
+    ``model.forward`` after the install (described by where its code is, e.g. TRL's
+    ``trl.trainer.utils.add_fused_lm_head.<locals>._fused_forward``), or ``None`` without the pack.
+
+    A wrapper decides at each call: TRL's computes its own loss when called with ``fused_lm_head=True``
+    and otherwise calls the pack's forward, which then computes it; the log says which did, per kind.
+    """
+    state = model.__dict__.get(_STATE)
+    if not isinstance(state, _ChunkedForward) or state.disabled:
+        return None
+    wrapper = model.__dict__.get("forward")
+    return "chunked-loss" if wrapper is state else _described(wrapper)
+
+
+def _active_head(current: Any) -> nn.Linear | None:
+    """The plain ``nn.Linear`` a training step's head runs, or ``None`` (vanilla's step then runs).
+
+    A head replaced since the install by another plain ``nn.Linear`` (``resize_token_embeddings``) is
+    read as it is: the probe found what the forward does after the head, whichever head it is.  PEFT's
+    ``ModulesToSaveWrapper`` (``modules_to_save=["lm_head"]``) runs its active adapter's trained copy of
+    the head, or the original one when adapters are disabled: that module is the head.
+    """
+    if type(current) is nn.Linear:
+        return current
+    original, copies = getattr(current, "original_module", None), getattr(current, "modules_to_save", None)
+    if not isinstance(original, nn.Module) or not isinstance(copies, nn.ModuleDict):
+        return None
+    active = list(getattr(current, "active_adapters", ()))
+    if getattr(current, "disable_adapters", False) or not active or any(name not in copies for name in active):
+        chosen = original
+    else:
+        chosen = copies[active[0]]
+    return chosen if type(chosen) is nn.Linear else None
 
 
 def _wants_tuple(model: nn.Module, arguments: dict[str, Any], extra: dict[str, Any]) -> bool:
@@ -601,7 +683,9 @@ def install(model: PreTrainedModel, *, chunk: int | None = None, budget: int | N
     found = _detect(model)
     result = Installed(found.transform, chunk, budget, found.aux_loss_coefficient)
     original = model.__dict__.get("forward")
-    forward = _ChunkedForward(model, found.decoder, model.get_output_embeddings(), result, original)
+    forward = _ChunkedForward(model, found.decoder, result, original)
+    forward.watch = _Watch(forward)
+    forward.handles = [found.decoder.register_forward_hook(forward.watch.after)]
     model.__dict__["forward"] = forward
     model.__dict__[_STATE] = forward
     return result
@@ -623,6 +707,8 @@ def uninstall(model: nn.Module) -> None:
     if not isinstance(state, _ChunkedForward):
         return
     state.disabled = True
+    for handle in state.handles:
+        handle.remove()
     if model.__dict__.get("forward") is state:
         if state.original is None:
             del model.__dict__["forward"]

@@ -79,6 +79,7 @@ def test_uninstalling_a_copy_leaves_the_original(checkpoints: dict[str, Path]) -
     copied = copy.deepcopy(model)
     chunked.uninstall(copied)
     assert chunked.installed(copied) is None and "forward" not in copied.__dict__
+    assert not copied.model._forward_hooks and model.model._forward_hooks  # the log's hook, on the copy only
     assert copied(input_ids=TOKENS, labels=TOKENS).logits.shape == (2, 20, VOCAB)
     assert chunked.installed(model) is not None
     assert model(input_ids=TOKENS, labels=TOKENS).logits.shape == (2, 1, VOCAB)

@@ -160,7 +160,8 @@ def _decoder_candidates(model: nn.Module, head: nn.Module) -> list[nn.Module]:
     model's other sub-modules, outermost first (llama4's ``Llama4ForCausalLM`` names its decoder
     ``model`` while its ``base_model_prefix`` says ``language_model``, so ``get_decoder()`` is the model)."""
     found: list[nn.Module] = []
-    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    get_decoder: Any = getattr(model, "get_decoder", None)
+    decoder = get_decoder() if callable(get_decoder) else None
     if isinstance(decoder, nn.Module) and decoder is not model:
         found.append(decoder)
     for _, module in model.named_modules():
@@ -485,7 +486,7 @@ class _ChunkedForward:
 
     def _target(self) -> Callable[..., Any]:
         if self.original is not None:
-            return self.original  # type: ignore[no-any-return]
+            return self.original  # type: ignore[no-any-return,unused-ignore]
         return types.MethodType(type(self.model).forward, self.model)
 
     @property
@@ -506,7 +507,8 @@ class _ChunkedForward:
         arguments = dict(inspect.signature(target).bind(*args, **kwargs).arguments)
         labels = arguments.get("labels")
         extra = dict(arguments.pop("kwargs", {}) or {})
-        head = _active_head(model.get_output_embeddings())  # type: ignore[assignment]
+        get_head: Any = model.get_output_embeddings
+        head = _active_head(get_head())
         if (
             self.disabled
             or labels is None
@@ -703,14 +705,15 @@ def uninstall(model: nn.Module) -> None:
     A wrapper set on ``model.forward`` after the install (TRL's fused head) keeps calling what it
     wrapped, which from now on is the model's own forward.
     """
-    state = model.__dict__.pop(_STATE, None)
+    state: Any = model.__dict__.pop(_STATE, None)
     if not isinstance(state, _ChunkedForward):
         return
     state.disabled = True
     for handle in state.handles:
         handle.remove()
+    original = state.original
     if model.__dict__.get("forward") is state:
-        if state.original is None:
+        if original is None:
             del model.__dict__["forward"]
         else:
-            model.__dict__["forward"] = state.original
+            model.__dict__["forward"] = original

@@ -34,6 +34,7 @@ from .install import (
     loss_computed_by,
     uninstall,
 )
+from .logprobs import token_log_probs
 from .loss import HeadTransform, chunked_causal_lm_loss
 from .step import TARGET, install_step, provide_model_steps, provide_model_types, uninstall_step
 
@@ -57,6 +58,7 @@ __all__ = [
     "loss_computed_by",
     "provide_model_steps",
     "provide_model_types",
+    "token_log_probs",
     "uninstall",
     "uninstall_step",
 ]

@@ -704,6 +704,11 @@ def install(model: PreTrainedModel, *, chunk: int | None = None, budget: int | N
     return result
 
 
+def _installed_forward(model: nn.Module) -> _ChunkedForward | None:
+    state = model.__dict__.get(_STATE)
+    return state if isinstance(state, _ChunkedForward) and not state.disabled else None
+
+
 def installed(model: nn.Module) -> Installed | None:
     """What ``install`` put on ``model``, or ``None``.  Called by anyone who wants to know."""
     state = model.__dict__.get(_STATE)

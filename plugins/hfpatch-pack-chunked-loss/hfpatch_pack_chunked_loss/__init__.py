@@ -20,25 +20,45 @@ records it (or ``detect``'s refusal), and ``hfpatch_core.revert(model)`` uninsta
 
 from __future__ import annotations
 
-from .install import DEFAULT_CHUNK, ChunkedLossRefused, Installed, detect, install, installed, uninstall
+from .install import (
+    BUDGET_ENV,
+    DEFAULT_BUDGET,
+    LOGIT_COPIES,
+    ChunkedLossRefused,
+    Installed,
+    budget_from_env,
+    chunk_for,
+    detect,
+    install,
+    installed,
+    loss_computed_by,
+    uninstall,
+)
+from .logprobs import token_log_probs
 from .loss import HeadTransform, chunked_causal_lm_loss
 from .step import TARGET, install_step, provide_model_steps, provide_model_types, uninstall_step
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "DEFAULT_CHUNK",
+    "BUDGET_ENV",
+    "DEFAULT_BUDGET",
+    "LOGIT_COPIES",
     "TARGET",
     "ChunkedLossRefused",
     "HeadTransform",
     "Installed",
+    "budget_from_env",
+    "chunk_for",
     "chunked_causal_lm_loss",
     "detect",
     "install",
     "install_step",
     "installed",
+    "loss_computed_by",
     "provide_model_steps",
     "provide_model_types",
+    "token_log_probs",
     "uninstall",
     "uninstall_step",
 ]

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 import inspect
-import weakref
+import logging
+import operator
+import os
+import re
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -16,20 +19,82 @@ from transformers.loss.loss_utils import ForCausalLMLoss
 
 from .loss import HeadTransform, chunked_causal_lm_loss
 
-__all__ = ["DEFAULT_CHUNK", "ChunkedLossRefused", "Installed", "detect", "install", "installed", "uninstall"]
+__all__ = [
+    "BUDGET_ENV",
+    "DEFAULT_BUDGET",
+    "LOGIT_COPIES",
+    "ChunkedLossRefused",
+    "Installed",
+    "budget_from_env",
+    "chunk_for",
+    "detect",
+    "install",
+    "installed",
+    "loss_computed_by",
+    "uninstall",
+]
 
-#: Tokens per chunk: 1024 tokens x a 152k vocabulary in float32 is 0.6 GB, against the whole
-#: sequence's several GB; smaller chunks cost more Python and smaller matmuls.
-DEFAULT_CHUNK = 1024
+#: The environment variable that sets the byte budget of a step's logits (``install``'s default):
+#: ``HF_PATCH_PACKS=chunked-loss HF_PATCH_CHUNKED_LOSS_BUDGET=512MiB``.  Read at each install.
+BUDGET_ENV = "HF_PATCH_CHUNKED_LOSS_BUDGET"
+
+#: The default budget: 256 MiB of chunk x vocabulary tensors, 110 tokens per chunk at a 151,936
+#: vocabulary, 524 at 32,000 (``chunk_for``).
+DEFAULT_BUDGET = 256 * 2**20
+
+#: How many float32 chunk x vocabulary tensors one chunk's loss holds at once, at most: the
+#: logits (their transform's output and the float32 copy replace them), ``log_softmax``'s output
+#: saved for the backward, and in the backward the gradient it receives and the one it makes; a
+#: soft-cap's ``tanh`` output, saved for its backward, is the fourth (a scale's product replaces
+#: the logits).  ``tests/test_budget.py`` measures a step's logits against the budget.
+LOGIT_COPIES = 4
+
+_UNITS = {"": 1, "b": 1, "k": 2**10, "kib": 2**10, "m": 2**20, "mib": 2**20, "g": 2**30, "gib": 2**30}
+_BYTES = re.compile(r"\s*(?P<number>\d+)\s*(?P<unit>[a-z]*)\s*")
 
 # A probe's head output: values over the range logits take, a 1.0 (reads a scale) and a
 # value so large that tanh saturates (reads a soft-cap).
 _PROBE_TOKENS = 4
 _SATURATING = 1.0e6
+# rows of the head cast to float64 at a time by the probe's reference (32 MiB at hidden 512)
+_REFERENCE_ELEMENTS = 2**22
+# the model's attribute holding the installed forward (``installed``, ``uninstall``)
+_STATE = "_hfpatch_chunked_loss"
+
+logger = logging.getLogger("hfpatch")
 
 
 class ChunkedLossRefused(ValueError):
     """The model's head or loss path is not one the chunked loss reproduces exactly; the message says why."""
+
+
+def budget_from_env() -> int:
+    """The budget ``HF_PATCH_CHUNKED_LOSS_BUDGET`` sets, or ``DEFAULT_BUDGET`` when it is unset or empty.
+
+    Called by ``install`` when given neither ``chunk`` nor ``budget``.
+
+    Raises:
+        ValueError: the variable is not a positive number of bytes (``268435456``, ``256MiB``, ``1GiB``).
+    """
+    raw = os.environ.get(BUDGET_ENV, "")
+    if not raw.strip():
+        return DEFAULT_BUDGET
+    match = _BYTES.fullmatch(raw.lower())
+    if match is None or match["unit"] not in _UNITS or int(match["number"]) < 1:
+        raise ValueError(
+            f"{BUDGET_ENV}={raw!r} is not a positive number of bytes; write it as 268435456, 256MiB or 1GiB "
+            "(units B, KiB, MiB, GiB), or unset it for the default (256MiB)"
+        )
+    return int(match["number"]) * _UNITS[match["unit"]]
+
+
+def chunk_for(budget: int, vocab: int, held: int = 0) -> int:
+    """Tokens per chunk such that a chunk's logits (``LOGIT_COPIES`` float32 tensors) and ``held`` bytes
+    (the last position's logits a training step returns) fit ``budget`` bytes.
+
+    One token at least: a budget below one token's logits gives chunks of one token.
+    """
+    return max(1, (budget - held) // (vocab * 4 * LOGIT_COPIES))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,30 +103,33 @@ class Installed:
 
     Attributes:
         transform: what the family's forward does between the head and the loss.
-        chunk: tokens per chunk.
+        chunk: tokens per chunk when ``install`` was given one; ``None`` when chunks are sized by ``budget``.
+        budget: bytes of chunk x vocabulary logits a step holds at most (``chunk_for``); ``None``
+            when ``chunk`` is fixed.
+        aux_loss_coefficient: where the family's forward reads the coefficient of the auxiliary
+            (MoE load-balancing) loss it adds to the loss, as a dotted attribute path from the model
+            (``"router_aux_loss_coef"``), read at each step; ``None`` when the forward adds none.
     """
 
     transform: HeadTransform
-    chunk: int
+    chunk: int | None = None
+    budget: int | None = None
+    aux_loss_coefficient: str | None = None
+
+    def chunk_of(self, vocab: int, held: int = 0) -> int:
+        """Tokens per chunk for a head of ``vocab`` rows, with ``held`` bytes of logits already alive."""
+        return self.chunk if self.chunk is not None else chunk_for(self.budget or DEFAULT_BUDGET, vocab, held)
 
 
-_INSTALLED: weakref.WeakKeyDictionary[nn.Module, tuple[Installed, Any]] = weakref.WeakKeyDictionary()
+def _modules_named(model: nn.Module) -> dict[int, str]:
+    return {id(module): name for name, module in model.named_modules()}
 
 
-def _decoder(model: PreTrainedModel) -> nn.Module:
-    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
-    if not isinstance(decoder, nn.Module) or decoder is model:
-        raise ChunkedLossRefused(f"{type(model).__name__} has no decoder module (get_decoder()) to read hidden states")
-    return decoder
-
-
-def _last_hidden(output: Any) -> torch.Tensor:
+def _last_hidden(output: Any) -> torch.Tensor | None:
     hidden = getattr(output, "last_hidden_state", None)
-    if hidden is None and isinstance(output, tuple):
+    if hidden is None and isinstance(output, tuple) and output:
         hidden = output[0]
-    if not isinstance(hidden, torch.Tensor):
-        raise ChunkedLossRefused("the decoder's output has no last_hidden_state")
-    return hidden
+    return hidden if isinstance(hidden, torch.Tensor) else None
 
 
 def _with_hidden(output: Any, hidden: torch.Tensor) -> Any:
@@ -71,9 +139,35 @@ def _with_hidden(output: Any, hidden: torch.Tensor) -> Any:
     return output
 
 
-def _sharded(head: nn.Linear) -> bool:
-    # a head sharded after install (fully_shard, a tp_plan) is seen at each step: vanilla's step runs
-    return any(type(p).__name__ == "DTensor" for p in (head.weight, head.bias) if p is not None)
+def _sharded(head: nn.Linear) -> str | None:
+    """Why the head's weight is not a whole local tensor (FSDP2, tensor parallelism, ZeRO-3), or ``None``."""
+    for parameter in (head.weight, head.bias):
+        if parameter is None:
+            continue
+        if type(parameter).__name__ == "DTensor":
+            return "the LM head's weight is a DTensor (FSDP2 or tensor parallelism)"
+        # ZeRO-3 leaves each rank an empty tensor and the shape in ds_shape, outside a gather
+        if hasattr(parameter, "ds_id") or parameter.numel() == 0:
+            return (
+                f"the LM head's weight is partitioned (DeepSpeed ZeRO-3: local shape {tuple(parameter.shape)}, "
+                f"whole {tuple(getattr(parameter, 'ds_shape', ()))})"
+            )
+    return None
+
+
+def _decoder_candidates(model: nn.Module, head: nn.Module) -> list[nn.Module]:
+    """Modules whose output may be the hidden states the head reads: ``get_decoder()`` first, then the
+    model's other sub-modules, outermost first (llama4's ``Llama4ForCausalLM`` names its decoder
+    ``model`` while its ``base_model_prefix`` says ``language_model``, so ``get_decoder()`` is the model)."""
+    found: list[nn.Module] = []
+    get_decoder: Any = getattr(model, "get_decoder", None)
+    decoder = get_decoder() if callable(get_decoder) else None
+    if isinstance(decoder, nn.Module) and decoder is not model:
+        found.append(decoder)
+    for _, module in model.named_modules():
+        if module is not model and module is not head and all(module is not seen for seen in found):
+            found.append(module)
+    return found
 
 
 def _fit_transform(probe: torch.Tensor, out: torch.Tensor, dtype: torch.dtype) -> HeadTransform:
@@ -98,20 +192,43 @@ def _fit_transform(probe: torch.Tensor, out: torch.Tensor, dtype: torch.dtype) -
     )
 
 
-def _probe_inputs(model: PreTrainedModel) -> torch.Tensor:
-    vocab = int(model.get_output_embeddings().weight.shape[0])
-    device = model.get_output_embeddings().weight.device
+def _probe_inputs(head: nn.Linear) -> torch.Tensor:
     generator = torch.Generator().manual_seed(0)
-    return torch.randint(3, vocab, (1, _PROBE_TOKENS), generator=generator).to(device)
+    return torch.randint(3, int(head.weight.shape[0]), (1, _PROBE_TOKENS), generator=generator).to(head.weight.device)
+
+
+def _router_arguments(model: nn.Module) -> dict[str, Any]:
+    # the probe asks for the auxiliary loss whatever the config says: a step may ask for it at call time
+    return {"output_router_logits": True} if "output_router_logits" in _signature(model).parameters else {}
+
+
+def _signature(model: nn.Module) -> inspect.Signature:
+    return inspect.signature(type(model).forward.__get__(model))
+
+
+def _coefficient_paths(model: nn.Module) -> list[str]:
+    """Attributes of the model and of its text config named ``*aux_loss_coef`` (every family reads its
+    coefficient from one: ``router_aux_loss_coef``, ``aux_loss_coef``, ``text_config.router_aux_loss_coef``)."""
+    paths = [name for name, value in vars(model).items() if name.endswith("aux_loss_coef") and _number(value)]
+    config = getattr(model, "config", None)
+    if config is not None:
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        named = (f"config.{name}" for name, value in vars(config).items() if value is text)
+        prefix = "config" if text is config else next(named, None)
+        if prefix is not None:
+            paths += [f"{prefix}.{n}" for n, v in vars(text).items() if n.endswith("aux_loss_coef") and _number(v)]
+    return paths
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def detect(model: PreTrainedModel) -> HeadTransform:
     """Find the model's head and loss path by structure and probing; refuse when it is not exact.
 
-    Called by ``install`` (and by tests and ``bench/chunked_loss.py``).  Runs the model's forward
-    twice on 4 tokens: once with the head's output replaced by chosen values (reads what the forward
-    does between the head and the loss), once with labels, comparing vanilla's own loss and
-    gradients with the chunked loss's.
+    Called by ``install`` (and by tests and ``bench/chunked_loss.py``).  See ``_detect`` for what is
+    probed.
 
     Args:
         model: a loaded ``*ForCausalLM`` (any dtype and device).
@@ -120,20 +237,34 @@ def detect(model: PreTrainedModel) -> HeadTransform:
         The transform between the head and the loss.
 
     Raises:
-        ChunkedLossRefused: with the reason (the head is not a plain ``nn.Linear``; the forward has no
-            ``labels`` or ``logits_to_keep``; the loss is not transformers' ``ForCausalLMLoss``;
-            something runs between the decoder and the head; the transform is neither a scale nor a
-            soft-cap; or the chunked loss differs from vanilla's on the probe).
+        ChunkedLossRefused: with the reason (the head is not a plain ``nn.Linear`` or is sharded; the
+            forward has no ``labels`` or ``logits_to_keep``; the loss is not transformers'
+            ``ForCausalLMLoss``; no sub-module's output is the head's input; the transform is neither
+            a scale nor a soft-cap; an auxiliary loss is added with a coefficient the pack cannot
+            read; or the chunked loss differs from vanilla's on the probe).
     """
+    return _detect(model).transform
+
+
+@dataclasses.dataclass
+class _Found:
+    transform: HeadTransform
+    decoder: nn.Module
+    aux_loss_coefficient: str | None
+
+
+def _detect(model: PreTrainedModel) -> _Found:
+    """Runs the model's forward twice on 4 tokens: once with the head's output replaced by chosen
+    values (reads what the forward does between the head and the loss, and which sub-module's output
+    the head reads), once with labels, comparing vanilla's own loss and gradients with the chunked
+    loss's (``_compare_with_vanilla``)."""
     head = model.get_output_embeddings()
     if type(head) is not nn.Linear:
         raise ChunkedLossRefused(f"the LM head is a {type(head).__name__}, not a plain nn.Linear")
-    if _sharded(head):
-        raise ChunkedLossRefused(
-            "the LM head's weight is a DTensor (FSDP2 or tensor parallelism): the chunked loss is not "
-            "tested on sharded heads"
-        )
-    parameters = inspect.signature(model.forward).parameters
+    sharded = _sharded(head)
+    if sharded is not None:
+        raise ChunkedLossRefused(f"{sharded}: the chunked loss over a sharded head is not written")
+    parameters = _signature(model).parameters
     missing = [name for name in ("labels", "logits_to_keep") if name not in parameters]
     if missing:
         raise ChunkedLossRefused(f"{type(model).__name__}.forward takes no {' or '.join(missing)}")
@@ -141,15 +272,15 @@ def detect(model: PreTrainedModel) -> HeadTransform:
         raise ChunkedLossRefused(
             f"the loss is {getattr(model.loss_function, '__name__', model.loss_function)!r}, not ForCausalLMLoss"
         )
-    decoder = _decoder(model)
-    input_ids = _probe_inputs(model)
+    candidates = _decoder_candidates(model, head)
+    input_ids = _probe_inputs(head)
+    outputs: dict[int, torch.Tensor] = {}
     seen: dict[str, Any] = {}
 
-    def decoder_hook(module: nn.Module, args: Any, output: Any) -> Any:
-        seen["decoder"] = _last_hidden(output)
-        if "replace" in seen:
-            return _with_hidden(output, seen["replace"])
-        return None
+    def candidate_hook(module: nn.Module, args: Any, output: Any) -> None:
+        hidden = _last_hidden(output)
+        if hidden is not None and id(module) not in outputs:
+            outputs[id(module)] = hidden
 
     def head_pre_hook(module: nn.Module, args: Any) -> None:
         seen["head_in"] = args[0]
@@ -158,11 +289,8 @@ def detect(model: PreTrainedModel) -> HeadTransform:
         return seen.get("head_out")
 
     was_training = model.training
-    handles = [
-        decoder.register_forward_hook(decoder_hook),
-        head.register_forward_pre_hook(head_pre_hook),
-        head.register_forward_hook(head_hook),
-    ]
+    handles = [module.register_forward_hook(candidate_hook) for module in candidates]
+    handles += [head.register_forward_pre_hook(head_pre_hook), head.register_forward_hook(head_hook)]
     try:
         model.eval()
         with torch.no_grad():
@@ -171,155 +299,437 @@ def detect(model: PreTrainedModel) -> HeadTransform:
             probe[0, 0, 0], probe[0, 0, 1] = _SATURATING, 1.0
             seen["head_out"] = probe.to(head.weight.device, head.weight.dtype)
             out = model(input_ids=input_ids, use_cache=False)
-            if not torch.equal(seen["head_in"], seen["decoder"]):
-                raise ChunkedLossRefused("the head's input is not the decoder's last hidden state")
-            if not isinstance(getattr(out, "logits", None), torch.Tensor):
-                raise ChunkedLossRefused("the forward returns no logits")
-            # what the head "returned", in the head's dtype, is what the forward transformed
-            transform = _fit_transform(seen["head_out"].float().cpu(), out.logits.float().cpu(), head.weight.dtype)
-            del seen["head_out"]
-        _compare_with_vanilla(model, decoder, head, input_ids, transform, seen)
+        for handle in handles[: len(candidates)]:
+            handle.remove()
+        decoder = next((m for m in candidates if _same(outputs.get(id(m)), seen.get("head_in"))), None)
+        if decoder is None:
+            raise ChunkedLossRefused("the head's input is not the decoder's last hidden state")
+        if not isinstance(getattr(out, "logits", None), torch.Tensor):
+            raise ChunkedLossRefused("the forward returns no logits")
+        # what the head "returned", in the head's dtype, is what the forward transformed
+        transform = _fit_transform(seen["head_out"].float().cpu(), out.logits.float().cpu(), head.weight.dtype)
+        del seen["head_out"]
+        coefficient = _compare_with_vanilla(model, decoder, head, input_ids, transform)
     finally:
         for handle in handles:
             handle.remove()
         model.train(was_training)
-    return transform
+    return _Found(transform, decoder, coefficient)
+
+
+def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    return a is not None and b is not None and a.shape == b.shape and torch.equal(a, b)
+
+
+def _reference(
+    hidden: torch.Tensor, head: nn.Linear, labels: torch.Tensor, transform: HeadTransform
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Callable[[slice], torch.Tensor]]:
+    """The probe's loss and gradients in float64, the head cast a block of rows at a time.
+
+    Returns the loss, the hidden states' gradient, that gradient summed token by token in the head's
+    dtype from float64's gradient of the logits, and a function giving the head weight's gradient for a
+    slice of its rows (the whole of it in float64 would be twice the head's memory).
+    """
+    h = hidden.detach().reshape(-1, hidden.shape[-1]).double()
+    targets = nn.functional.pad(labels, (0, 1), value=-100)[..., 1:].reshape(-1).to(h.device)
+    weight, bias = head.weight.detach(), None if head.bias is None else head.bias.detach()
+    rows = max(1, _REFERENCE_ELEMENTS // weight.shape[1])
+    blocks = [slice(start, start + rows) for start in range(0, weight.shape[0], rows)]
+    logits = torch.cat(
+        [nn.functional.linear(h, weight[b].double(), None if bias is None else bias[b].double()) for b in blocks], -1
+    ).requires_grad_(True)
+    with torch.enable_grad():
+        loss = nn.functional.cross_entropy(transform(logits), targets, ignore_index=-100)
+        (grad_logits,) = torch.autograd.grad(loss, logits)
+    grad_hidden = torch.zeros_like(h)
+    for b in blocks:
+        grad_hidden += grad_logits[:, b] @ weight[b].double()
+    # the same gradient summed over the vocabulary one token at a time in the head's dtype: a chunk of
+    # one token (the probe's, and a step's last chunk) sums it in another order than vanilla's matmul
+    by_token = torch.cat([grad_logits[i : i + 1].to(weight.dtype) @ weight for i in range(h.shape[0])])
+    return (
+        loss.detach(),
+        grad_hidden.reshape(hidden.shape),
+        by_token.reshape(hidden.shape),
+        lambda b: grad_logits[:, b].T @ h,
+    )
 
 
 def _compare_with_vanilla(
-    model: PreTrainedModel,
-    decoder: nn.Module,
-    head: nn.Linear,
-    input_ids: torch.Tensor,
-    transform: HeadTransform,
-    seen: dict[str, Any],
-) -> None:
-    with torch.no_grad():
-        decoder(input_ids=input_ids)
-    hidden = seen.pop("decoder").detach().clone().requires_grad_(True)
-    seen["replace"] = hidden
-    labels = input_ids.clone()
-    labels[0, 1] = -100
-    loss = model(input_ids=input_ids, labels=labels, use_cache=False).loss
-    del seen["replace"]
+    model: PreTrainedModel, decoder: nn.Module, head: nn.Linear, input_ids: torch.Tensor, transform: HeadTransform
+) -> str | None:
+    """Vanilla's loss and gradients (hidden states, head) on the probe against the chunked loss's, both
+    measured against float64: the chunked loss may miss it by at most four times what vanilla misses it by
+    (plus eight steps of the dtype), so the bound grows with the vocabulary as vanilla's own error does.
+    For the hidden states' gradient, a sum over the vocabulary, the calibration is also that sum taken
+    one token at a time (the order of the probe's one-token chunks).
+
+    Returns the path of the auxiliary loss's coefficient (``Installed.aux_loss_coefficient``).
+    """
+    seen: dict[str, torch.Tensor] = {}
+
+    def decoder_hook(module: nn.Module, args: Any, output: Any) -> Any:
+        hidden = _last_hidden(output)
+        if "replace" in seen:
+            return _with_hidden(output, seen["replace"])
+        if hidden is not None:
+            seen["decoder"] = hidden
+        return None
+
+    handle = decoder.register_forward_hook(decoder_hook)
+    try:
+        with torch.no_grad():
+            model(input_ids=input_ids, use_cache=False)
+        hidden = seen.pop("decoder").detach().clone().requires_grad_(True)
+        seen["replace"] = hidden
+        labels = input_ids.clone()
+        labels[0, 1] = -100
+        out = model(input_ids=input_ids, labels=labels, use_cache=False, **_router_arguments(model))
+    finally:
+        handle.remove()
+    loss = out.loss
     wanted = [hidden, head.weight] if head.weight.requires_grad else [hidden]
-    vanilla = torch.autograd.grad(loss, wanted)
+    vanilla = torch.autograd.grad(loss, wanted, retain_graph=False)
     # chunk 1: every chunk boundary the probe has, so a wrong accumulation shows
     ours_loss = chunked_causal_lm_loss(hidden, head, labels, transform, chunk=1)
     ours = torch.autograd.grad(ours_loss, wanted)
-    # fp32: a reordered sum over 4 tokens is within a few ulps (1e-7 relative); bf16 logits are
-    # the same numbers in both (one token at a time is one row of the same matmul), so the bound
-    # is a few steps of the hidden states' dtype
-    bound = 1e-5 if hidden.dtype == torch.float32 else 8 * torch.finfo(hidden.dtype).eps
-    pairs = [("loss", loss.detach(), ours_loss.detach())]
-    names = ("hidden-state gradient", "head gradient")
-    pairs += [(name, a, b) for name, a, b in zip(names, vanilla, ours, strict=False)]
-    for name, a, b in pairs:
-        scale = float(a.detach().float().abs().max()) or 1.0
-        if float((a.float() - b.float()).abs().max()) > bound * scale:
-            raise ChunkedLossRefused(f"the chunked loss's {name} differs from vanilla's on a probe")
+    aux = getattr(out, "aux_loss", None)
+    coefficient, ours_total = _aux_coefficient(model, loss.detach(), ours_loss.detach(), aux, hidden.dtype)
+    reference_loss, reference_hidden, by_token, reference_head = _reference(hidden, head, labels, transform)
+    if aux is not None and coefficient is not None:
+        reference_loss = reference_loss + operator.attrgetter(coefficient)(model) * aux.detach().double()
+    _check("loss", loss.detach(), ours_total, reference_loss, hidden.dtype)
+    # vanilla's matmul sums over the vocabulary in blocks, a one-token chunk's in one pass: the
+    # calibration is the worse of the two orders, each measured from float64
+    vanilla_error, our_error, scale = _errors(vanilla[0], ours[0], reference_hidden)
+    by_token_error = float((by_token.double() - reference_hidden).abs().max())
+    _judge("hidden-state gradient", max(vanilla_error, by_token_error), our_error, scale, hidden.dtype)
+    if len(wanted) == 2:
+        rows = max(1, _REFERENCE_ELEMENTS // head.weight.shape[1])
+        worst = (0.0, 0.0, 0.0)
+        for start in range(0, head.weight.shape[0], rows):
+            block = slice(start, start + rows)
+            reference = reference_head(block)
+            errors = _errors(vanilla[1][block], ours[1][block], reference)
+            worst = (max(worst[0], errors[0]), max(worst[1], errors[1]), max(worst[2], errors[2]))
+        _judge("head gradient", *worst, hidden.dtype)
+    return coefficient
 
 
-def install(model: PreTrainedModel, *, chunk: int = DEFAULT_CHUNK) -> Installed:
+def _errors(vanilla: torch.Tensor, ours: torch.Tensor, reference: torch.Tensor) -> tuple[float, float, float]:
+    reference = reference.to(vanilla.device)
+    return (
+        float((vanilla.double() - reference).abs().max()),
+        float((ours.double() - reference).abs().max()),
+        float(reference.abs().max()),
+    )
+
+
+def _check(name: str, vanilla: torch.Tensor, ours: torch.Tensor, reference: torch.Tensor, dtype: torch.dtype) -> None:
+    _judge(name, *_errors(vanilla, ours, reference), dtype)
+
+
+def _judge(name: str, vanilla_error: float, our_error: float, scale: float, dtype: torch.dtype) -> None:
+    eps = torch.finfo(dtype).eps
+    # the float64 reference is ForCausalLMLoss over the transformed head output: a vanilla loss that
+    # misses it by more than rounding (64 steps of the dtype at the loss: a log-sum-exp and a mean over
+    # 4 tokens round by a few) is another loss (bart's decoder-only head: unshifted labels), which would
+    # make the bound below meaningless.  Checked on the loss only, where rounding is a few steps: a
+    # gradient's sum over a 152k vocabulary misses float64 by tens of steps at its largest element.
+    if name == "loss" and vanilla_error > 64 * eps * (scale or 1.0):
+        raise ChunkedLossRefused(
+            f"vanilla's {name} is not ForCausalLMLoss's over the head's output (it misses float64's by "
+            f"{vanilla_error:.3g}): the forward computes another loss"
+        )
+    # calibrated on this probe: vanilla's own distance from float64 (it grows with the vocabulary and
+    # the hidden size as the sums do); eight steps of the dtype at the largest value cover a vanilla that
+    # happens to round well
+    bound = 4 * vanilla_error + 8 * eps * (scale or 1.0)
+    if our_error > bound:
+        raise ChunkedLossRefused(
+            f"the chunked loss's {name} differs from vanilla's on a probe (from float64: {our_error:.3g}, "
+            f"vanilla's {vanilla_error:.3g})"
+        )
+
+
+def _aux_coefficient(
+    model: nn.Module, vanilla: torch.Tensor, ours: torch.Tensor, aux: torch.Tensor | None, dtype: torch.dtype
+) -> tuple[str | None, torch.Tensor]:
+    """Which ``*aux_loss_coef`` attribute the forward multiplies the auxiliary loss by before adding it,
+    and the chunked loss with it added as the step adds it."""
+    if aux is None:
+        return None, ours
+    aux = aux.detach().to(ours.device)
+    # the right coefficient leaves a loss's rounding (a few steps of float32 at the loss); another
+    # misses by the difference of two coefficients times the auxiliary loss
+    tolerance = 8 * torch.finfo(torch.float32).eps * max(1.0, abs(float(vanilla)))
+    for path in _coefficient_paths(model):
+        total = ours + operator.attrgetter(path)(model) * aux
+        if abs(float(total - vanilla)) <= tolerance:
+            return path, total
+    if abs(float(ours - vanilla)) <= tolerance:
+        return None, ours  # the forward returns an auxiliary loss it does not add
+    raise ChunkedLossRefused(
+        "the forward adds its auxiliary loss (aux_loss, output_router_logits) to the loss with a coefficient "
+        "that is none of the model's *aux_loss_coef attributes"
+    )
+
+
+class _ChunkedForward:
+    """The forward ``install`` puts on a model instance: a training step's loss in chunks, every other call
+    the model's own forward.
+
+    An object, not a closure: ``copy.deepcopy(model)`` copies it with the model (the copy computes with
+    its own weights), ``pickle`` / ``torch.save(model)`` store it, and the model it refers to is freed
+    with it (a cycle the garbage collector breaks).
+    """
+
+    def __init__(self, model: nn.Module, decoder: nn.Module, installed: Installed, original: Any) -> None:
+        self.model = model
+        self.decoder = decoder
+        self.active = False  # in a call of this forward (the decoder's hook then has nothing to say)
+        self.watch: _Watch | None = None
+        self.handles: list[Any] = []  # the _Watch's hook on the decoder, removed by uninstall
+        self.installed = installed
+        # a forward set on the instance before the install (another wrapper): called as the original
+        self.original = original
+        self.disabled = False
+
+    def _target(self) -> Callable[..., Any]:
+        if self.original is not None:
+            return self.original  # type: ignore[no-any-return,unused-ignore]
+        return types.MethodType(type(self.model).forward, self.model)
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        # Trainer reads the forward's signature (the dataset columns it keeps, loss kwargs), generate too
+        return inspect.signature(self._target())
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        was, self.active = self.active, True
+        try:
+            return self._call(*args, **kwargs)
+        finally:
+            self.active = was
+
+    def _call(self, *args: Any, **kwargs: Any) -> Any:
+        target = self._target()
+        model, installed = self.model, self.installed
+        arguments = dict(inspect.signature(target).bind(*args, **kwargs).arguments)
+        labels = arguments.get("labels")
+        extra = dict(arguments.pop("kwargs", {}) or {})
+        get_head: Any = model.get_output_embeddings
+        head = _active_head(get_head())
+        if (
+            self.disabled
+            or labels is None
+            or not model.training
+            or not torch.is_grad_enabled()
+            or head is None
+            or _sharded(head) is not None
+            or arguments.get("logits_to_keep", 0) != 0
+            or "adapter_names" in extra
+        ):
+            return target(*args, **kwargs)
+        want_tuple = _wants_tuple(model, arguments, extra)
+        arguments.update(labels=None, logits_to_keep=1)
+        if "return_dict" in arguments:
+            arguments["return_dict"] = True
+        elif want_tuple:
+            extra["return_dict"] = True
+        captured: list[torch.Tensor] = []
+
+        def capture(module: nn.Module, inputs: Any, output: Any) -> None:
+            hidden = _last_hidden(output)
+            if not captured and hidden is not None:
+                captured.append(hidden)
+
+        handle = self.decoder.register_forward_hook(capture)
+        try:
+            out = target(**arguments, **extra)
+        finally:
+            handle.remove()
+        aux = getattr(out, "aux_loss", None)
+        if not captured or (aux is not None and installed.aux_loss_coefficient is None):
+            # an auxiliary loss the probe did not see (the config changed since): vanilla's step
+            return target(*args, **kwargs)
+        loss = chunked_causal_lm_loss(
+            captured[0],
+            head,
+            labels,
+            installed.transform,
+            chunk=installed.chunk_of(int(head.weight.shape[0]), _held(getattr(out, "logits", None))),
+            num_items_in_batch=extra.get("num_items_in_batch"),
+            ignore_index=extra.get("ignore_index", -100),
+            shift_labels=extra.get("shift_labels"),
+        )
+        if aux is not None:
+            coefficient = operator.attrgetter(installed.aux_loss_coefficient)(model)  # type: ignore[arg-type]
+            loss = loss + coefficient * aux.to(loss.device)
+        if self.watch is not None and model.__dict__.get("forward") is not self:
+            self.watch.say(f"chunked-loss (called with labels by {_described(model.__dict__.get('forward'))})")
+        out.loss = loss
+        return out.to_tuple() if want_tuple else out
+
+
+def _held(logits: Any) -> int:
+    # the last position's logits the step returns, with what their graph saves (a soft-cap's tanh):
+    # counted as a chunk's tokens are
+    return logits.numel() * 4 * LOGIT_COPIES if isinstance(logits, torch.Tensor) else 0
+
+
+def _described(function: Any) -> str:
+    # functools.wraps gives a wrapper its wrapped function's name (TRL's fused head is named
+    # LlamaForCausalLM.forward): the code object says where it was written
+    function = getattr(function, "__func__", function)
+    code, module = getattr(function, "__code__", None), getattr(function, "__globals__", {}).get("__name__")
+    if code is None:
+        return f"{type(function).__module__}.{type(function).__qualname__}"
+    return f"{module}.{code.co_qualname}" if module else str(code.co_qualname)
+
+
+class _Watch:
+    """A hook on the decoder: when ``model.forward`` was replaced after the install (TRL's
+    ``add_fused_lm_head`` wraps it) and the wrapper runs the decoder itself in a training step, the
+    wrapper computes that step's loss, not the pack (which computes it when the wrapper calls the
+    forward it wrapped with labels); the first step of each kind logs which (``hfpatch`` logger, info).
+    """
+
+    def __init__(self, forward: _ChunkedForward) -> None:
+        self.forward = forward
+        self.said: set[str] = set()
+
+    def after(self, module: nn.Module, args: Any, output: Any) -> None:
+        forward = self.forward
+        wrapper = forward.model.__dict__.get("forward")
+        if forward.disabled or forward.active or wrapper is forward:
+            return
+        if forward.model.training and torch.is_grad_enabled():
+            self.say(f"{_described(wrapper)}, which replaced the forward after chunked-loss's install")
+
+    def say(self, who: str) -> None:
+        if who not in self.said:
+            self.said.add(who)
+            name = type(self.forward.model).__name__
+            logger.info("hfpatch: %s: this training step's loss is computed by %s", name, who)
+
+
+def loss_computed_by(model: nn.Module) -> str | None:
+    """Who computes a training step's loss on ``model``: ``"chunked-loss"``, the wrapper set on
+    ``model.forward`` after the install (described by where its code is, e.g. TRL's
+    ``trl.trainer.utils.add_fused_lm_head.<locals>._fused_forward``), or ``None`` without the pack.
+
+    A wrapper decides at each call: TRL's computes its own loss when called with ``fused_lm_head=True``
+    and otherwise calls the pack's forward, which then computes it; the log says which did, per kind.
+    """
+    state = model.__dict__.get(_STATE)
+    if not isinstance(state, _ChunkedForward) or state.disabled:
+        return None
+    wrapper = model.__dict__.get("forward")
+    return "chunked-loss" if wrapper is state else _described(wrapper)
+
+
+def _active_head(current: Any) -> nn.Linear | None:
+    """The plain ``nn.Linear`` a training step's head runs, or ``None`` (vanilla's step then runs).
+
+    A head replaced since the install by another plain ``nn.Linear`` (``resize_token_embeddings``) is
+    read as it is: the probe found what the forward does after the head, whichever head it is.  PEFT's
+    ``ModulesToSaveWrapper`` (``modules_to_save=["lm_head"]``) runs its active adapter's trained copy of
+    the head, or the original one when adapters are disabled: that module is the head.
+    """
+    if type(current) is nn.Linear:
+        return current
+    original, copies = getattr(current, "original_module", None), getattr(current, "modules_to_save", None)
+    if not isinstance(original, nn.Module) or not isinstance(copies, nn.ModuleDict):
+        return None
+    active = list(getattr(current, "active_adapters", ()))
+    if getattr(current, "disable_adapters", False) or not active or any(name not in copies for name in active):
+        chosen = original
+    else:
+        chosen = copies[active[0]]
+    return chosen if type(chosen) is nn.Linear else None
+
+
+def _wants_tuple(model: nn.Module, arguments: dict[str, Any], extra: dict[str, Any]) -> bool:
+    asked = arguments.get("return_dict", extra.get("return_dict"))
+    if asked is None:
+        asked = getattr(getattr(model, "config", None), "return_dict", True)
+    return not asked
+
+
+def install(model: PreTrainedModel, *, chunk: int | None = None, budget: int | None = None) -> Installed:
     """Make the model's training steps compute the loss in chunks of tokens.
 
     Called once per model, after it is loaded (and before ``peft.get_peft_model`` or a Trainer
     wraps it, or after: both call the model's own forward).  Afterwards a forward with ``labels``,
-    in training mode and with autograd on, returns vanilla's loss (within rounding) computed without
-    the tokens x vocabulary logits, and ``.logits`` holds the logits of the last position only
-    (``(batch, 1, vocabulary)``, as ``logits_to_keep=1`` gives).  Every other forward (no labels,
-    ``eval()``, ``no_grad``, generation, a ``logits_to_keep`` of the caller's) is vanilla's.
+    in training mode and with autograd on, returns vanilla's loss (within rounding; with the MoE
+    auxiliary loss the family adds) computed without the tokens x vocabulary logits, and ``.logits``
+    holds the logits of the last position only (``(batch, 1, vocabulary)``, as ``logits_to_keep=1``
+    gives).  Every other forward (no labels, ``eval()``, ``no_grad``, generation, a
+    ``logits_to_keep`` of the caller's) is vanilla's.  The model deep-copies, pickles and is freed
+    as any model.
 
     Args:
         model: a loaded ``*ForCausalLM``.
-        chunk: tokens per chunk.
+        chunk: tokens per chunk, whatever the vocabulary; give it or ``budget``, not both.
+        budget: bytes of chunk x vocabulary logits a step holds at most (``chunk_for``).  Neither
+            given: ``HF_PATCH_CHUNKED_LOSS_BUDGET`` (``budget_from_env``), else 256 MiB.
 
     Returns:
         What was found and installed.
 
     Raises:
         ChunkedLossRefused: the model's head or loss path is not one this reproduces (``detect``).
-        ValueError: ``chunk`` is not positive, or the model already has it.
+        ValueError: ``chunk`` or ``budget`` is not positive, both are given, the budget variable is
+            not a number of bytes, or the model already has it.
     """
-    if chunk < 1:
+    if chunk is not None and budget is not None:
+        raise ValueError(f"give install a chunk ({chunk} tokens) or a budget ({budget} bytes), not both")
+    if chunk is not None and chunk < 1:
         raise ValueError(f"chunk must be positive, not {chunk}")
-    if model in _INSTALLED:
+    if budget is not None and budget < 1:
+        raise ValueError(f"budget must be a positive number of bytes, not {budget}")
+    if chunk is None and budget is None:
+        budget = budget_from_env()
+    if installed(model) is not None:
         raise ValueError(f"{type(model).__name__} already has the chunked loss")
-    transform = detect(model)
-    decoder = _decoder(model)
-    head = model.get_output_embeddings()
-    original: Callable[..., Any] = model.forward
-    signature = inspect.signature(original)
-    captured: list[torch.Tensor] = []
-
-    def decoder_hook(module: nn.Module, args: Any, output: Any) -> None:
-        if captured == [] and state.active:
-            captured.append(_last_hidden(output))
-
-    class _State:
-        active = False
-
-    state = _State()
-    handle = decoder.register_forward_hook(decoder_hook)
-
-    # wraps: Trainer reads the forward's signature (the dataset columns it keeps, loss kwargs)
-    @functools.wraps(original)
-    def forward(*args: Any, **kwargs: Any) -> Any:
-        bound = signature.bind(*args, **kwargs)
-        arguments = dict(bound.arguments)
-        labels = arguments.get("labels")
-        extra = dict(arguments.pop("kwargs", {}) or {})
-        current = model.get_output_embeddings()
-        if (
-            labels is None
-            or not model.training
-            or not torch.is_grad_enabled()
-            or current is not head
-            or type(current) is not nn.Linear
-            or _sharded(current)
-            or arguments.get("logits_to_keep", 0) != 0
-        ):
-            return original(*args, **kwargs)
-        arguments.update(labels=None, logits_to_keep=1)
-        captured.clear()
-        state.active = True
-        try:
-            out = original(**arguments, **extra)
-        finally:
-            state.active = False
-        hidden = captured.pop()
-        loss = chunked_causal_lm_loss(
-            hidden,
-            head,
-            labels,
-            transform,
-            chunk=chunk,
-            num_items_in_batch=extra.get("num_items_in_batch"),
-            ignore_index=extra.get("ignore_index", -100),
-            shift_labels=extra.get("shift_labels"),
-        )
-        if isinstance(out, tuple):
-            return (loss, *out)
-        out.loss = loss
-        return out
-
-    model.forward = forward
-    result = Installed(transform, chunk)
-    _INSTALLED[model] = (result, (original, handle))
+    found = _detect(model)
+    result = Installed(found.transform, chunk, budget, found.aux_loss_coefficient)
+    original = model.__dict__.get("forward")
+    forward = _ChunkedForward(model, found.decoder, result, original)
+    forward.watch = _Watch(forward)
+    forward.handles = [found.decoder.register_forward_hook(forward.watch.after)]
+    model.__dict__["forward"] = forward
+    model.__dict__[_STATE] = forward
     return result
+
+
+def _installed_forward(model: nn.Module) -> _ChunkedForward | None:
+    state = model.__dict__.get(_STATE)
+    return state if isinstance(state, _ChunkedForward) and not state.disabled else None
 
 
 def installed(model: nn.Module) -> Installed | None:
     """What ``install`` put on ``model``, or ``None``.  Called by anyone who wants to know."""
-    entry = _INSTALLED.get(model)
-    return None if entry is None else entry[0]
+    state = model.__dict__.get(_STATE)
+    return state.installed if isinstance(state, _ChunkedForward) and not state.disabled else None
 
 
 def uninstall(model: nn.Module) -> None:
-    """Give the model vanilla's forward back.  Called after ``install``; does nothing otherwise."""
-    entry = _INSTALLED.pop(model, None)
-    if entry is None:
+    """Give the model vanilla's forward back.  Called after ``install``; does nothing otherwise.
+
+    A wrapper set on ``model.forward`` after the install (TRL's fused head) keeps calling what it
+    wrapped, which from now on is the model's own forward.
+    """
+    state: Any = model.__dict__.pop(_STATE, None)
+    if not isinstance(state, _ChunkedForward):
         return
-    _, (_original, handle) = entry
-    handle.remove()
-    del model.forward
+    state.disabled = True
+    for handle in state.handles:
+        handle.remove()
+    original = state.original
+    if model.__dict__.get("forward") is state:
+        if original is None:
+            del model.__dict__["forward"]
+        else:
+            model.__dict__["forward"] = original

@@ -8,13 +8,16 @@ are loaded; ``detect``'s refusals become the step's ``Refusal`` (on the model's 
 from __future__ import annotations
 
 import inspect
+import logging
 
 from torch import nn
 
 import hfpatch_core
 from hfpatch_core import LoadContext, ModelStep, Refusal
 
-from .install import ChunkedLossRefused, install, uninstall
+from .install import ChunkedLossRefused, budget_from_env, install, uninstall
+
+logger = logging.getLogger("hfpatch")
 
 #: What the step changes on the model: another pack's step for the same target competes with it.
 TARGET = "causal-lm-loss"
@@ -26,14 +29,25 @@ SAMPLE_MODEL_TYPES = ("llama", "gemma2", "granite")
 
 def install_step(model: nn.Module) -> Refusal | None:
     """``ModelStep.install``: the chunked loss on ``model``, or the refusal ``detect`` gives."""
+    # a budget that is not a number is the user's error, raised (a pack failure), not a refusal
+    budget = budget_from_env()
     try:
-        install(model)  # type: ignore[arg-type]
+        install(model, budget=budget)  # type: ignore[arg-type]
     except ChunkedLossRefused as exc:
-        return Refusal(TARGET, str(exc))
+        return _refused(type(model).__name__, str(exc))
     except Exception as exc:  # the probe runs the model's own forward: one this cannot run is not claimed
         # install changes nothing before detect has passed, so the model is as it was
-        return Refusal(TARGET, f"probing the model's forward raised {type(exc).__name__}: {exc}")
+        return _refused(type(model).__name__, f"probing the model's forward raised {type(exc).__name__}: {exc}")
     return None
+
+
+def _refused(model: str, reason: str) -> Refusal:
+    # the pack was selected: a user who asked for it learns that this model's steps hold vanilla's logits
+    # (the plan records the refusal too, logged at info level only)
+    logger.warning(
+        "hfpatch: chunked-loss refused %s: %s; its training steps compute vanilla's full logits", model, reason
+    )
+    return Refusal(TARGET, reason)
 
 
 def uninstall_step(model: nn.Module) -> None:
@@ -65,11 +79,9 @@ def provide_model_steps(context: LoadContext) -> list[ModelStep | Refusal]:
     if context.config is None or not _has_a_loss_path(context.model_class):
         return []
     if context.parallel:
-        return [
-            Refusal(
-                TARGET,
-                f"the load is sharded by transformers ({', '.join(context.parallel)}): the LM head may be a "
-                "DTensor, on which the chunked loss is not tested; the vanilla loss runs",
-            )
-        ]
+        reason = (
+            f"the load is sharded by transformers ({', '.join(context.parallel)}): the LM head may be a "
+            "DTensor, on which the chunked loss is not tested; the vanilla loss runs"
+        )
+        return [_refused(context.model_class_name, reason)]
     return [ModelStep(TARGET, install_step, uninstall_step)]

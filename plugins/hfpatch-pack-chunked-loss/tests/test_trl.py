@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -60,7 +61,7 @@ def _sft(checkpoint: Path, install: bool, out: Path) -> list[dict[str, float]]:
 
 
 def test_sft_trains_as_on_vanilla(
-    checkpoints: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    checkpoints: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     vanilla = _sft(checkpoints["llama"], False, tmp_path / "vanilla")
     calls = []
@@ -71,11 +72,52 @@ def test_sft_trains_as_on_vanilla(
         return loss(*args, **kwargs)
 
     monkeypatch.setattr(install_module, "chunked_causal_lm_loss", counted)
-    ours = _sft(checkpoints["llama"], True, tmp_path / "chunked")
+    with caplog.at_level(logging.INFO, logger="hfpatch"):
+        ours = _sft(checkpoints["llama"], True, tmp_path / "chunked")
     # install's probe only: TRL's SFTTrainer (1.16) computes its loss through its own tiled head
     # (trl.trainer.utils.add_fused_lm_head, fused_lm_head=True), so its steps never reach the pack,
     # and installing it changes nothing there
     assert len(calls) == 1
+    # and the log says so, once
+    fused = "trl.trainer.utils.add_fused_lm_head.<locals>._fused_forward"
+    said = [r.getMessage() for r in caplog.records if "this training step's loss is computed by" in r.getMessage()]
+    assert said == [
+        f"hfpatch: LlamaForCausalLM: this training step's loss is computed by {fused}, which replaced the forward "
+        "after chunked-loss's install"
+    ]
     assert len(ours) == len(vanilla) == 2
     for a, b in zip(ours, vanilla, strict=True):
         assert abs(a["loss"] - b["loss"]) <= 1e-5 * abs(b["loss"])
+
+
+def test_the_pack_computes_when_the_fused_head_is_off(
+    checkpoints: dict[str, Path], caplog: pytest.LogCaptureFixture
+) -> None:
+    """TRL's wrapper without ``fused_lm_head`` calls the forward it wrapped: the pack's step, exact, and the log
+    and ``loss_computed_by`` say who computes."""
+    from trl.trainer.utils import add_fused_lm_head
+
+    input_ids = torch.randint(3, VOCAB, (2, 12), generator=torch.Generator().manual_seed(9))
+    vanilla = load(checkpoints["llama"])
+    vanilla_loss = vanilla(input_ids=input_ids, labels=input_ids).loss
+    model = load(checkpoints["llama"])
+    chunked.install(model, chunk=5)
+    assert chunked.loss_computed_by(model) == "chunked-loss"
+    add_fused_lm_head(model)
+    fused = "trl.trainer.utils.add_fused_lm_head.<locals>._fused_forward"
+    assert chunked.loss_computed_by(model) == fused
+    with caplog.at_level(logging.INFO, logger="hfpatch"):
+        out = model(input_ids=input_ids, labels=input_ids)
+        fused_out = model(input_ids=input_ids, labels=input_ids, fused_lm_head=True)
+    assert out.logits.shape == (2, 1, VOCAB)  # the pack's step
+    assert abs(float(out.loss - vanilla_loss)) <= 1e-6 * abs(float(vanilla_loss))
+    assert abs(float(fused_out.loss - vanilla_loss)) <= 1e-5 * abs(float(vanilla_loss))
+    said = [r.getMessage() for r in caplog.records if "this training step's loss is computed by" in r.getMessage()]
+    assert said == [
+        "hfpatch: LlamaForCausalLM: this training step's loss is computed by chunked-loss "
+        f"(called with labels by {fused})",
+        f"hfpatch: LlamaForCausalLM: this training step's loss is computed by {fused}, which replaced the forward "
+        "after chunked-loss's install",
+    ]
+    chunked.uninstall(model)
+    assert chunked.loss_computed_by(model) is None

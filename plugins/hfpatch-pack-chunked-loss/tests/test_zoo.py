@@ -12,7 +12,8 @@ import torch
 from hfpatch_core.testing.zoo import verdict_of
 
 
-@pytest.mark.parametrize("model_type", ["llama", "gemma2", "qwen3_moe"])
+# llama4_text: its decoder is found by structure (get_decoder() is the model itself there)
+@pytest.mark.parametrize("model_type", ["llama", "gemma2", "qwen3_moe", "llama4_text"])
 @pytest.mark.parametrize("dtype", [None, torch.bfloat16])
 def test_exact_on_a_tiny_checkpoint(model_type: str, dtype: torch.dtype | None, tmp_path: Path) -> None:
     row = verdict_of("chunked-loss", model_type, tmp_path, generate_tokens=2, dtype=dtype)
@@ -27,6 +28,15 @@ def test_a_refusal_at_install_is_the_verdict_with_its_reason(tmp_path: Path) -> 
     row = verdict_of("chunked-loss", "bert", tmp_path, generate_tokens=0)
     assert row.verdict == "refused", row.detail
     assert row.detail == f"{chunked.TARGET}: the head's input is not the decoder's last hidden state"
+
+
+def test_a_head_whose_loss_is_not_the_causal_lms_is_refused_with_the_reason(tmp_path: Path) -> None:
+    # bart's decoder-only head compares the logits with unshifted labels: vanilla itself misses
+    # ForCausalLMLoss's float64 value by far more than rounding, so the calibrated bound is not used
+    row = verdict_of("chunked-loss", "bart", tmp_path, generate_tokens=0)
+    assert row.verdict == "refused", row.detail
+    assert row.detail.startswith(f"{chunked.TARGET}: vanilla's loss is not ForCausalLMLoss's over the head's output")
+    assert row.detail.endswith("the forward computes another loss")
 
 
 def test_a_model_whose_forward_the_probe_cannot_run_is_refused_with_the_error(tmp_path: Path) -> None:

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import datetime
 import json
 import os
 import subprocess
@@ -73,6 +74,9 @@ LEARNING_RATE = 1e-2
 #: one process or gathered from two partitions, differ by reordered sums (a few ulps, ~1e-6 at
 #: 5.0); 1e-5 is ten times that on any CPU, and far below what a lost gradient does (~1e-2).
 LOSS_FLOOR = 1e-5
+
+#: Seconds a rank waits in one collective: a tiny model's steps, saves and reloads take a few.
+COLLECTIVE_TIMEOUT = 120
 
 #: ``loss_bound``: this many times what ZeRO-3 itself does to vanilla's losses in the run.
 LOSS_CALIBRATION = 3
@@ -120,6 +124,9 @@ class Zero3Result:
             from the saved checkpoint and the trained weights, gathered, both in the original
             layout (``None`` where nothing was reloaded).
         reload_keys: the keys that are in one of the two and not the other.
+        direct_save: per rank, what ``model.save_pretrained(path)`` without a state dict raised on
+            every rank after the training, where a pack converts weights (``None``: it did not raise,
+            or was not tried).
     """
 
     losses: list[float] = dataclasses.field(default_factory=list)
@@ -130,6 +137,7 @@ class Zero3Result:
     saved: list[str] = dataclasses.field(default_factory=list)
     reload_diff: float | None = None
     reload_keys: list[str] = dataclasses.field(default_factory=list)
+    direct_save: list[str | None] = dataclasses.field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -230,6 +238,7 @@ def _combine(ranks: list[dict[str, Any]]) -> Zero3Result:
         saved=first["saved"],
         reload_diff=first["reload_diff"],
         reload_keys=first["reload_keys"],
+        direct_save=[rank["direct_save"] for rank in ranks],
     )
 
 
@@ -335,7 +344,7 @@ def _run_case(case: Zero3Case, out: Path) -> dict[str, Any]:
     from hfpatch_core.plan import plan_of
 
     result: dict[str, Any] = {"losses": [], "replaced": {}, "error": None, "warnings": [], "saved": []}
-    result.update(reload_diff=None, reload_keys=[])
+    result.update(reload_diff=None, reload_keys=[], direct_save=None)
     directory = out / case.name.replace("/", "_")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", PackWarning)
@@ -369,6 +378,11 @@ def _run_case(case: Zero3Case, out: Path) -> dict[str, Any]:
                         (float((again[key].float() - trained[key].float()).abs().max()) for key in common),
                         default=None,
                     )
+                if plan is not None and plan.touches_weights:  # hfpatch's save guard is on the model
+                    try:
+                        model.save_pretrained(str(directory / "direct"), is_main_process=dist.get_rank() == 0)
+                    except Exception as exc:
+                        result["direct_save"] = f"{type(exc).__name__}: {exc}"
         except Exception as exc:
             result["error"] = f"{type(exc).__name__}: {exc}"[:3000] + "\n" + traceback.format_exc()[-3000:]
     result["warnings"] = [str(w.message) for w in caught if issubclass(w.category, PackWarning)]
@@ -385,7 +399,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     transformers.utils.logging.disable_progress_bar()
     cases = [Zero3Case(**fields) for fields in json.loads(Path(spec).read_text())]
     if not dist.is_initialized():  # DeepSpeed takes the group over (its CPU accelerator speaks gloo)
-        dist.init_process_group("gloo")
+        # a rank left waiting in a collective the other skipped fails the case after this, not the run's timeout
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT))
     results = {}
     for case in cases:
         results[case.name] = _run_case(case, Path(out))

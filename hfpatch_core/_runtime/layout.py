@@ -164,7 +164,9 @@ def _meta_state_dict(model: Any) -> dict[str, torch.Tensor]:
     from transformers.modeling_utils import remove_tied_weights_from_state_dict
 
     shapes = full_shapes(model)  # a ZeRO-3 partitioned parameter's whole shape, not its placeholder's
-    state = {key: torch.empty(shapes[key], dtype=value.dtype, device="meta") for key, value in model.state_dict().items()}
+    state = {
+        key: torch.empty(shapes[key], dtype=value.dtype, device="meta") for key, value in model.state_dict().items()
+    }
     # transformers 5.3 looks every key up as a parameter: pass the parameters only, then
     # add the (persistent) buffers back, which are never tied
     parameters = {name for name, _ in model.named_parameters(remove_duplicate=False)}

@@ -286,7 +286,7 @@ def _partitioned_combination(linears: Sequence[nn.Linear], sizes: tuple[int, ...
     with torch.no_grad(), gathered([*sources, combined.weight, combined.bias], modifier_rank=0):
         torch.cat([linear.weight for linear in linears], out=combined.weight.data)
         if combined.bias is not None:
-            torch.cat([linear.bias for linear in linears], out=combined.bias.data)  # type: ignore[misc]
+            torch.cat([linear.bias for linear in linears], out=combined.bias.data)
     return combined
 
 

@@ -273,7 +273,7 @@ def _trainer(model: Any, arguments: Any, steps: int) -> Any:
 
     class InOrder(Trainer):
         def _get_train_sampler(self, *args: Any, **kwargs: Any) -> Any:
-            return torch.utils.data.SequentialSampler(self.train_dataset)
+            return torch.utils.data.SequentialSampler(dataset)
 
     config = text_config_of(model.config)
     pad = getattr(config, "pad_token_id", None)
@@ -287,7 +287,9 @@ def _losses(trainer: Any) -> list[float]:
     return [float(entry["loss"]) for entry in trainer.state.log_history if "loss" in entry]
 
 
-def reference_losses(checkpoint: str | os.PathLike[str], packs: str = "none", *, steps: int = DEFAULT_STEPS) -> list[float]:
+def reference_losses(
+    checkpoint: str | os.PathLike[str], packs: str = "none", *, steps: int = DEFAULT_STEPS
+) -> list[float]:
     """The losses of ``steps`` steps of the same training on this process, without DeepSpeed.
 
     Args:
@@ -326,8 +328,8 @@ def _no_deepspeed_config() -> Iterator[None]:
 
 def _gathered_original_layout(model: Any) -> dict[str, Any]:
     """The trained weights, whole, in the original layout (on every rank: a collective)."""
-    from hfpatch_core.authoring.packing import gathered
     from hfpatch_core import original_state_dict
+    from hfpatch_core.authoring.packing import gathered
 
     with gathered(list(model.parameters())):
         return {key: value.detach().clone() for key, value in original_state_dict(model).items()}
@@ -339,8 +341,8 @@ def _run_case(case: Zero3Case, out: Path) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM
 
     import hfpatch_core
-    from hfpatch_core.errors import PackWarning
     from hfpatch_core import original_state_dict
+    from hfpatch_core.errors import PackWarning
     from hfpatch_core.plan import plan_of
 
     result: dict[str, Any] = {"losses": [], "replaced": {}, "error": None, "warnings": [], "saved": []}

@@ -121,7 +121,13 @@ $(DS_EXTENSIONS)/.built: $(VENV)/.installed constraints.txt
 	touch $@
 
 venv: $(VENV)/.installed $(PACKS_SITE)/.installed $(PACK_TEST_SITE)/.installed $(DS_EXTENSIONS)/.built
-venv-oldest: $(VENV_OLDEST)/.installed $(PACKS_SITE_OLDEST)/.installed $(PACK_TEST_SITE_OLDEST)/.installed
+DS_EXTENSIONS_OLDEST := $(VENV_OLDEST)/torch-extensions
+$(DS_EXTENSIONS_OLDEST)/.built: $(VENV_OLDEST)/.installed constraints-oldest.txt
+	DS_BUILD_OPS=0 $(BIN_OLDEST)/python -m pip install $(PIP_FLAGS) -c constraints-oldest.txt deepspeed
+	TORCH_EXTENSIONS_DIR=$(CURDIR)/$(DS_EXTENSIONS_OLDEST) DS_ACCELERATOR=cpu $(BIN_OLDEST)/python -c "from deepspeed.accelerator import get_accelerator; get_accelerator().create_op_builder('ShareMemCommBuilder').load()"
+	touch $@
+
+venv-oldest: $(VENV_OLDEST)/.installed $(PACKS_SITE_OLDEST)/.installed $(PACK_TEST_SITE_OLDEST)/.installed $(DS_EXTENSIONS_OLDEST)/.built
 
 # the packs' test-only libraries (torchao, trl, datasets) are not the demo's: only the venv and the packs
 demo: $(VENV)/.installed $(PACKS_SITE)/.installed

@@ -10,8 +10,8 @@ in the run), the reloaded weights equal to the trained ones (gathered), nothing 
 load paths: ``zero.Init`` (``from_pretrained`` while the ZeRO-3 ``TrainingArguments`` exist) and
 ``initialize`` (a plain load, partitioned by ``deepspeed.initialize``).
 
-DeepSpeed comes with ``make venv`` (``constraints.txt``), which also builds its ``shm_comm`` op
-once into ``.venv/torch-extensions``.
+DeepSpeed comes with ``make venv`` and ``make venv-oldest`` (``constraints*.txt``), which also
+build its ``shm_comm`` op once per venv into ``<venv>/torch-extensions``.
 """
 
 from __future__ import annotations
@@ -31,8 +31,6 @@ from hfpatch_core.testing.deepspeed import (
     reference_losses,
     zero3_training,
 )
-
-pytest.importorskip("deepspeed", reason="DeepSpeed is installed by make venv (constraints.txt)")
 
 PACKS_SITE = Path(sys.prefix) / "first-party-packs"
 

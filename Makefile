@@ -110,8 +110,24 @@ $(PACK_TEST_SITE_OLDEST)/.installed: $(VENV_OLDEST)/.installed constraints-oldes
 	$(BIN_OLDEST)/python -m pip install $(PIP_FLAGS) --no-deps -c constraints-oldest.txt --target $(PACK_TEST_SITE_OLDEST) $(PACK_TEST_LIBRARIES)
 	touch $@
 
-venv: $(VENV)/.installed $(PACKS_SITE)/.installed $(PACK_TEST_SITE)/.installed
-venv-oldest: $(VENV_OLDEST)/.installed $(PACKS_SITE_OLDEST)/.installed $(PACK_TEST_SITE_OLDEST)/.installed
+# DeepSpeed (tests/test_deepspeed.py: ZeRO-3 on 2 CPU ranks), pinned in constraints.txt, installed with
+# DS_BUILD_OPS=0 (no op is compiled at install).  Its CPU accelerator compiles the shm_comm op with g++
+# on first use (1-3 min): built here, once per venv, into TORCH_EXTENSIONS_DIR inside the venv, where
+# hfpatch_core.testing.deepspeed points every rank, so no suite pays it.
+DS_EXTENSIONS := $(VENV)/torch-extensions
+$(DS_EXTENSIONS)/.built: $(VENV)/.installed constraints.txt
+	DS_BUILD_OPS=0 $(BIN)/python -m pip install $(PIP_FLAGS) -c constraints.txt deepspeed
+	TORCH_EXTENSIONS_DIR=$(CURDIR)/$(DS_EXTENSIONS) DS_ACCELERATOR=cpu $(BIN)/python -c "from deepspeed.accelerator import get_accelerator; get_accelerator().create_op_builder('ShareMemCommBuilder').load()"
+	touch $@
+
+venv: $(VENV)/.installed $(PACKS_SITE)/.installed $(PACK_TEST_SITE)/.installed $(DS_EXTENSIONS)/.built
+DS_EXTENSIONS_OLDEST := $(VENV_OLDEST)/torch-extensions
+$(DS_EXTENSIONS_OLDEST)/.built: $(VENV_OLDEST)/.installed constraints-oldest.txt
+	DS_BUILD_OPS=0 $(BIN_OLDEST)/python -m pip install $(PIP_FLAGS) -c constraints-oldest.txt deepspeed
+	TORCH_EXTENSIONS_DIR=$(CURDIR)/$(DS_EXTENSIONS_OLDEST) DS_ACCELERATOR=cpu $(BIN_OLDEST)/python -c "from deepspeed.accelerator import get_accelerator; get_accelerator().create_op_builder('ShareMemCommBuilder').load()"
+	touch $@
+
+venv-oldest: $(VENV_OLDEST)/.installed $(PACKS_SITE_OLDEST)/.installed $(PACK_TEST_SITE_OLDEST)/.installed $(DS_EXTENSIONS_OLDEST)/.built
 
 # the packs' test-only libraries (torchao, trl, datasets) are not the demo's: only the venv and the packs
 demo: $(VENV)/.installed $(PACKS_SITE)/.installed

@@ -29,7 +29,7 @@ from ..conversion import pattern_regex, source_patterns_of, target_patterns_of
 from ..errors import PackWarning, WeightLayoutError
 from ..plan import BUILTIN, Plan, plan_of
 from . import provenance
-from .state_dicts import guard_loading, reversible_conversions
+from .state_dicts import full_shapes, guard_loading, refuse_partitioned_save, reversible_conversions
 
 logger = logging.getLogger("hfpatch")
 
@@ -250,8 +250,9 @@ def check_loading_info(model: nn.Module, plan: Plan, info: Mapping[str, Any], *,
 def _meta_state_dict(model: Any) -> dict[str, torch.Tensor]:
     from transformers.modeling_utils import remove_tied_weights_from_state_dict
 
+    shapes = full_shapes(model)  # a ZeRO-3 partitioned parameter's whole shape, not its placeholder's
     state = {
-        key: torch.empty(value.shape, dtype=value.dtype, device="meta") for key, value in model.state_dict().items()
+        key: torch.empty(shapes[key], dtype=value.dtype, device="meta") for key, value in model.state_dict().items()
     }
     # transformers 5.3 looks every key up as a parameter: pass the parameters only, then
     # add the (persistent) buffers back, which are never tied
@@ -374,6 +375,7 @@ def _guarded_save_pretrained(self: Any, *args: Any, **kwargs: Any) -> Any:
             "are not the fused layout the reverse conversion splits. Save from a load on one process (the "
             "same checkpoint, without tp_plan / distributed_config), or from one sharded by FSDP2 alone."
         )
+    refuse_partitioned_save(self, kwargs.get("state_dict", args[2] if len(args) > 2 else None))
     # with PEFT adapters loaded (add_adapter), transformers writes the adapter alone, as it is
     peft = getattr(self, "_hf_peft_config_loaded", False)
     if plan is not None and kwargs.get("save_original_format", True) and not peft:

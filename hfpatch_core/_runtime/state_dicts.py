@@ -33,9 +33,10 @@ import torch
 import torch.nn as nn
 
 from .. import _compat
+from ..authoring.packing import full_shape, is_partitioned
 from ..errors import WeightLayoutError
 
-__all__ = ["LoadGuard", "guard_loading", "original_state_dict"]
+__all__ = ["LoadGuard", "full_shapes", "guard_loading", "original_state_dict", "refuse_partitioned_save"]
 
 _LOAD_GUARD = "_hfpatch_load_guard"
 
@@ -58,6 +59,48 @@ def original_state_dict(model: Any) -> dict[str, torch.Tensor]:
 
     state: dict[str, torch.Tensor] = revert_weight_conversion(model, model.state_dict())
     return state
+
+
+def full_shapes(model: nn.Module) -> dict[str, torch.Size]:
+    """``model.state_dict()``'s keys -> the whole tensors' shapes, also where DeepSpeed ZeRO-3 partitioned them.
+
+    A partitioned parameter is an empty placeholder on every rank (its ``state_dict`` entry has
+    shape ``(0,)``, and loses the ``ds_shape`` a parameter carries): its full shape is read from
+    the parameter (``hfpatch_core.authoring.packing.full_shape``), under every name it has (a tied
+    head's too).  Used by the save guard's layout check, which runs on shapes alone.
+    """
+    shapes = {key: value.shape for key, value in model.state_dict().items()}
+    for name, parameter in model.named_parameters(remove_duplicate=False):
+        if name in shapes:
+            shapes[name] = full_shape(parameter)
+    return shapes
+
+
+def refuse_partitioned_save(model: nn.Module, state_dict: Mapping[str, Any] | None) -> None:
+    """Refuse ``save_pretrained`` of a ZeRO-3 partitioned model given no state dict (before anything is written).
+
+    Its own ``state_dict()`` holds each rank's empty placeholders: reversing the packs'
+    conversions on them fails (a ``SizedSplit`` of a ``(0,)`` tensor), and without conversions
+    transformers would write empty tensors.  The whole weights come from a collective every rank
+    runs (``Trainer.save_model``: ``accelerator.get_state_dict(engine)``, DeepSpeed's
+    ``_zero3_consolidated_16bit_state_dict``), which a save on some ranks cannot start: a
+    rank gathering alone would wait for ever.
+
+    Raises:
+        WeightLayoutError: ``state_dict`` is ``None`` and some parameter of ``model`` is partitioned.
+    """
+    if state_dict is not None:
+        return
+    partitioned = [name for name, parameter in model.named_parameters() if is_partitioned(parameter)]
+    if partitioned:
+        raise WeightLayoutError(
+            f"refusing to save {type(model).__name__} without a state_dict: DeepSpeed ZeRO-3 partitioned its "
+            f"parameters ({partitioned[0]} and {len(partitioned) - 1} more), so each rank holds empty placeholders. "
+            "Save with Trainer.save_model (it gathers them on every rank), or pass the gathered weights: "
+            "state_dict = engine._zero3_consolidated_16bit_state_dict() on every rank, then "
+            "model.save_pretrained(path, state_dict=state_dict, is_main_process=rank == 0). On CPU, create the "
+            "TrainingArguments with use_cpu=True: otherwise accelerate counts one process, and every rank saves."
+        )
 
 
 def _storages(tensors: Mapping[str, torch.Tensor]) -> set[int]:

@@ -22,7 +22,8 @@ Imported by its full name (``hfpatch_core.authoring.packing``): it imports torch
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import contextlib
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 import torch
 import torch.nn as nn
@@ -35,6 +36,9 @@ __all__ = [
     "PackedPart",
     "expose_parts",
     "exposed_parts",
+    "full_shape",
+    "gathered",
+    "is_partitioned",
     "mark_exposed",
     "packed_modules",
     "packed_outputs",
@@ -47,6 +51,43 @@ PACKED_MODULES = "hfpatch_packed_modules"
 PACKED_SIZES = "hfpatch_packed_sizes"
 #: The instance attribute set by ``expose_parts``: fused child name -> the part names shown.
 _EXPOSED = "_hfpatch_exposed_parts"
+
+
+def full_shape(tensor: torch.Tensor) -> torch.Size:
+    """The shape of the whole of ``tensor``: its own, or the full shape of a parameter DeepSpeed ZeRO-3 partitioned.
+
+    Under ZeRO-3 (``deepspeed.zero.Init``, or a model handed to ``deepspeed.initialize`` with stage 3)
+    each rank's parameter is an empty placeholder (``shape == (0,)``) between the gathers of its
+    module's forward; the full shape is ``ds_shape``.  Code that reads sizes from a parameter
+    (an ``in_features``, a layout) reads them here.
+    """
+    shape = getattr(tensor, "ds_shape", None)
+    return torch.Size(shape) if shape is not None else tensor.shape
+
+
+def is_partitioned(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a parameter managed by DeepSpeed ZeRO-3 (``ds_id``): its values are
+    spread over the ranks and must be gathered (``gathered``) before they are read or written."""
+    return getattr(tensor, "ds_id", None) is not None
+
+
+@contextlib.contextmanager
+def gathered(tensors: Iterable[torch.Tensor | None], *, modifier_rank: int | None = None) -> Iterator[None]:
+    """Inside: the ZeRO-3 parameters among ``tensors`` whole on every rank (``deepspeed.zero.GatheredParameters``).
+
+    Every rank must enter it with the same parameters (it is a collective).  With
+    ``modifier_rank=r`` what rank ``r`` writes into them is kept (sent to every rank's
+    partition on exit); with ``None`` (the default) they are read only.  Where none of
+    ``tensors`` is partitioned (no DeepSpeed, or ZeRO stage 0-2) it does nothing.
+    """
+    partitioned = [tensor for tensor in tensors if tensor is not None and is_partitioned(tensor)]
+    if not partitioned:
+        yield
+        return
+    import deepspeed  # only reached where DeepSpeed made the parameters
+
+    with deepspeed.zero.GatheredParameters(partitioned, modifier_rank=modifier_rank):
+        yield
 
 
 def packed_modules(module: nn.Module) -> Mapping[str, tuple[str, ...]]:
@@ -110,7 +151,7 @@ class PackedPart(nn.Linear):
         object.__setattr__(self, "_fused", fused)
         self._fused: PackedLinear
         self.start, self.stop = start, stop
-        self.in_features = int(fused.weight.shape[1])
+        self.in_features = int(full_shape(fused.weight)[1])  # the full width under ZeRO-3 too
         self.out_features = stop - start
 
     @property

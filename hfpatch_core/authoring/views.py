@@ -45,7 +45,7 @@ import torch
 import torch.nn as nn
 
 from .classes import RuntimeClassMeta, runtime_class
-from .packing import PackedLinear, PackedPart, local_sizes, mark_exposed, record_sizes
+from .packing import PackedLinear, PackedPart, gathered, is_partitioned, local_sizes, mark_exposed, record_sizes
 from .peft import watch_peft
 
 __all__ = [
@@ -223,20 +223,24 @@ def fuse_as_views(module: nn.Module, parts: Sequence[str], fused: str) -> tuple[
     linears: list[nn.Linear] = [getattr(module, name) for name in parts]
     sizes = tuple(linear.out_features for linear in linears)
     first = linears[0]
-    # skip_init: no random draw, so that a model built from a config draws what the original draws
-    combined = torch.nn.utils.skip_init(
-        nn.Linear,
-        first.in_features,
-        sum(sizes),
-        bias=first.bias is not None,
-        device=first.weight.device,
-        dtype=first.weight.dtype,
-    )
-    with torch.no_grad():
-        if not combined.weight.is_meta:
-            torch.cat([linear.weight for linear in linears], out=combined.weight.data)
-            if combined.bias is not None:
-                torch.cat([linear.bias for linear in linears], out=combined.bias.data)
+    sources = [tensor for linear in linears for tensor in (linear.weight, linear.bias)]
+    if any(is_partitioned(tensor) for tensor in sources if tensor is not None):
+        combined = _partitioned_combination(linears, sizes)
+    else:
+        # skip_init: no random draw, so that a model built from a config draws what the original draws
+        combined = torch.nn.utils.skip_init(
+            nn.Linear,
+            first.in_features,
+            sum(sizes),
+            bias=first.bias is not None,
+            device=first.weight.device,
+            dtype=first.weight.dtype,
+        )
+        with torch.no_grad():
+            if not combined.weight.is_meta:
+                torch.cat([linear.weight for linear in linears], out=combined.weight.data)
+                if combined.bias is not None:
+                    torch.cat([linear.bias for linear in linears], out=combined.bias.data)
     combined.weight.requires_grad_(all(linear.weight.requires_grad for linear in linears))
     shared = SharedProjection(combined, sizes)
     views: dict[str, nn.Module] = {}
@@ -256,6 +260,34 @@ def fuse_as_views(module: nn.Module, parts: Sequence[str], fused: str) -> tuple[
     mark_exposed(module, fused, parts)
     watch_peft()
     return sizes
+
+
+def _partitioned_combination(linears: Sequence[nn.Linear], sizes: tuple[int, ...]) -> nn.Linear:
+    """The fused ``nn.Linear`` of parts that DeepSpeed ZeRO-3 partitioned as they were built.
+
+    Under ``deepspeed.zero.Init`` (``from_pretrained`` with a ZeRO-3 ``HfDeepSpeedConfig``) every
+    parameter is partitioned at the end of its module's ``__init__``: each rank holds an empty
+    placeholder.  The fused linear is built in the same context, so it is partitioned alike; the
+    parts are gathered (a collective every rank runs, building the same modules) and rank 0's
+    concatenation is spread over the ranks, so it holds what the parts held.  The random draw of
+    its own initialisation is undone (``fork_rng``): a model built from a config draws what the
+    original draws.
+    """
+    first = linears[0]
+    with torch.random.fork_rng(devices=[]):
+        combined = nn.Linear(
+            first.in_features,
+            sum(sizes),
+            bias=first.bias is not None,
+            device=first.weight.device,
+            dtype=first.weight.dtype,
+        )
+    sources = [tensor for linear in linears for tensor in (linear.weight, linear.bias) if tensor is not None]
+    with torch.no_grad(), gathered([*sources, combined.weight, combined.bias], modifier_rank=0):
+        torch.cat([linear.weight for linear in linears], out=combined.weight.data)
+        if combined.bias is not None:
+            torch.cat([linear.bias for linear in linears], out=combined.bias.data)
+    return combined
 
 
 class FusedViewsMixin(nn.Module):

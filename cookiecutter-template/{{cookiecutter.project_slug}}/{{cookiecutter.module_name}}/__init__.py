@@ -24,7 +24,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from hfpatch_core import LoadContext, Patch, Refusal, hookimpl
-from hfpatch_core.authoring import build_on_meta
+from hfpatch_core.authoring import build_on_meta, runtime_class
 from torch import nn
 
 #: How each known norm scales the normalised hidden states (``x``: in float32, ``dtype``: the input's).
@@ -66,6 +66,30 @@ def _forward(scaling: str, epsilon: str) -> Callable[[nn.Module, torch.Tensor], 
         return scale(self, normalised, hidden_states.dtype)
 
     return forward
+
+
+#: (original class, scaling, epsilon attribute) -> its replacement: one class per original keeps the
+#: loads of a process on the same class
+_classes: dict[tuple[type[nn.Module], str, str], type[nn.Module]] = {}
+
+
+def functional_class(original: type[nn.Module], scaling: str, epsilon: str) -> type[nn.Module]:
+    """The subclass of ``original`` whose forward calls ``rms_norm`` (``scaling``, ``getattr(self, epsilon)``).
+
+    Built with ``runtime_class``: the class and its instances pickle as this call (``torch.save`` of a
+    model, a ``DataLoader`` worker), which imports this module and builds the class again.
+    """
+    key = (original, scaling, epsilon)
+    if key not in _classes:
+        _classes[key] = runtime_class(
+            replacement_name(original.__name__),
+            (original,),
+            {"forward": _forward(scaling, epsilon)},
+            module=__name__,
+            rebuild=functional_class,
+            arguments=key,
+        )
+    return _classes[key]
 
 
 def _probe(module: nn.Module, scaling: str, epsilon: str, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -119,8 +143,7 @@ def _probed(module_class: type[nn.Module], module: nn.Module) -> type[nn.Module]
             # the casts differ only below float32: bfloat16 tells Llama's order from Olmo2's
             original, replacement = _probe(module, scaling, epsilon, torch.bfloat16)
             if torch.equal(original, replacement):
-                forward = _forward(scaling, epsilon)
-                return type(replacement_name(name), (module_class,), {"forward": forward, "__module__": __name__})
+                return functional_class(module_class, scaling, epsilon)
             tried.append(f"{scaling} with {epsilon} (float32 only)")
     return f"it computes none of rms_norm's scalings (tried {', '.join(tried)})"
 

@@ -460,42 +460,52 @@ def asked_with_configs(
     *,
     cache: Any = None,
     gather: Callable[[LoadContext], Gathered] | None = None,
+    model_types: Iterable[str] | None = None,
 ) -> dict[str, str]:
     """The model types pack ``name`` answers when asked with ``configs(model_type)`` for every model
-    type of the installed transformers: model type -> ``"offers"`` or ``"refuses"``.
+    type of the installed transformers (or of ``model_types``): model type -> ``"offers"`` or ``"refuses"``.
 
     What a pack that decides from the config alone (a structural pack: nothing for ``config=None``,
     no ``provide_model_types``) applies to; ``check`` checks these and ``list`` plans them for
     conflicts.  Asking builds each model type's config, and the pack builds and probes each model:
     the answer is kept in ``cache`` (a ``cache.Cache``), named by the pack's version and source
-    hash, unless the pack failed (it is asked again).  A progress line on stderr while it asks.
+    hash, unless the pack failed (it is asked again); the answers for some ``model_types`` are
+    read from it, not kept.  A progress line on stderr while it asks every model type.
     """
     from .output import Progress
 
     info = packs.infos[name]
     entry = json.dumps(["asked", _configs_name(configs), *_pack_identity(info)])
     found = cache.get(entry) if cache is not None else None
+    some = None if model_types is None else [t for t in dict.fromkeys(model_types) if t in CONFIG_MAPPING_NAMES]
     if isinstance(found, dict):
-        return {str(model_type): str(answer) for model_type, answer in found.items()}
+        return {str(t): str(answer) for t, answer in found.items() if some is None or t in some}
     ask = gather or (lambda context: packs.gather(context))
-    progress = Progress(
-        f"asking pack {name!r} with a tiny config of every model type (declare provide_model_types, "
-        "or pass --model-type, to ask only those)",
-        len(CONFIG_MAPPING_NAMES),
-        cached=cache is not None,
+    asked = list(CONFIG_MAPPING_NAMES) if some is None else some
+    progress = (
+        Progress(
+            f"asking pack {name!r} with a tiny config of every model type (declare provide_model_types, "
+            "or pass --model-type, to ask only those)",
+            len(asked),
+            cached=cache is not None,
+        )
+        if some is None
+        else _progress(f"asking pack {name!r} with a tiny config of {len(asked)} model types", asked)
     )
     answers: dict[str, str] = {}
     failed = False
     with _quiet_notices():
-        for model_type in CONFIG_MAPPING_NAMES:
-            progress.step(model_type)
+        for model_type in asked:
+            if progress is not None:
+                progress.step(model_type)
             gathered = ask(_context(model_type, configs(model_type)))
             failed = failed or bool(gathered.failures)
             answer = _answer(gathered)
             if answer:
                 answers[model_type] = answer
-    progress.finish()
-    if cache is not None and not failed:
+    if progress is not None:
+        progress.finish()
+    if cache is not None and not failed and some is None:
         cache.put(entry, answers)
     return answers
 
@@ -674,7 +684,8 @@ def targeted_model_types(
     """For each model type, the packs of ``packs`` that target it, as ``check_pack`` finds targets:
     a patch or converter asked with ``config=None``, or the model type declared (``provide_model_types``);
     with ``config_for``, a pack that targets nothing that way (a structural pack) is asked with
-    ``config_for(model_type)`` for every model type (``asked_with_configs``, its answers cached)."""
+    ``config_for(model_type)`` (``asked_with_configs``, its answers cached): on every model type, or,
+    when it is the only such pack, on those the others target (a conflict takes two packs)."""
     targets: dict[str, set[str]] = {}
     for model_type in CONFIG_MAPPING_NAMES:
         context = _context(model_type, None)
@@ -691,11 +702,12 @@ def targeted_model_types(
             targets.setdefault(model_type, set()).add(name)
     if config_for is not None:
         placed = {name for names in targets.values() for name in names}
-        for name, info in sorted(packs.infos.items()):
-            if name in placed:
-                continue
-            alone = PackSet({name: info}, guard=HOOK_GUARD)
-            for model_type, answer in asked_with_configs(alone, name, config_for, cache=_answers_cache()).items():
+        structural = sorted(name for name in packs.infos if name not in placed)
+        others = list(targets) if len(structural) == 1 else None
+        for name in structural:
+            alone = PackSet({name: packs.infos[name]}, guard=HOOK_GUARD)
+            answers = asked_with_configs(alone, name, config_for, cache=_answers_cache(), model_types=others)
+            for model_type, answer in answers.items():
                 if answer == "offers":
                     targets.setdefault(model_type, set()).add(name)
     return targets

@@ -204,6 +204,50 @@ def test_check_finds_what_a_pack_that_needs_a_config_targets(install, capsys) ->
     assert "pack 'sized' returns no patch and no converter for mistral" in capsys.readouterr().out
 
 
+CHOOSY_PACK = """
+from hfpatch_core import Patch, Refusal, hookimpl
+from transformers.models.llama.modeling_llama import LlamaMLP
+
+class SizedMLP(LlamaMLP):
+    pass
+
+@hookimpl
+def provide_patches(context):
+    # decides from the config, as a structural pack does: claims llama's MLP, refuses mistral's
+    if context.config is None:
+        return []
+    if context.model_type == "llama":
+        return [Patch("LlamaMLP", SizedMLP)]
+    if context.model_type == "mistral":
+        return [Refusal("MistralMLP", "REASON")]
+    return []
+"""
+
+
+def test_check_shows_where_a_pack_only_refuses_and_keeps_its_answers_until_its_source_changes(install, capsys) -> None:
+    import importlib.util
+
+    from hfpatch_core.cli import main
+
+    site = install(PackSpec("choosy", CHOOSY_PACK.replace("REASON", "its sizes differ")))
+    assert main(["check", "choosy"]) == 0
+    assert capsys.readouterr().out == (
+        "ok    choosy 1.0.0: targets llama, mistral\n"
+        "      refused (left as it is): mistral: MistralMLP: its sizes differ\n"
+        "      no drift record: `hfpatch check --record choosy` writes one (not a failure)\n"
+    )
+    cached = list(Path(os.environ["HF_PATCH_CACHE"]).glob("pack-answers-*.json"))
+    assert len(cached) == 1 and "its sizes differ" in cached[0].read_text()
+    # an author's edit (an editable install's RECORD lists no source) is asked anew, not read from the cache
+    spec = importlib.util.find_spec("hfpatch_test_pack_choosy")
+    assert spec is not None and spec.origin is not None and Path(spec.origin).is_relative_to(site)
+    Path(spec.origin).write_text(CHOOSY_PACK.replace("REASON", "it gates"))
+    for module in [name for name in sys.modules if name.startswith("hfpatch_test_pack_choosy")]:
+        del sys.modules[module]
+    assert main(["check", "choosy"]) == 0
+    assert "refused (left as it is): mistral: MistralMLP: it gates\n" in capsys.readouterr().out
+
+
 def test_a_pack_can_declare_its_model_types(install, capsys) -> None:
     from hfpatch_core.cli import main
 

@@ -191,7 +191,7 @@ def test_list_finds_the_conflicts_of_every_model_type_and_one_selection_settling
 # --- issue 46 point 4: a structural pack's conflicts ----------------------------------------
 
 #: a class pack claiming llama's norm, which the structural rms-norm example claims too (same priority)
-LLAMA_NORM = '''
+LLAMA_NORM = """
 from hfpatch_core import Patch, hookimpl
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
@@ -203,7 +203,7 @@ class OwnLlamaRMSNorm(LlamaRMSNorm):
 @hookimpl
 def provide_patches(context):
     return [Patch("LlamaRMSNorm", OwnLlamaRMSNorm)] if context.model_type == "llama" else []
-'''
+"""
 
 
 def test_list_shows_the_conflicts_of_a_structural_pack(llama_checkpoint, tmp_path, monkeypatch, capsys) -> None:

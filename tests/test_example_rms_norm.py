@@ -132,3 +132,23 @@ def test_a_patched_model_pickles_and_unpickles_in_a_fresh_process(pack: ModuleTy
         [sys.executable, "-c", script, replaced.__name__], capture_output=True, text=True, env=environment, check=False
     )
     assert done.returncode == 0, done.stderr
+
+
+def test_a_large_candidate_is_probed_built_small(pack: ModuleType) -> None:
+    """What a probe of a real MLP would materialise (135M parameters at llama's default sizes) is built
+    with the config scaled down (``authoring.shrunk_instance``); a norm is probed at its own size."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm
+
+    from hfpatch_core import LoadContext
+    from hfpatch_core.authoring import build_on_meta
+
+    context = LoadContext(model_type="llama", model_class_name="LlamaForCausalLM", config=LlamaConfig())
+    model = build_on_meta(context)
+    mlp, norm = model.model.layers[0].mlp, model.model.norm
+    assert sum(parameter.numel() for parameter in mlp.parameters()) > pack.PROBE_LIMIT
+    small = pack._candidate(context, LlamaMLP, mlp)
+    assert type(small) is LlamaMLP and small.gate_proj.weight.shape == (128, 64)
+    assert small.gate_proj.weight.device.type == "cpu"
+    same = pack._candidate(context, LlamaRMSNorm, norm)
+    assert same.weight.shape == (4096,) and same.weight.device.type == "cpu"

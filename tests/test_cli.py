@@ -248,6 +248,15 @@ def test_check_shows_where_a_pack_only_refuses_and_keeps_its_answers_until_its_s
     assert "refused (left as it is): mistral: MistralMLP: it gates\n" in capsys.readouterr().out
 
 
+def test_check_help_says_it_checks_the_selection(capsys) -> None:
+    from hfpatch_core.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["check", "--help"])
+    shown = " ".join(capsys.readouterr().out.split())
+    assert "(default: the packs HF_PATCH_PACKS selects, as for a load)" in shown and "all installed" not in shown
+
+
 def test_a_pack_can_declare_its_model_types(install, capsys) -> None:
     from hfpatch_core.cli import main
 

@@ -246,6 +246,8 @@ def test_check_shows_where_a_pack_only_refuses_and_keeps_its_answers_until_its_s
         del sys.modules[module]
     assert main(["check", "choosy"]) == 0
     assert "refused (left as it is): mistral: MistralMLP: it gates\n" in capsys.readouterr().out
+    kept = cached[0].read_text()  # the answers before the edit are forgotten, not kept beside
+    assert "it gates" in kept and "its sizes differ" not in kept
 
 
 def test_check_help_says_it_checks_the_selection(capsys) -> None:

@@ -143,6 +143,13 @@ class Cache:
             with contextlib.suppress(OSError, UnboundLocalError):
                 os.unlink(temporary)
 
+    def discard(self, stale: Callable[[str], bool]) -> None:
+        """Forget the entries whose name ``stale`` accepts (written by the next ``put``): what an
+        edited pack answered before its edit is never asked for again."""
+        entries = self._load()
+        for name in [name for name in entries if stale(name)]:
+            del entries[name]
+
     def value(self, name: str, compute: Callable[[], _T], *, to_json: Callable[[_T], Any] = lambda v: v) -> Any:
         """The entry ``name``, computed by ``compute`` (and kept, as ``to_json`` makes it) when missing."""
         found = self.get(name)

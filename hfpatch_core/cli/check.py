@@ -220,6 +220,22 @@ def _configs_name(configs: ConfigFor) -> str:
     return f"{getattr(configs, '__module__', '')}.{getattr(configs, '__qualname__', repr(configs))}"
 
 
+def _keep(cache: Any, entry: str, value: Any) -> None:
+    """Put ``value`` as ``entry`` in ``cache``, forgetting the entries of the same kind for the same pack
+    under another identity (an earlier version or source of it): the file holds each pack's latest."""
+    kind, configs, pack, *identity = json.loads(entry)
+
+    def stale(other: str) -> bool:
+        try:
+            found = json.loads(other)
+        except ValueError:
+            return False
+        return isinstance(found, list) and found[:3] == [kind, configs, pack] and found[3:7] != identity[:4]
+
+    cache.discard(stale)
+    cache.put(entry, value)
+
+
 def _answers_cache() -> Any:
     from .cache import Cache, core_key
 
@@ -286,7 +302,8 @@ def check_pack(
             check.note(f"pack {name!r} targets no model type: {NO_TARGETS}")
         problems, targets, refusals, imported = check.problems, check.found, check.refusals, check.imported
         if store is not None and imported:
-            store.put(
+            _keep(
+                store,
                 entry,
                 {
                     "model_types": targeted,
@@ -506,7 +523,7 @@ def asked_with_configs(
     if progress is not None:
         progress.finish()
     if cache is not None and not failed and some is None:
-        cache.put(entry, answers)
+        _keep(cache, entry, answers)
     return answers
 
 

@@ -749,3 +749,29 @@ def test_check_resolves_classes_as_a_load_does(install, capsys, tmp_path) -> Non
 
     assert {t.class_name for t in targets_of("gemma3_text", ["Gemma3RMSNorm"])} == {"Gemma3RMSNorm"}
     assert {t.class_name for t in targets_of("got_ocr2", ["Qwen2RMSNorm"])} == {"Qwen2RMSNorm"}
+
+
+def test_progress_is_one_line_rewritten_in_place_on_a_terminal(monkeypatch) -> None:
+    """``check``'s progress over hundreds of model types: one line rewritten in place on a terminal,
+    plain lines (at most one every ``every`` seconds) in a log."""
+    import io
+
+    from hfpatch_core.cli.output import Progress
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    for stream in (Terminal(), io.StringIO()):
+        monkeypatch.setattr(sys, "stderr", stream)
+        progress = Progress("asking", 3, every=3600)
+        for item in ("a", "b", "c"):
+            progress.step(item)
+        progress.finish()
+        written = stream.getvalue()
+        if isinstance(stream, Terminal):
+            assert written.count("\n") == 2  # the line that starts the step, and the one that ends it
+            assert written.count("\r\x1b[Khfpatch: asking: ") == 4 and written.endswith(" s\n")
+            assert "\r\x1b[Khfpatch: asking: 3/3 (c)" in written
+        else:
+            assert "\r" not in written and len(written.splitlines()) == 2  # started, done

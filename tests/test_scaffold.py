@@ -377,7 +377,7 @@ def test_structural_project_says_what_it_is_and_passes_its_check(tmp_path: Path)
     assert created.returncode == 0, created.stdout + created.stderr
     project = tmp_path / "projects" / "hfpatch-pack-norms"
     texts = {path: path.read_text() for path in project.rglob("*") if path.is_file()}
-    assert [path.name for path, text in texts.items() if "MLP" in text or "Patched" in text] == []
+    assert [path.name for path, text in texts.items() if "LlamaMLP" in text or "Patched" in text] == []
     assert 'description = "hfpatch pack replacing every RMS norm' in texts[project / "pyproject.toml"]
     assert "functional_class" in texts[project / "README.md"] and "generated empty" in texts[project / "README.md"]
     record = project / "hfpatch_pack_norms" / "hfpatch-record.json"

@@ -28,18 +28,26 @@ def mlp_class(model_type):
 
 
 @simple_filter
-def drift_record(pack_name, model_type, target_class):
+def drift_record(pack_name, model_type, target_class, variant="class"):
     """The pack's drift record (what ``hfpatch check --record`` writes) on the transformers
-    installed where the project is generated: the signatures of ``target_class``.  Without
-    hfpatch-core there, an empty record (``hfpatch check`` then says there is none)."""
+    installed where the project is generated: the signatures of ``target_class``.
+
+    Empty (no release recorded: ``hfpatch check`` says so, and does not fail) without
+    hfpatch-core there, and for the structural variant: what a structural pack replaces is
+    known only by asking it about every model type (``hfpatch check --record``, about a
+    minute), which generating the project does not do.
+    """
     import json
 
+    empty = json.dumps({"format": 1, "pack": pack_name, "releases": {}}, indent=2) + "\n"
+    if variant == "structural":
+        return empty
     try:
         import transformers
 
-        from hfpatch_core.cli.drift import DriftRecord
         from hfpatch_core.cli.check import targets_of
+        from hfpatch_core.cli.drift import DriftRecord
     except ImportError:
-        return json.dumps({"format": 1, "pack": pack_name, "releases": {}}, indent=2) + "\n"
+        return empty
     targets = targets_of(str(model_type), [str(target_class)])
     return DriftRecord(str(pack_name), {}).with_release(transformers.__version__, targets).dumps()

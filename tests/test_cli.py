@@ -204,6 +204,61 @@ def test_check_finds_what_a_pack_that_needs_a_config_targets(install, capsys) ->
     assert "pack 'sized' returns no patch and no converter for mistral" in capsys.readouterr().out
 
 
+CHOOSY_PACK = """
+from hfpatch_core import Patch, Refusal, hookimpl
+from transformers.models.llama.modeling_llama import LlamaMLP
+
+class SizedMLP(LlamaMLP):
+    pass
+
+@hookimpl
+def provide_patches(context):
+    # decides from the config, as a structural pack does: claims llama's MLP, refuses mistral's
+    if context.config is None:
+        return []
+    if context.model_type == "llama":
+        return [Patch("LlamaMLP", SizedMLP)]
+    if context.model_type == "mistral":
+        return [Refusal("MistralMLP", "REASON")]
+    return []
+"""
+
+
+def test_check_shows_where_a_pack_only_refuses_and_keeps_its_answers_until_its_source_changes(install, capsys) -> None:
+    import importlib.util
+
+    from hfpatch_core.cli import main
+
+    site = install(PackSpec("choosy", CHOOSY_PACK.replace("REASON", "its sizes differ")))
+    assert main(["check", "choosy"]) == 0
+    assert capsys.readouterr().out == (
+        "ok    choosy 1.0.0: targets llama, mistral\n"
+        "      refused (left as it is): mistral: MistralMLP: its sizes differ\n"
+        "      no drift record: `hfpatch check --record choosy` writes one (not a failure)\n"
+    )
+    cached = list(Path(os.environ["HF_PATCH_CACHE"]).glob("pack-answers-*.json"))
+    assert len(cached) == 1 and "its sizes differ" in cached[0].read_text()
+    # an author's edit (an editable install's RECORD lists no source) is asked anew, not read from the cache
+    spec = importlib.util.find_spec("hfpatch_test_pack_choosy")
+    assert spec is not None and spec.origin is not None and Path(spec.origin).is_relative_to(site)
+    Path(spec.origin).write_text(CHOOSY_PACK.replace("REASON", "it gates"))
+    for module in [name for name in sys.modules if name.startswith("hfpatch_test_pack_choosy")]:
+        del sys.modules[module]
+    assert main(["check", "choosy"]) == 0
+    assert "refused (left as it is): mistral: MistralMLP: it gates\n" in capsys.readouterr().out
+    kept = cached[0].read_text()  # the answers before the edit are forgotten, not kept beside
+    assert "it gates" in kept and "its sizes differ" not in kept
+
+
+def test_check_help_says_it_checks_the_selection(capsys) -> None:
+    from hfpatch_core.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["check", "--help"])
+    shown = " ".join(capsys.readouterr().out.split())
+    assert "(default: the packs HF_PATCH_PACKS selects, as for a load)" in shown and "all installed" not in shown
+
+
 def test_a_pack_can_declare_its_model_types(install, capsys) -> None:
     from hfpatch_core.cli import main
 
@@ -694,3 +749,29 @@ def test_check_resolves_classes_as_a_load_does(install, capsys, tmp_path) -> Non
 
     assert {t.class_name for t in targets_of("gemma3_text", ["Gemma3RMSNorm"])} == {"Gemma3RMSNorm"}
     assert {t.class_name for t in targets_of("got_ocr2", ["Qwen2RMSNorm"])} == {"Qwen2RMSNorm"}
+
+
+def test_progress_is_one_line_rewritten_in_place_on_a_terminal(monkeypatch) -> None:
+    """``check``'s progress over hundreds of model types: one line rewritten in place on a terminal,
+    plain lines (at most one every ``every`` seconds) in a log."""
+    import io
+
+    from hfpatch_core.cli.output import Progress
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    for stream in (Terminal(), io.StringIO()):
+        monkeypatch.setattr(sys, "stderr", stream)
+        progress = Progress("asking", 3, every=3600)
+        for item in ("a", "b", "c"):
+            progress.step(item)
+        progress.finish()
+        written = stream.getvalue()
+        if isinstance(stream, Terminal):
+            assert written.count("\n") == 2  # the line that starts the step, and the one that ends it
+            assert written.count("\r\x1b[Khfpatch: asking: ") == 4 and written.endswith(" s\n")
+            assert "\r\x1b[Khfpatch: asking: 3/3 (c)" in written
+        else:
+            assert "\r" not in written and len(written.splitlines()) == 2  # started, done

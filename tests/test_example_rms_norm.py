@@ -9,7 +9,11 @@ norm it cannot reproduce is refused with the reason.
 
 from __future__ import annotations
 
+import copy
 import importlib
+import os
+import pickle
+import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -100,3 +104,51 @@ def test_a_norm_whose_instances_differ_is_refused(pack: ModuleType, tmp_path: Pa
     assert plan is not None and "Gemma3nRMSNorm" not in plan.replaced
     reasons = {refused.target: refused.reason for refused in plan.refused}
     assert reasons["Gemma3nRMSNorm"] == "its instances differ: some have a weight, some do not"
+
+
+def test_a_patched_model_pickles_and_unpickles_in_a_fresh_process(pack: ModuleType, tmp_path: Path) -> None:
+    """The replacements are built with ``runtime_class`` (the authors' guide, "Classes built at runtime"):
+    a patched model deep-copies, pickles, and unpickles where no load has built the class yet."""
+    checkpoint = tiny_checkpoint("llama", tmp_path / "llama")
+    model = load_model(checkpoint, PACK)
+    replaced = type(model.model.norm)
+    assert replaced.__name__ == pack.replacement_name("LlamaRMSNorm")
+    assert type(copy.deepcopy(model).model.norm) is replaced
+    assert type(pickle.loads(pickle.dumps(model)).model.norm) is replaced
+    ids = torch.randint(0, 100, (1, 7), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = model(ids).logits
+    torch.save({"model": model, "ids": ids, "expected": expected}, tmp_path / "saved.pt")
+    script = (
+        "import sys, torch\n"
+        f"saved = torch.load({str(tmp_path / 'saved.pt')!r}, weights_only=False)\n"
+        "model = saved['model']\n"
+        "assert type(model.model.norm).__name__ == sys.argv[1], type(model.model.norm)\n"
+        "with torch.no_grad():\n"
+        "    assert torch.equal(model(saved['ids']).logits, saved['expected'])\n"
+    )
+    environment = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    done = subprocess.run(
+        [sys.executable, "-c", script, replaced.__name__], capture_output=True, text=True, env=environment, check=False
+    )
+    assert done.returncode == 0, done.stderr
+
+
+def test_a_large_candidate_is_probed_built_small(pack: ModuleType) -> None:
+    """What a probe of a real MLP would materialise (135M parameters at llama's default sizes) is built
+    with the config scaled down (``authoring.shrunk_instance``); a norm is probed at its own size."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm
+
+    from hfpatch_core import LoadContext
+    from hfpatch_core.authoring import build_on_meta
+
+    context = LoadContext(model_type="llama", model_class_name="LlamaForCausalLM", config=LlamaConfig())
+    model = build_on_meta(context)
+    mlp, norm = model.model.layers[0].mlp, model.model.norm
+    assert sum(parameter.numel() for parameter in mlp.parameters()) > pack.PROBE_LIMIT
+    small = pack._candidate(context, LlamaMLP, mlp)
+    assert type(small) is LlamaMLP and small.gate_proj.weight.shape == (128, 64)
+    assert small.gate_proj.weight.device.type == "cpu"
+    same = pack._candidate(context, LlamaRMSNorm, norm)
+    assert same.weight.shape == (4096,) and same.weight.device.type == "cpu"

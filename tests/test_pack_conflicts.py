@@ -11,6 +11,7 @@ projections, with converters for the same checkpoint tensors; with every pack en
 from __future__ import annotations
 
 import importlib
+import json
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -185,3 +186,48 @@ def test_list_finds_the_conflicts_of_every_model_type_and_one_selection_settling
     assert main(["list"]) == 0
     out = capsys.readouterr().out
     assert "conflicts with" not in out and "\nNo conflict on " in out
+
+
+# --- issue 46 point 4: a structural pack's conflicts ----------------------------------------
+
+#: a class pack claiming llama's norm, which the structural rms-norm example claims too (same priority)
+LLAMA_NORM = """
+from hfpatch_core import Patch, hookimpl
+from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+
+class OwnLlamaRMSNorm(LlamaRMSNorm):
+    pass
+
+
+@hookimpl
+def provide_patches(context):
+    return [Patch("LlamaRMSNorm", OwnLlamaRMSNorm)] if context.model_type == "llama" else []
+"""
+
+
+def test_list_shows_the_conflicts_of_a_structural_pack(llama_checkpoint, tmp_path, monkeypatch, capsys) -> None:
+    """The rms-norm example declares no model type and answers nothing without a config: list asks it
+    with a config of each model type another pack targets, and shows the tie every llama load raises."""
+    source = (EXAMPLES / "rms-norm" / "hfpatch_pack_rms_norm.py").read_text(encoding="utf-8")
+    install_pack(tmp_path / "site", "rms-norm", source, module="hfpatch_pack_rms_norm")
+    install_pack(tmp_path / "site", "llama-norm", LLAMA_NORM)
+    importlib.invalidate_caches()
+    monkeypatch.setenv("HF_PATCH_PACKS", "rms-norm,llama-norm")
+    with pytest.raises(PatchConflictError) as caught:
+        load_model(llama_checkpoint, "rms-norm,llama-norm")
+    assert caught.value.target == "LlamaRMSNorm" and caught.value.packs == ("llama-norm", "rms-norm")
+    hfpatch_core.disable()
+
+    assert main(["list", "--json"]) == 0
+    listed = json.loads(capsys.readouterr().out)
+    assert listed["conflicts_checked_on"] == ["llama"]
+    rows = {row["name"]: row for row in listed["packs"]}
+    assert rows["rms-norm"]["conflicts"] == [{"model_type": "llama", "target": "LlamaRMSNorm", "with": ["llama-norm"]}]
+    assert rows["llama-norm"]["conflicts"] == [{"model_type": "llama", "target": "LlamaRMSNorm", "with": ["rms-norm"]}]
+    settling = listed["settled_by"]["HF_PATCH_PACKS"]
+    load_model(llama_checkpoint, settling)  # strict: what list says settles it loads
+
+    assert main(["list"]) == 0
+    out = capsys.readouterr().out
+    assert "llama: " in out and f"HF_PATCH_PACKS={settling} settles every one" in out

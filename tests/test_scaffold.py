@@ -367,3 +367,44 @@ def test_structural_project_starts_from_the_example_and_passes_its_tests(tmp_pat
     result = run(sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(project / "tests"), site=site)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "5 passed, 1 deselected" in result.stdout
+
+
+def test_structural_project_says_what_it_is_and_passes_its_check(tmp_path: Path) -> None:
+    """Every word of the structural project is about the structural pack (not the class variant's
+    ``LlamaMLP``), and ``hfpatch check`` (what its CI runs) passes as generated: its drift record is
+    empty, which check reports and does not fail on, until ``check --record`` writes it."""
+    created = run(HFPATCH, "new", "norms", "--structural", "--no-input", "-o", str(tmp_path / "projects"))
+    assert created.returncode == 0, created.stdout + created.stderr
+    project = tmp_path / "projects" / "hfpatch-pack-norms"
+    texts = {path: path.read_text() for path in project.rglob("*") if path.is_file()}
+    assert [path.name for path, text in texts.items() if "LlamaMLP" in text or "Patched" in text] == []
+    assert 'description = "hfpatch pack replacing every RMS norm' in texts[project / "pyproject.toml"]
+    assert "functional_class" in texts[project / "README.md"] and "generated empty" in texts[project / "README.md"]
+    record = project / "hfpatch_pack_norms" / "hfpatch-record.json"
+    assert json.loads(record.read_text()) == {"format": 1, "pack": "norms", "releases": {}}
+    assert "hfpatch check norms" in texts[project / ".github" / "workflows" / "tests.yml"]
+    site = tmp_path / "site"
+    install = run(
+        sys.executable,
+        *("-m", "pip", "install", "--no-deps", "--no-build-isolation", "--disable-pip-version-check", "-q"),
+        *("--target", str(site), str(project)),
+    )
+    assert install.returncode == 0, install.stdout + install.stderr
+    cache = {"HF_PATCH_CACHE": str(tmp_path / "cache")}
+    checked = run(HFPATCH, "check", "norms", site=site, env=cache, timeout=900)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    lines = checked.stdout.splitlines()
+    assert lines[0].startswith("ok    norms 0.1.0: targets ") and "llama" in lines[0].split(", ")
+    assert lines[-1] == "      no drift record: `hfpatch check --record norms` writes one (not a failure)"
+    # refusals are shown, with the model types where the pack only refuses (cohere: a layer norm)
+    assert any(line.startswith("      refused (left as it is): cohere: CohereLayerNorm: ") for line in lines)
+    recorded = run(HFPATCH, "check", "--record", "norms", site=site, env=cache)  # from the cache
+    assert recorded.returncode == 0, recorded.stdout + recorded.stderr
+    written = json.loads((site / "hfpatch_pack_norms" / "hfpatch-record.json").read_text())
+    version = importlib.metadata.version("transformers")
+    assert list(written["releases"]) == [version]
+    assert {"model_type": "llama", "class": "LlamaRMSNorm"} in [
+        {"model_type": entry["model_type"], "class": entry["class"]} for entry in written["releases"][version]
+    ]
+    again = run(HFPATCH, "check", "norms", site=site, env=cache)
+    assert again.returncode == 0 and "drift" not in again.stdout and "no drift record" not in again.stdout

@@ -23,6 +23,8 @@ within a minor release:
 * ``peft``: what PEFT sees of a patched model (``HIDDEN_FROM_ADAPTERS``);
 * ``meta``: ``build_on_meta``, a model built on the meta device from inside a hook, as vanilla
   transformers builds it, and ``nested_loads``, its sub-models that load in loads of their own;
+* ``shrink``: one instance of a real module class built with the load's config scaled down, to
+  probe what it computes without its real sizes (``shrunk_instance``, ``shrunk_config``);
 * ``probes``: questions about the installed transformers (``class_keys_supported``, ...);
 * ``lists``: which of transformers' conversion lists a load reads (``conversion_key``,
   ``conversion_lists``);
@@ -33,7 +35,7 @@ within a minor release:
 from __future__ import annotations
 
 from ..conversion import source_patterns_of, target_patterns_of
-from . import calls, classes, experts, fusion, lists, meta, packing, peft, probes, sized, views
+from . import calls, classes, experts, fusion, lists, meta, packing, peft, probes, shrink, sized, views
 from ._pages import release as release_pages
 from .calls import same_input
 from .classes import RuntimeClassMeta, runtime_class
@@ -51,6 +53,7 @@ from .meta import build_on_meta, nested_loads
 from .packing import PACKED_MODULES, PACKED_SIZES, PackedLinear, PackedPart, packed_modules, packed_outputs
 from .peft import HIDDEN_FROM_ADAPTERS
 from .probes import class_keys_supported, parallel_modes
+from .shrink import SHRUNK_SIZES, shrunk_config, shrunk_instance
 from .sized import SizedConcatenate, SizedSplit
 from .views import FusedViewsMixin, ProjectionView, SharedProjection, fusable_parts, fuse_as_views, fused_views_class
 
@@ -59,6 +62,7 @@ __all__ = [
     "PACKED_MODULES",
     "PACKED_SIZES",
     "QKV_PROJECTIONS",
+    "SHRUNK_SIZES",
     "ExpertsSlicing",
     "FusedQKVAttentionBase",
     "FusedViewsMixin",
@@ -100,6 +104,9 @@ __all__ = [
     "release_pages",
     "runtime_class",
     "same_input",
+    "shrink",
+    "shrunk_config",
+    "shrunk_instance",
     "sized",
     "source_patterns_of",
     "split_converters",

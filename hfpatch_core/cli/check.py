@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import importlib.util
+import json
 import warnings
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -178,8 +180,80 @@ def converter_problems(plan: Plan) -> list[str]:
     return problems
 
 
+class _Answers(PackSet):
+    """A ``PackSet`` that calls the hooks once per load and config: ``check`` asks a model type to
+    find its targets, again to check them and again to plan them, and a structural pack builds and
+    probes the model each time.  A context without a config is asked every time (it is cheap)."""
+
+    def __init__(self, packs: Mapping[str, PackInfo]) -> None:
+        super().__init__(packs, guard=HOOK_GUARD)
+        self._answers: dict[tuple[Any, ...], tuple[Any, Gathered]] = {}
+
+    def gather(self, context: LoadContext, priority_offsets: Mapping[str, int] | None = None) -> Gathered:
+        if context.config is None:
+            return super().gather(context, priority_offsets)
+        offsets = tuple(sorted((priority_offsets or {}).items()))
+        key = (context.model_type, context.model_class_name, id(context.config), offsets)
+        found = self._answers.get(key)
+        if found is None or found[0] is not context.config:  # (the config is held: its id stays its own)
+            found = self._answers[key] = (context.config, super().gather(context, priority_offsets))
+        return found[1]
+
+
+def _pack_identity(info: PackInfo) -> list[str]:
+    """What names a pack's answers in the cache: its name, distribution, version, entry point and
+    a hash of its source (``cache.pack_source_digest``: an editable install's edits count)."""
+    from .cache import pack_source_digest
+
+    module = info.value.partition(":")[0].strip()
+    try:
+        spec = importlib.util.find_spec(module)
+    except (ImportError, ValueError):
+        spec = None
+    origin = spec.origin if spec is not None and spec.has_location else None
+    return [info.name, info.distribution, info.version, info.value, pack_source_digest(origin)]
+
+
+def _configs_name(configs: ConfigFor) -> str:
+    """Which configs a pack was asked with, in a cache entry's name: answers to tiny configs are not
+    answers to default ones."""
+    return f"{getattr(configs, '__module__', '')}.{getattr(configs, '__qualname__', repr(configs))}"
+
+
+def _keep(cache: Any, entry: str, value: Any) -> None:
+    """Put ``value`` as ``entry`` in ``cache``, forgetting the entries of the same kind for the same pack
+    under another identity (an earlier version or source of it): the file holds each pack's latest."""
+    kind, configs, pack, *identity = json.loads(entry)
+
+    def stale(other: str) -> bool:
+        try:
+            found = json.loads(other)
+        except ValueError:
+            return False
+        return isinstance(found, list) and found[:3] == [kind, configs, pack] and found[3:7] != identity[:4]
+
+    cache.discard(stale)
+    cache.put(entry, value)
+
+
+def _answers_cache() -> Any:
+    from .cache import Cache, core_key
+
+    return Cache("pack-answers", core_key())
+
+
+#: What ``check_pack`` keeps in the cache of a pack's check: everything but the drift record,
+#: which is read anew (``check --record`` rewrites it without changing what the hooks answer).
+_CACHED_FIELDS = ("model_types", "problems", "targets", "refused")
+
+
 def check_pack(
-    session: Session, name: str, model_types: Sequence[str] = (), *, config_for: ConfigFor | None = None
+    session: Session,
+    name: str,
+    model_types: Sequence[str] = (),
+    *,
+    config_for: ConfigFor | None = None,
+    cache: bool = False,
 ) -> CheckResult:
     """Import pack ``name``, call its hooks for every model type, and check what they return.
 
@@ -198,32 +272,86 @@ def check_pack(
             decides from the config); each must be targeted.
         config_for: the config to call the hooks with for a model type (default: its
             default config; ``hfpatch check`` passes a cached tiny config).
+        cache: keep the result (all but the drift comparison) in ``HF_PATCH_CACHE``, named by
+            the installed transformers and hfpatch-core and the pack's version and source hash,
+            and take it from there when it is found (``hfpatch check`` does; ``--no-cache`` not).
     """
     info = session.selection.packs[name]
-    check = _PackCheck(name, PackSet({name: info}, guard=HOOK_GUARD), config_for or default_config)
-    targeted, declared = check.targets(info, model_types)
-    for model_type in targeted:
-        check.target(model_type, asked=bool(model_types) or model_type in declared)
-    if not targeted and not check.problems:
-        check.note(f"pack {name!r} targets no model type: {NO_TARGETS}")
-    path = _record_path(info) if check.imported else None
+    store = _answers_cache() if cache else None
+    configs = config_for or default_config
+    entry = json.dumps(["check", _configs_name(configs), *_pack_identity(info), sorted(model_types)])
+    found = store.get(entry) if store is not None else None
+    if isinstance(found, dict) and all(field in found for field in _CACHED_FIELDS):
+        targeted = list(found["model_types"])
+        problems = list(found["problems"])
+        targets = {Target(*fields) for fields in found["targets"]}
+        refusals = list(found["refused"])
+        imported = True
+    else:
+        check = _PackCheck(name, _Answers({name: info}), configs, cache=store)
+        with _quiet_notices():
+            targeted, declared = check.targets(info, model_types)
+            progress = _progress(f"checking pack {name!r} on the {len(targeted)} model types it targets", targeted)
+            for model_type in targeted:
+                if progress is not None:
+                    progress.step(model_type)
+                check.target(model_type, asked=bool(model_types) or model_type in declared)
+            if progress is not None:
+                progress.finish()
+        if not targeted and not check.problems:
+            check.note(f"pack {name!r} targets no model type: {NO_TARGETS}")
+        problems, targets, refusals, imported = check.problems, check.found, check.refusals, check.imported
+        if store is not None and imported:
+            _keep(
+                store,
+                entry,
+                {
+                    "model_types": targeted,
+                    "problems": problems,
+                    "targets": [dataclasses.astuple(target) for target in sorted(targets)],
+                    "refused": refusals,
+                },
+            )
+    path = _record_path(info) if imported else None
     record: DriftRecord | None = None
+    problems = list(problems)
     try:
         record = read_record(path) if path is not None else None
     except RecordError as exc:
-        check.note(f"pack {name!r}: {exc}")
-    drift = compare(record, check.found, transformers.__version__) if record is not None and record.releases else ()
+        problems.append(f"pack {name!r}: {exc}")
+    drift = compare(record, targets, transformers.__version__) if record is not None and record.releases else ()
     return CheckResult(
         name,
         info.version,
         tuple(targeted),
-        tuple(check.problems),
-        targets=tuple(sorted(check.found)),
+        tuple(problems),
+        targets=tuple(sorted(targets)),
         record=path,
         recorded=record is not None and bool(record.releases),
         drift=drift,
-        refused=tuple(dict.fromkeys(check.refusals)),
+        refused=tuple(dict.fromkeys(refusals)),
     )
+
+
+def _progress(what: str, items: Sequence[str]) -> Any:
+    """A progress line for a step over many model types (``None`` for a few: nothing to wait for)."""
+    from .output import Progress
+
+    return Progress(what, len(items), cached=True) if len(items) > 20 else None
+
+
+@contextlib.contextmanager
+def _quiet_notices() -> Iterator[None]:
+    """transformers' notices off (errors still shown) while ``check`` builds hundreds of configs and
+    models: "falling back to ...", deprecations of a default config's fields; not the pack's problems."""
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(verbosity)
 
 
 @dataclasses.dataclass
@@ -238,28 +366,24 @@ class _PackCheck:
     imported: bool = True
     found: set[Target] = dataclasses.field(default_factory=set)
     refusals: list[str] = dataclasses.field(default_factory=list)
-    answers: dict[str, tuple[Any, Gathered]] = dataclasses.field(default_factory=dict)
+    #: where the model types found by asking with configs are kept (``None``: not kept)
+    cache: Any = None
 
     def note(self, message: str) -> None:
         if message not in self.problems:
             self.problems.append(message)
 
     def gather(self, context: LoadContext) -> Gathered:
-        # finding the targets asks each model type with its config, checking it asks again: a
-        # structural pack builds and probes the model each time, so the answer is kept
-        cached = self.answers.get(context.model_type or "")
-        if cached is not None and cached[0] is context.config and context.config is not None:
-            return cached[1]
-        gathered = self.packs.gather(context)
-        self.answers[context.model_type or ""] = (context.config, gathered)
+        gathered = self.packs.gather(context)  # (an _Answers: asked once per config)
         for failure in gathered.failures:
             self.note(str(failure))
             self.imported = self.imported and failure.stage != "import"
         return gathered
 
     def offers(self, model_type: str, config: Any) -> bool:
-        gathered = self.gather(_context(model_type, config))
-        return bool(gathered.claims or gathered.converters or gathered.steps)
+        """Whether the pack answers ``model_type`` with anything: a patch, converter or model step,
+        or a refusal (a model type where it only refuses is checked and shown too)."""
+        return bool(_answer(self.gather(_context(model_type, config))))
 
     def targets(self, info: PackInfo, model_types: Sequence[str]) -> tuple[list[str], tuple[str, ...]]:
         """The model types to check (those given, else those the pack targets) and those it declares."""
@@ -286,21 +410,7 @@ class _PackCheck:
         return targeted, declared
 
     def _asked_with_configs(self) -> list[str]:
-        from .output import Progress
-
-        progress = Progress(
-            f"asking pack {self.name!r} with a tiny config of every model type (declare provide_model_types, "
-            "or pass --model-type, to check only those)",
-            len(CONFIG_MAPPING_NAMES),
-            cached=False,
-        )
-        offered = []
-        for model_type in CONFIG_MAPPING_NAMES:
-            progress.step(model_type)
-            if self.offers(model_type, self.configs(model_type)):
-                offered.append(model_type)
-        progress.finish()
-        return offered
+        return list(asked_with_configs(self.packs, self.name, self.configs, cache=self.cache, gather=self.gather))
 
     def target(self, model_type: str, *, asked: bool) -> None:
         """Check what the pack offers for ``model_type`` (``asked``: it was named or declared, so it
@@ -351,6 +461,70 @@ class _PackCheck:
                 f"pack {self.name!r}: converter for {key!r} but no patch of the pack is active for {model_type}; "
                 "the checkpoint would be converted for modules that were not replaced."
             )
+
+
+def _answer(gathered: Gathered) -> str:
+    """``"offers"`` (a patch, converter or model step), ``"refuses"`` (refusals only) or ``""``."""
+    if gathered.claims or gathered.converters or gathered.steps:
+        return "offers"
+    return "refuses" if gathered.refused else ""
+
+
+def asked_with_configs(
+    packs: PackSet,
+    name: str,
+    configs: ConfigFor,
+    *,
+    cache: Any = None,
+    gather: Callable[[LoadContext], Gathered] | None = None,
+    model_types: Iterable[str] | None = None,
+) -> dict[str, str]:
+    """The model types pack ``name`` answers when asked with ``configs(model_type)`` for every model
+    type of the installed transformers (or of ``model_types``): model type -> ``"offers"`` or ``"refuses"``.
+
+    What a pack that decides from the config alone (a structural pack: nothing for ``config=None``,
+    no ``provide_model_types``) applies to; ``check`` checks these and ``list`` plans them for
+    conflicts.  Asking builds each model type's config, and the pack builds and probes each model:
+    the answer is kept in ``cache`` (a ``cache.Cache``), named by the pack's version and source
+    hash, unless the pack failed (it is asked again); the answers for some ``model_types`` are
+    read from it, not kept.  A progress line on stderr while it asks every model type.
+    """
+    from .output import Progress
+
+    info = packs.infos[name]
+    entry = json.dumps(["asked", _configs_name(configs), *_pack_identity(info)])
+    found = cache.get(entry) if cache is not None else None
+    some = None if model_types is None else [t for t in dict.fromkeys(model_types) if t in CONFIG_MAPPING_NAMES]
+    if isinstance(found, dict):
+        return {str(t): str(answer) for t, answer in found.items() if some is None or t in some}
+    ask = gather or (lambda context: packs.gather(context))
+    asked = list(CONFIG_MAPPING_NAMES) if some is None else some
+    progress = (
+        Progress(
+            f"asking pack {name!r} with a tiny config of every model type (declare provide_model_types, "
+            "or pass --model-type, to ask only those)",
+            len(asked),
+            cached=cache is not None,
+        )
+        if some is None
+        else _progress(f"asking pack {name!r} with a tiny config of {len(asked)} model types", asked)
+    )
+    answers: dict[str, str] = {}
+    failed = False
+    with _quiet_notices():
+        for model_type in asked:
+            if progress is not None:
+                progress.step(model_type)
+            gathered = ask(_context(model_type, configs(model_type)))
+            failed = failed or bool(gathered.failures)
+            answer = _answer(gathered)
+            if answer:
+                answers[model_type] = answer
+    if progress is not None:
+        progress.finish()
+    if cache is not None and not failed and some is None:
+        _keep(cache, entry, answers)
+    return answers
 
 
 def targets_of(model_type: str, patch_targets: Iterable[str], classes: Mapping[str, type] | None = None) -> set[Target]:
@@ -521,9 +695,14 @@ class Conflicts:
         return [conflict for conflict in self.conflicts if pack in conflict.packs]
 
 
-def targeted_model_types(packs: PackSet, priority_offsets: Mapping[str, int] | None = None) -> dict[str, set[str]]:
+def targeted_model_types(
+    packs: PackSet, priority_offsets: Mapping[str, int] | None = None, *, config_for: ConfigFor | None = None
+) -> dict[str, set[str]]:
     """For each model type, the packs of ``packs`` that target it, as ``check_pack`` finds targets:
-    a patch or converter asked with ``config=None``, or the model type declared (``provide_model_types``)."""
+    a patch or converter asked with ``config=None``, or the model type declared (``provide_model_types``);
+    with ``config_for``, a pack that targets nothing that way (a structural pack) is asked with
+    ``config_for(model_type)`` (``asked_with_configs``, its answers cached): on every model type, or,
+    when it is the only such pack, on those the others target (a conflict takes two packs)."""
     targets: dict[str, set[str]] = {}
     for model_type in CONFIG_MAPPING_NAMES:
         context = _context(model_type, None)
@@ -538,6 +717,16 @@ def targeted_model_types(packs: PackSet, priority_offsets: Mapping[str, int] | N
     for name, info in packs.infos.items():
         for model_type in declared_model_types(info)[0]:
             targets.setdefault(model_type, set()).add(name)
+    if config_for is not None:
+        placed = {name for names in targets.values() for name in names}
+        structural = sorted(name for name in packs.infos if name not in placed)
+        others = list(targets) if len(structural) == 1 else None
+        for name in structural:
+            alone = PackSet({name: packs.infos[name]}, guard=HOOK_GUARD)
+            answers = asked_with_configs(alone, name, config_for, cache=_answers_cache(), model_types=others)
+            for model_type, answer in answers.items():
+                if answer == "offers":
+                    targets.setdefault(model_type, set()).add(name)
     return targets
 
 
@@ -551,7 +740,7 @@ def find_conflicts(selection: Selection, *, config_for: ConfigFor | None = None)
     packs = PackSet(selection.packs, guard=HOOK_GUARD)
     problems: list[Problem] = []
     conflicts: list[PackConflict] = []
-    for model_type, names in sorted(targeted_model_types(packs, offsets).items()):
+    for model_type, names in sorted(targeted_model_types(packs, offsets, config_for=config_for).items()):
         if len(names) < 2:
             continue
         context = LoadContext(
@@ -617,7 +806,7 @@ def cmd_check(args: argparse.Namespace) -> int:
         failed = True
     results = []
     for name in sorted(selection.packs):
-        result = check_pack(session, name, args.model_type or (), config_for=probe_config)
+        result = check_pack(session, name, args.model_type or (), config_for=probe_config, cache=True)
         results.append(result)
         targets = ", ".join(result.model_types) or "no model type"
         # --record refreshes the record: the drift it replaces is not a failure

@@ -114,9 +114,10 @@ class Progress:
         """One item is about to be computed (``item`` names it)."""
         self.done += 1
         now = self._clock()
-        if now - self._shown >= self.every:
+        # on a terminal one line is rewritten in place (every item); in a log, a line every ``every`` s
+        if _terminal() or now - self._shown >= self.every:
             self._shown = now
-            _progress(f"{self.what}: {self.done}/{self.total} ({item})")
+            _progress(f"{self.what}: {self.done}/{self.total} ({item})", in_place=True)
 
     def finish(self) -> None:
         """The step is over."""
@@ -124,7 +125,18 @@ class Progress:
         _progress(f"{self.what}: done, {count}in {self._clock() - self.started:.1f} s")
 
 
-def _progress(line: str) -> None:
+def _terminal() -> bool:
+    try:
+        return sys.stderr.isatty()
+    except (AttributeError, ValueError):  # a replaced or closed stream
+        return False
+
+
+def _progress(line: str, *, in_place: bool = False) -> None:
     with contextlib.suppress(OSError):  # progress never stops the command
-        sys.stderr.write(f"hfpatch: {line}\n")
+        if _terminal():
+            # rewritten in place: carriage return, the line, erase what a longer line left
+            sys.stderr.write(f"\r\x1b[Khfpatch: {line}" + ("" if in_place else "\n"))
+        else:
+            sys.stderr.write(f"hfpatch: {line}\n")
         sys.stderr.flush()

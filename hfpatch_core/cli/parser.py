@@ -130,12 +130,20 @@ def build_parser() -> argparse.ArgumentParser:
     explaining.set_defaults(handler=_lazy("explain", "cmd_explain"))
 
     checking = commands.add_parser("check", help="import packs and validate what their hooks return")
-    checking.add_argument("packs", nargs="*", metavar="PACK", help="packs to check (default: all installed)")
+    checking.add_argument(
+        "packs",
+        nargs="*",
+        metavar="PACK",
+        help="packs to check, with @N priority offsets as in HF_PATCH_PACKS (default: the packs HF_PATCH_PACKS "
+        "selects, as for a load)",
+    )
     checking.add_argument(
         "--model-type",
         action="append",
         metavar="TYPE",
-        help="check on these model types (repeatable) instead of those the pack claims when asked without a config",
+        help="check on these model types (repeatable) instead of those the pack targets (what it answers "
+        "without a config, declares, or, for a pack that decides from the config, answers with a tiny config "
+        "of each model type: kept in HF_PATCH_CACHE)",
     )
     checking.add_argument(
         "--record",

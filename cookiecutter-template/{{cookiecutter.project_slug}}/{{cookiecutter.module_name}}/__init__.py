@@ -24,7 +24,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from hfpatch_core import LoadContext, Patch, Refusal, hookimpl
-from hfpatch_core.authoring import build_on_meta
+from hfpatch_core.authoring import build_on_meta, runtime_class, shrunk_instance
 from torch import nn
 
 #: How each known norm scales the normalised hidden states (``x``: in float32, ``dtype``: the input's).
@@ -68,11 +68,54 @@ def _forward(scaling: str, epsilon: str) -> Callable[[nn.Module, torch.Tensor], 
     return forward
 
 
+#: (original class, scaling, epsilon attribute) -> its replacement: one class per original keeps the
+#: loads of a process on the same class
+_classes: dict[tuple[type[nn.Module], str, str], type[nn.Module]] = {}
+
+
+def functional_class(original: type[nn.Module], scaling: str, epsilon: str) -> type[nn.Module]:
+    """The subclass of ``original`` whose forward calls ``rms_norm`` (``scaling``, ``getattr(self, epsilon)``).
+
+    Built with ``runtime_class``: the class and its instances pickle as this call (``torch.save`` of a
+    model, a ``DataLoader`` worker), which imports this module and builds the class again.
+    """
+    key = (original, scaling, epsilon)
+    if key not in _classes:
+        _classes[key] = runtime_class(
+            replacement_name(original.__name__),
+            (original,),
+            {"forward": _forward(scaling, epsilon)},
+            module=__name__,
+            rebuild=functional_class,
+            arguments=key,
+        )
+    return _classes[key]
+
+
+#: A candidate with more elements than this is probed built small (``shrunk_instance``); a norm has
+#: one weight of the hidden size and is probed as the load builds it: building a small model for
+#: it would cost more than the copy (about 0.1 s each, hundreds of classes in a ``check``).
+PROBE_LIMIT = 1 << 20
+
+
+def _candidate(context: LoadContext, module_class: type[nn.Module], module: nn.Module) -> nn.Module:
+    """One instance of ``module_class`` to probe, on the CPU: a copy of ``module`` (built on the meta
+    device) materialised, or, for a large one, one built with the load's config scaled down
+    (``shrunk_instance``: kilobytes where an MLP, an attention or experts are gigabytes)."""
+    if sum(parameter.numel() for parameter in module.parameters()) > PROBE_LIMIT:
+        try:
+            return shrunk_instance(context, module_class)
+        except Exception:  # a config that does not shrink, or a class built only at some sizes
+            pass
+    with torch.device("cpu"):
+        return copy.deepcopy(module).to_empty(device="cpu")
+
+
 def _probe(module: nn.Module, scaling: str, epsilon: str, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """The original forward and the replacement's on one input, in ``dtype``."""
+    """The original forward and the replacement's on one input, in ``dtype`` (``module``: on the CPU)."""
     # hooks of a nested load run under transformers' meta default device: probe on the CPU
     with torch.device("cpu"), torch.no_grad():
-        probe = copy.deepcopy(module).to_empty(device="cpu").to(dtype)
+        probe = copy.deepcopy(module).to(dtype)
         generator = torch.Generator().manual_seed(0)
         size = probe.weight.shape[0] if "weight" in dict(probe.named_parameters()) else 64
         for parameter in probe.parameters():
@@ -88,14 +131,15 @@ def _probe(module: nn.Module, scaling: str, epsilon: str, dtype: torch.dtype) ->
 _decided: dict[type[nn.Module], type[nn.Module] | str] = {}
 
 
-def _decide(module_class: type[nn.Module], module: nn.Module) -> type[nn.Module] | str:
-    """The replacement class of ``module_class`` (``module``: one built instance), or why there is none."""
+def _decide(context: LoadContext, module_class: type[nn.Module], module: nn.Module) -> type[nn.Module] | str:
+    """The replacement class of ``module_class`` (``module``: one instance, on the meta device), or why
+    there is none."""
     if module_class not in _decided:
-        _decided[module_class] = _probed(module_class, module)
+        _decided[module_class] = _probed(module_class, module, context)
     return _decided[module_class]
 
 
-def _probed(module_class: type[nn.Module], module: nn.Module) -> type[nn.Module] | str:
+def _probed(module_class: type[nn.Module], module: nn.Module, context: LoadContext) -> type[nn.Module] | str:
     name = module_class.__name__
     home = sys.modules.get(module_class.__module__)
     if getattr(home, name, None) is not module_class:
@@ -104,23 +148,23 @@ def _probed(module_class: type[nn.Module], module: nn.Module) -> type[nn.Module]
     extra = [p for p in list(inspect.signature(module_class.forward).parameters)[2:] if p not in ("args", "kwargs")]
     if extra:
         return f"its forward takes more than the hidden states ({', '.join(extra)})"
+    candidate = _candidate(context, module_class, module)
     tried: list[str] = []
     for epsilon in _epsilons(module):
         for scaling in SCALINGS:
             if scaling != "none" and "weight" not in dict(module.named_parameters()):
                 continue
             try:
-                original, replacement = _probe(module, scaling, epsilon, torch.float32)
+                original, replacement = _probe(candidate, scaling, epsilon, torch.float32)
             except Exception as exc:
                 return f"its forward does not take the hidden states alone ({type(exc).__name__}: {exc})"
             if not torch.allclose(original, replacement, rtol=1e-5, atol=0.0):
                 tried.append(f"{scaling} with {epsilon}")
                 continue
             # the casts differ only below float32: bfloat16 tells Llama's order from Olmo2's
-            original, replacement = _probe(module, scaling, epsilon, torch.bfloat16)
+            original, replacement = _probe(candidate, scaling, epsilon, torch.bfloat16)
             if torch.equal(original, replacement):
-                forward = _forward(scaling, epsilon)
-                return type(replacement_name(name), (module_class,), {"forward": forward, "__module__": __name__})
+                return functional_class(module_class, scaling, epsilon)
             tried.append(f"{scaling} with {epsilon} (float32 only)")
     return f"it computes none of rms_norm's scalings (tried {', '.join(tried)})"
 
@@ -149,7 +193,7 @@ def provide_patches(context: LoadContext) -> list[Patch | Refusal]:
         if len(weighted[name]) > 1:
             decisions.append(Refusal(name, "its instances differ: some have a weight, some do not"))
             continue
-        decided = _decide(module_class, module)
+        decided = _decide(context, module_class, module)
         if isinstance(decided, str):
             decisions.append(Refusal(name, decided))
         else:

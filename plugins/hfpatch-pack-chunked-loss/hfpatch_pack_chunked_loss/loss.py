@@ -46,7 +46,9 @@ class HeadTransform:
         return logits
 
 
-def _hand_written(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, transform: HeadTransform) -> bool:
+def _hand_written(
+    hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, transform: HeadTransform
+) -> bool:
     # float32 throughout, without autocast (which runs the head in another dtype) and with a
     # transform whose gradient is a constant (a scale): the head's matmuls are written out, into
     # one reused buffer; otherwise autograd differentiates the head and the transform, as vanilla's does

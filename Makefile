@@ -26,6 +26,10 @@ PACK_TEST_SITE := $(VENV)/pack-test-libraries
 # what only the pack suites import (on a path entry of their own), pinned in the constraints files
 PACK_TEST_LIBRARIES := torchao trl datasets dill multiprocess pandas pyarrow xxhash
 PACK_TEST_SITE_OLDEST := $(VENV_OLDEST)/pack-test-libraries
+# What only bench/chunked_loss.py imports (Cut Cross-Entropy and the Triton it imports at load on
+# Linux, about 1 GB), pinned in constraints.txt, on a path entry no suite puts on its path
+BENCH_SITE := $(VENV)/bench-libraries
+BENCH_LIBRARIES := cut-cross-entropy triton
 # transformers is installed --no-deps, then these, its requirements (pinned in constraints.txt),
 # and hfpatch-core's own: each pin stays ours.  5.25 turns hub kernels on by default, and they
 # are downloaded from the Hub at load time, which no test may do: USE_HUB_KERNELS=0 everywhere.
@@ -42,7 +46,7 @@ TEST_JOBS ?= 2
 # Subprocesses (the CLI, torchrun, docs commands) inherit it.
 SUITE_ENV := OMP_NUM_THREADS=1
 
-.PHONY: all help venv venv-oldest demo dist test checks lint typecheck docs unit unit-oldest core core-oldest pack-suites pack-suites-oldest zoo compat interop clean
+.PHONY: all help venv venv-oldest demo dist test checks lint typecheck docs unit unit-oldest core core-oldest pack-suites pack-suites-oldest zoo compat interop clean bench-libraries
 
 all: test
 
@@ -69,6 +73,7 @@ help:
 	@echo "compat              every transformers release in range and Python 3.10 / 3.13, written to docs/compatibility.md"
 	@echo "interop             the llm-compressor interop suite, in .venv-interop"
 	@echo "clean               remove the venvs and the build and tool caches"
+	@echo "bench-libraries     .venv/bench-libraries: Cut Cross-Entropy for bench/chunked_loss.py (not a test dependency)"
 
 $(VENV)/.installed: pyproject.toml constraints.txt requirements-dev.txt docs/requirements.txt _hfpatch_autorun.py
 	$(PYTHON) -m venv $(VENV)
@@ -110,6 +115,13 @@ $(PACK_TEST_SITE_OLDEST)/.installed: $(VENV_OLDEST)/.installed constraints-oldes
 	$(BIN_OLDEST)/python -m pip install $(PIP_FLAGS) --no-deps -c constraints-oldest.txt --target $(PACK_TEST_SITE_OLDEST) $(PACK_TEST_LIBRARIES)
 	touch $@
 
+$(BENCH_SITE)/.installed: $(VENV)/.installed constraints.txt
+	rm -rf $(BENCH_SITE)
+	$(BIN)/python -m pip install $(PIP_FLAGS) --no-deps -c constraints.txt --target $(BENCH_SITE) $(BENCH_LIBRARIES)
+	touch $@
+
+bench-libraries: $(BENCH_SITE)/.installed
+
 # DeepSpeed (tests/test_deepspeed.py: ZeRO-3 on 2 CPU ranks), pinned in constraints.txt, installed with
 # DS_BUILD_OPS=0 (no op is compiled at install).  Its CPU accelerator compiles the shm_comm op with g++
 # on first use (1-3 min): built here, once per venv, into TORCH_EXTENSIONS_DIR inside the venv, where
@@ -121,6 +133,7 @@ $(DS_EXTENSIONS)/.built: $(VENV)/.installed constraints.txt
 	touch $@
 
 venv: $(VENV)/.installed $(PACKS_SITE)/.installed $(PACK_TEST_SITE)/.installed $(DS_EXTENSIONS)/.built
+
 DS_EXTENSIONS_OLDEST := $(VENV_OLDEST)/torch-extensions
 $(DS_EXTENSIONS_OLDEST)/.built: $(VENV_OLDEST)/.installed constraints-oldest.txt
 	DS_BUILD_OPS=0 $(BIN_OLDEST)/python -m pip install $(PIP_FLAGS) -c constraints-oldest.txt deepspeed

@@ -96,3 +96,81 @@ def test_make_zoo_counts_verdicts_with_the_zoos_coverage() -> None:
     assert "| `p` | 2 | 0 | 1 | 1 | 1 | 67% (2/3) |" in summary
     with pytest.raises(ValueError, match="verdict must be one of"):
         zoo.counts_of([{**written[0], "verdict": "exactish"}])
+
+
+def _bench_chunked_loss() -> Any:
+    """``bench/chunked_loss.py``, imported from its path (it writes the docs' chunked-loss tables)."""
+    spec = importlib.util.spec_from_file_location("bench_chunked_loss", ROOT / "bench" / "chunked_loss.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _rounded_ratio_holds(value: float, reference: float, ratio: float, digits: int) -> bool:
+    """``ratio`` (printed to 2 decimals) is value / reference for some values that print as these."""
+    half = 0.5 * 10.0**-digits
+    low = max(value - half, 0.0) / (reference + half)
+    high = (value + half) / max(reference - half, 1e-12)
+    return low - 0.005 <= ratio <= high + 0.005
+
+
+def test_the_chunked_loss_pages_show_one_run_of_the_bench() -> None:
+    """Issue 44.7: docs/chunked-loss.md said 2.34x and docs/benchmarks.md 0.97x for the same row."""
+    bench = _bench_chunked_loss()
+    regions = {}
+    for page in bench.DOCS:
+        text = page.read_text()
+        found = bench.MARKER.findall(text)
+        assert len(found) == 1, f"{page.name}: {len(found)} <!-- bench:chunked-loss --> regions, not one"
+        regions[page.name] = found[0][1]
+        # the summary row (docs/benchmarks.md) is the one its tables give; `--write` rewrites both
+        assert bench.update_markers(text, found[0][1]) == text, f"{page.name}: a summary is not its tables'"
+    assert len(set(regions.values())) == 1, "the pages show different runs: rerun bench/chunked_loss.py --write"
+    assert bench.SUMMARY_MARKER.search((ROOT / "docs" / "benchmarks.md").read_text())
+    parsed = bench.parse(next(iter(regions.values())))
+    assert parsed["sides"][:2] == ["vanilla", "chunked-loss"] and len(parsed["peak"]) >= 1
+    assert parsed["peak"].keys() == parsed["seconds"].keys() == parsed["once"].keys()
+    for name, digits in (("peak", 0), ("seconds", 2)):
+        for row, cells in parsed[name].items():
+            reference, _ = cells[0]
+            for value, ratio in cells[1:]:
+                assert ratio is not None and _rounded_ratio_holds(value, reference, ratio, digits), (name, row)
+
+
+def test_no_chunked_loss_row_is_stated_outside_the_bench_region() -> None:
+    bench = _bench_chunked_loss()
+    row = re.compile(r"(32,?000|128,?256|151,?936)\s*\|?\s+(2,?048|4,?096)\s*\|")
+    for page in bench.DOCS:
+        outside = bench.MARKER.sub("", page.read_text())
+        assert not row.findall(outside), f"{page.name} states chunked-loss bench rows outside the generated region"
+
+
+def test_the_chunked_loss_tables_round_trip() -> None:
+    """What the bench renders is what the checks above parse, and a wrong ratio fails them."""
+    bench = _bench_chunked_loss()
+    side = {"peak": 2**30, "cpu": 2.0, "wall": 3.0, "first": 4.0, "install": 0.5, "loss": 10.0, "device": "cpu"}
+    measured = {
+        "vanilla": side,
+        "chunked-loss": {**side, "peak": 2**28, "cpu": 1.5},
+        "trl": {**side, "peak": 2**31, "cpu": 4.0},
+        "cce": {**side, "peak": 2**29, "cpu": 1.0, "first": 60.0},
+    }
+    context = dict.fromkeys(("command", "when", "commit", "transformers", "torch", "machine"), "x")
+    context.update(load_start="1.0", load_end="2.0")
+    block = bench.render([(32000, 2048, measured)], list(bench.SIDES), context)
+    parsed = bench.parse(block)
+    assert parsed["peak"][(32000, 2048)] == [(1024.0, None), (256.0, 0.25), (2048.0, 2.0), (512.0, 0.5)]
+    assert parsed["seconds"][(32000, 2048)][1:] == [(1.5, 0.75), (4.0, 2.0), (1.0, 0.5)]
+    assert parsed["once"][(32000, 2048)] == [(4.0, None), (0.5, None), (0.5, None), (60.0, None)]
+    # the pack's peak is the smallest, its time not (CCE's is smaller): the summary says so
+    assert bench.summary(parsed).endswith("| **missed**: seconds at 32,000 x 2,048")
+    fastest = {**measured, "chunked-loss": {**side, "peak": 2**28, "cpu": 0.5}}
+    assert bench.summary(bench.parse(bench.render([(32000, 2048, fastest)], list(bench.SIDES), context))).endswith(
+        "| **met** on every row"
+    )
+    assert not _rounded_ratio_holds(256.0, 1024.0, 0.26, 0)
+    text = "a\n<!-- bench:chunked-loss -->\nold\n<!-- /bench -->\nb <!-- bench:chunked-loss-summary -->s<!-- /bench -->"
+    written = bench.update_markers(text, block)
+    assert bench.MARKER.findall(written)[0][1] == block
+    assert bench.SUMMARY_MARKER.findall(written)[0][1] == bench.summary(parsed)

@@ -1,11 +1,15 @@
 """The chunked causal-LM loss: an autograd function over the hidden states and the head's weights.
 
 The loss and its gradients are computed together, chunk of tokens by chunk of tokens, in the
-forward (as Liger-Kernel's fused linear cross-entropy does): each chunk's logits are built,
-transformed, upcast and reduced with the very operations vanilla's ``ForCausalLMLoss`` runs,
-differentiated with autograd, and dropped before the next chunk.  The backward only scales the
-stored gradients by the incoming one, so the step computes the head's matmuls as often as
-vanilla does and never holds more than one chunk's logits.
+forward (as Liger-Kernel's fused linear cross-entropy does), in one pass: each chunk's logits are
+built and transformed with the operations vanilla's forward runs, their log-softmax (vanilla's
+``ForCausalLMLoss`` kernel) gives the chunk's losses, and the same buffer is turned in place into
+the gradient of the loss with respect to the logits (``softmax - one_hot``), which the head's two
+backward matmuls consume before the next chunk overwrites it.  The backward only scales the stored
+gradients by the incoming one.  So the step runs the head's three matmuls once, as vanilla does,
+never holds more than one chunk's logits, and makes fewer passes over them than vanilla's autograd
+(which writes the log-softmax, a zero-filled gradient and the log-softmax's gradient besides the
+logits, each a fresh tokens x vocabulary tensor).  Tokens whose label is ignored are not computed.
 """
 
 from __future__ import annotations
@@ -42,18 +46,43 @@ class HeadTransform:
         return logits
 
 
-def _chunk_loss(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    targets: torch.Tensor,
-    transform: HeadTransform,
-    ignore_index: int,
-) -> torch.Tensor:
-    logits = nn.functional.linear(hidden, weight, bias)
-    # vanilla upcasts after the family's transform (ForCausalLMLoss's logits.float())
-    logits = transform(logits).float()
-    return nn.functional.cross_entropy(logits, targets, ignore_index=ignore_index, reduction="sum")
+def _hand_written(
+    hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, transform: HeadTransform
+) -> bool:
+    # float32 throughout, without autocast (which runs the head in another dtype) and with a
+    # transform whose gradient is a constant (a scale): the head's matmuls are written out, into
+    # one reused buffer; otherwise autograd differentiates the head and the transform, as vanilla's does
+    return (
+        hidden.dtype == weight.dtype == torch.float32
+        and (bias is None or bias.dtype == torch.float32)
+        and transform.softcap is None
+        and not torch.is_autocast_enabled(hidden.device.type)
+    )
+
+
+def _losses_and_logit_gradient_(logits: torch.Tensor, targets: torch.Tensor, losses: torch.Tensor) -> None:
+    """A chunk's float32 logits become, in place, ``softmax - one_hot(targets)``; their losses go to ``losses``."""
+    # vanilla's cross_entropy is this log_softmax and a gather; the kernel reads a row before it
+    # writes it, so it runs in place
+    torch.log_softmax(logits, 1, out=logits)
+    rows = torch.arange(targets.shape[0], device=logits.device)
+    torch.neg(logits[rows, targets], out=losses)
+    logits.exp_()
+    logits[rows, targets] -= 1
+
+
+def _check_targets(kept: torch.Tensor, rows: torch.Tensor, vocab: int, ignore_index: int) -> None:
+    if kept.numel() == 0:
+        return
+    # a negative label would index the logits from the end, silently: vanilla's nll_loss raises
+    outside = (kept < 0) | (kept >= vocab)
+    if bool(outside.any()):
+        first = int(outside.nonzero()[0, 0])
+        raise IndexError(
+            f"label {int(kept[first])} (token {int(rows[first])} of the flattened, shifted labels) is outside "
+            f"the vocabulary (0 to {vocab - 1}) and is not the ignore_index ({ignore_index}); vanilla's loss "
+            "raises on it too: fix the labels, or pass the ignore_index they use"
+        )
 
 
 class _ChunkedLoss(torch.autograd.Function):
@@ -69,29 +98,81 @@ class _ChunkedLoss(torch.autograd.Function):
         ignore_index: int,
         chunk: int,
     ) -> torch.Tensor:
+        want_hidden = hidden.requires_grad
         want_weight = weight.requires_grad
         want_bias = bias is not None and bias.requires_grad
-        grad_hidden = torch.empty_like(hidden) if hidden.requires_grad else None
+        vocab = weight.shape[0]
+        # only the counted tokens are computed: an ignored token adds nothing to the loss or a gradient
+        rows = (targets != ignore_index).nonzero().squeeze(1)
+        every = rows.shape[0] == targets.shape[0]
+        kept = targets if every else targets.index_select(0, rows)
+        _check_targets(kept, rows, vocab, ignore_index)
+        h_kept = hidden.detach() if every else hidden.detach().index_select(0, rows)
+        grad_kept = torch.empty_like(h_kept) if want_hidden else None
         # fp32 accumulators: vanilla rounds the weight's gradient once, after one matmul over
         # every token; summing chunks in the parameter's dtype would round once per chunk.
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_weight else None
         grad_bias = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if want_bias else None  # type: ignore[union-attr]
-        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        w = weight.detach().requires_grad_(want_weight)
-        b = None if bias is None else bias.detach().requires_grad_(want_bias)
-        for start in range(0, hidden.shape[0], chunk):
-            h = hidden[start : start + chunk].detach().requires_grad_(grad_hidden is not None)
-            with torch.enable_grad():
-                part = _chunk_loss(h, w, b, targets[start : start + chunk], transform, ignore_index) / divisor
+        losses = torch.empty(rows.shape[0], dtype=torch.float32, device=hidden.device)
+        # vanilla's gradient of the loss with respect to a counted token's float32 logits is
+        # (softmax - one_hot) / divisor (the mean's count, or num_items_in_batch)
+        inverse = torch.reciprocal(divisor.to(device=hidden.device, dtype=torch.float32))
+        w = weight.detach()
+        b = None if bias is None else bias.detach()
+        if _hand_written(hidden, weight, bias, transform):
+            buffer = torch.empty((min(chunk, rows.shape[0]), vocab), dtype=torch.float32, device=hidden.device)
+            for start in range(0, rows.shape[0], chunk):
+                h = h_kept[start : start + chunk]
+                logits = buffer[: h.shape[0]]
+                if b is None:
+                    torch.mm(h, w.t(), out=logits)
+                else:
+                    torch.addmm(b, h, w.t(), out=logits)
+                if transform.scale is not None:
+                    logits.mul_(transform.scale)
+                _losses_and_logit_gradient_(logits, kept[start : start + chunk], losses[start : start + chunk])
+                # the buffer holds softmax - one_hot: the head's backward matmuls, unscaled (below)
+                if grad_kept is not None:
+                    torch.mm(logits, w, out=grad_kept[start : start + chunk])
+                if grad_weight is not None:
+                    grad_weight.addmm_(logits.t(), h)
+                if grad_bias is not None:
+                    grad_bias += logits.sum(0)
+            del buffer
+            # scaled once, after the matmuls, instead of every logit's gradient before them: the
+            # same products rounded in another order (an ulp of float32)
+            factor = inverse if transform.scale is None else inverse * transform.scale
+            if rows.shape[0]:
+                for grad in (grad_kept, grad_weight, grad_bias):
+                    if grad is not None:
+                        grad.mul_(factor)
+        else:
+            w.requires_grad_(want_weight)
+            if b is not None:
+                b.requires_grad_(want_bias)
+            for start in range(0, rows.shape[0], chunk):
+                h = h_kept[start : start + chunk].detach().requires_grad_(want_hidden)
+                with torch.enable_grad():
+                    out = transform(nn.functional.linear(h, w, b))
+                # vanilla upcasts after the family's transform (ForCausalLMLoss's logits.float());
+                # in float32 this is ``out``'s own buffer, which no backward reads
+                logits = out.detach().float()
+                _losses_and_logit_gradient_(logits, kept[start : start + chunk], losses[start : start + chunk])
+                # scaled before the cast to the model's dtype, as vanilla's gradient is
+                logits.mul_(inverse)
                 inputs = [x for x in (h, w, b) if x is not None and x.requires_grad]
-                grads = list(torch.autograd.grad(part, inputs)) if inputs else []
-            total += part.detach()
-            if grad_hidden is not None:
-                grad_hidden[start : start + chunk] = grads.pop(0)
-            if grad_weight is not None:
-                grad_weight += grads.pop(0)
-            if grad_bias is not None:
-                grad_bias += grads.pop(0)
+                grads = list(torch.autograd.grad(out, inputs, logits.to(out.dtype))) if inputs else []
+                del out, logits
+                if grad_kept is not None:
+                    grad_kept[start : start + chunk] = grads.pop(0)
+                if grad_weight is not None:
+                    grad_weight += grads.pop(0)
+                if grad_bias is not None:
+                    grad_bias += grads.pop(0)
+        grad_hidden = grad_kept
+        if grad_kept is not None and not every:
+            grad_hidden = torch.zeros_like(hidden).index_copy_(0, rows, grad_kept)
+        total = losses.sum() / divisor
         ctx.save_for_backward(*(t if t is not None else torch.empty(0) for t in (grad_hidden, grad_weight, grad_bias)))
         ctx.present = (grad_hidden is not None, grad_weight is not None, grad_bias is not None)
         ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)

@@ -47,7 +47,6 @@ OWN_TESTS = Path(sys.prefix) / "transformers-tests"
 #: the package name transformers' ``tests/`` is imported under (its relative imports need one)
 PACKAGE = "transformers_own_tests"
 
-FAMILIES = ("llama", "mixtral", "qwen3_moe")
 #: issue 44.8: the packs that replace modules of each family (None: vanilla, the reference)
 CASES = [
     ("llama", None),

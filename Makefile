@@ -115,6 +115,30 @@ $(PACK_TEST_SITE_OLDEST)/.installed: $(VENV_OLDEST)/.installed constraints-oldes
 	$(BIN_OLDEST)/python -m pip install $(PIP_FLAGS) --no-deps -c constraints-oldest.txt --target $(PACK_TEST_SITE_OLDEST) $(PACK_TEST_LIBRARIES)
 	touch $@
 
+# transformers' own model tests for tests/test_transformers_own_tests.py: its wheel has none, its
+# sdist has tests/test_modeling_common.py (ModelTesterMixin) and the other tests/*.py (not
+# tests/models/). pip downloads the pinned release's sdist (its cache serves a rebuild), only
+# tests/*.py are extracted, with the sdist's name in SOURCE; parameterized, which that file
+# imports, goes on a path entry of its own next to them. Nothing of transformers is committed.
+TF_TESTS := $(VENV)/transformers-tests
+TF_TESTS_OLDEST := $(VENV_OLDEST)/transformers-tests
+define transformers_tests
+	rm -rf $(1)
+	$(2)/python -m pip download $(PIP_FLAGS) --no-deps --no-binary :all: -c $(3) -d $(1)/sdist transformers
+	$(2)/python -m pip install $(PIP_FLAGS) --no-deps -c $(3) --target $(1)/libraries parameterized
+	tar -xzf $(1)/sdist/transformers-*.tar.gz -C $(1) --strip-components=2 --wildcards 'transformers-*/tests/*.py'
+	cd $(1)/sdist && ls transformers-*.tar.gz > ../SOURCE
+	rm -rf $(1)/sdist
+	touch $(1)/.installed
+endef
+
+$(TF_TESTS)/.installed: $(VENV)/.installed constraints.txt
+	$(call transformers_tests,$(TF_TESTS),$(BIN),constraints.txt)
+
+$(TF_TESTS_OLDEST)/.installed: $(VENV_OLDEST)/.installed constraints-oldest.txt
+	$(call transformers_tests,$(TF_TESTS_OLDEST),$(BIN_OLDEST),constraints-oldest.txt)
+
+
 $(BENCH_SITE)/.installed: $(VENV)/.installed constraints.txt
 	rm -rf $(BENCH_SITE)
 	$(BIN)/python -m pip install $(PIP_FLAGS) --no-deps -c constraints.txt --target $(BENCH_SITE) $(BENCH_LIBRARIES)
@@ -132,7 +156,7 @@ $(DS_EXTENSIONS)/.built: $(VENV)/.installed constraints.txt
 	TORCH_EXTENSIONS_DIR=$(CURDIR)/$(DS_EXTENSIONS) DS_ACCELERATOR=cpu $(BIN)/python -c "from deepspeed.accelerator import get_accelerator; get_accelerator().create_op_builder('ShareMemCommBuilder').load()"
 	touch $@
 
-venv: $(VENV)/.installed $(PACKS_SITE)/.installed $(PACK_TEST_SITE)/.installed $(DS_EXTENSIONS)/.built
+venv: $(VENV)/.installed $(PACKS_SITE)/.installed $(PACK_TEST_SITE)/.installed $(DS_EXTENSIONS)/.built $(TF_TESTS)/.installed
 
 DS_EXTENSIONS_OLDEST := $(VENV_OLDEST)/torch-extensions
 $(DS_EXTENSIONS_OLDEST)/.built: $(VENV_OLDEST)/.installed constraints-oldest.txt
@@ -140,7 +164,7 @@ $(DS_EXTENSIONS_OLDEST)/.built: $(VENV_OLDEST)/.installed constraints-oldest.txt
 	TORCH_EXTENSIONS_DIR=$(CURDIR)/$(DS_EXTENSIONS_OLDEST) DS_ACCELERATOR=cpu $(BIN_OLDEST)/python -c "from deepspeed.accelerator import get_accelerator; get_accelerator().create_op_builder('ShareMemCommBuilder').load()"
 	touch $@
 
-venv-oldest: $(VENV_OLDEST)/.installed $(PACKS_SITE_OLDEST)/.installed $(PACK_TEST_SITE_OLDEST)/.installed $(DS_EXTENSIONS_OLDEST)/.built
+venv-oldest: $(VENV_OLDEST)/.installed $(PACKS_SITE_OLDEST)/.installed $(PACK_TEST_SITE_OLDEST)/.installed $(DS_EXTENSIONS_OLDEST)/.built $(TF_TESTS_OLDEST)/.installed
 
 # the packs' test-only libraries (torchao, trl, datasets) are not the demo's: only the venv and the packs
 demo: $(VENV)/.installed $(PACKS_SITE)/.installed

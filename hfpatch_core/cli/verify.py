@@ -26,6 +26,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
     dtype = _dtype(args.dtype)
     if args.all_model_types and (args.model is not None or args.distributed):
         raise UsageError("--all-model-types takes no --model or --distributed: it verifies tiny checkpoints")
+    if args.jobs is not None and not args.all_model_types:
+        raise UsageError("--jobs sets the worker processes of --all-model-types: add it, or leave --jobs out")
     distributed = _distributed_modes(args.distributed)
     if distributed and (args.train_steps or dtype is not None):
         raise UsageError("--distributed takes no --train or --dtype: it compares float32 logits across ranks")
@@ -294,11 +296,13 @@ def _verify_every_model_type(args: argparse.Namespace, selection: Any, dtype: An
         for error in selection.problems:
             print(f"hfpatch: error: {error}", file=sys.stderr)
         return EXIT_PROBLEMS
-    if args.jobs < 1:
+    if args.jobs is not None and args.jobs < 1:
         raise UsageError(f"--jobs takes a number of worker processes, at least 1, got {args.jobs}")
     packs = sorted(selection.packs)
     dtype_name = args.dtype or "float32"
     model_types = list(dict.fromkeys(args.model_type or zoo_model_types()))
+    # a worker imports torch and transformers (seconds): for a few model types one process is faster
+    jobs = args.jobs if args.jobs is not None else 2 if len(model_types) >= _WORKERS_FROM else 1
     caches = _sweep_caches(packs, dtype_name)
     known = {
         name: {model_type: _cached_row(row) for model_type in model_types if (row := cache.get(model_type))}
@@ -323,7 +327,7 @@ def _verify_every_model_type(args: argparse.Namespace, selection: Any, dtype: An
         print(f"hfpatch: {cached} verdicts from the cache (--no-cache verifies again)", file=sys.stderr, flush=True)
     # some models print from their forward or generation (reformer): stdout holds the table or the JSON only
     with quiet_transformers(), contextlib.redirect_stdout(sys.stderr):
-        rows = sweep(packs, model_types, dtype=dtype_name, jobs=args.jobs, known=known, progress=progress)
+        rows = sweep(packs, model_types, dtype=dtype_name, jobs=jobs, known=known, progress=progress)
     print(f"hfpatch: verified in {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
     if args.json:
         print_json(
@@ -346,6 +350,10 @@ def _verify_every_model_type(args: argparse.Namespace, selection: Any, dtype: An
             share = f"; exact on {counts['exact']} of {candidates} candidates" if candidates else ""
             print(f"\n{name}: {summary}{share}")
     return EXIT_PROBLEMS if any(row.verdict == "failed" for row in rows) else EXIT_OK
+
+
+#: From how many model types ``verify --all-model-types`` verifies in two worker processes by default.
+_WORKERS_FROM = 8
 
 
 class _StoredReport(dict[str, Any]):

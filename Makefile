@@ -190,8 +190,9 @@ test:
 	$(MAKE) --no-print-directory -j$(TEST_JOBS) -Otarget pack-suites pack-suites-oldest
 
 # The zoo table: every first-party pack against every causal-LM and image-text-to-text model type of the newest
-# supported transformers (hfpatch verify PACK --all-model-types, one process per pack), written
-# to docs/zoo.md. Not part of `make test` (tens of minutes); each pack's suite verifies a sample.
+# supported transformers (one `hfpatch verify PACK... --all-model-types`: a checkpoint per model type
+# for every pack, 2 worker processes, verdicts cached by versions), written to docs/zoo.md. Not part
+# of `make test` (tens of minutes cold); each pack's suite verifies a sample.
 # ZOO_DTYPE=bfloat16 verifies in bf16 (the logits bound calibrated in the run) into docs/zoo-bfloat16.md.
 ZOO_DTYPE ?= float32
 ZOO_TABLE := $(if $(filter float32,$(ZOO_DTYPE)),docs/zoo.md,docs/zoo-$(ZOO_DTYPE).md)

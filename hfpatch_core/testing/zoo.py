@@ -503,7 +503,12 @@ def sweep(
         for model_type, pending in work.items():
             deliver(model_type, _verify_model_type(model_type, pending, dtype, generate_tokens))
     else:
-        threads = max(1, (os.cpu_count() or 1) // jobs)
+        import torch
+
+        # the cores this process may use, shared between the workers; never more threads than this
+        # process has (OMP_NUM_THREADS=1, as `make` sets it, stays 1)
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        threads = max(1, min(torch.get_num_threads(), cores // jobs))
         context = multiprocessing.get_context("spawn")  # torch and OpenMP do not survive a fork
         # a round runs every waiting model type; after a round a worker died in, the first of
         # those left runs alone: dying alone, it is the one to blame

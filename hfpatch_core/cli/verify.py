@@ -12,7 +12,6 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from .._session.session import Session
 from .exit_codes import EXIT_OK, EXIT_PROBLEMS
 from .output import UsageError, print_json, quiet_transformers, table
 
@@ -38,6 +37,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
     selection = current_selection(args.packs or None, origin="hfpatch verify")
     if args.all_model_types:
         return _verify_every_model_type(args, selection, dtype)
+    from .._session.session import Session  # here: it imports torch, which a cached sweep never needs
+
     session = Session(selection, strict=False)
     jobs: list[tuple[str, str]] = []
     unverified: dict[str, str] = {str(getattr(error, "pack", "")) or "?": str(error) for error in selection.problems}
@@ -290,7 +291,7 @@ def _verify_every_model_type(args: argparse.Namespace, selection: Any, dtype: An
     the cache (``_sweep_caches``)."""
     import time
 
-    from ..testing.zoo import VERDICTS, ZooRow, coverage, sweep, zoo_model_types
+    from ..testing.zoo import VERDICTS, ZooRow, coverage, sweep
 
     if selection.problems:
         for error in selection.problems:
@@ -300,7 +301,7 @@ def _verify_every_model_type(args: argparse.Namespace, selection: Any, dtype: An
         raise UsageError(f"--jobs takes a number of worker processes, at least 1, got {args.jobs}")
     packs = sorted(selection.packs)
     dtype_name = args.dtype or "float32"
-    model_types = list(dict.fromkeys(args.model_type or zoo_model_types()))
+    model_types = list(dict.fromkeys(args.model_type or _zoo_model_types()))
     # a worker imports torch and transformers (seconds): for a few model types one process is faster
     jobs = args.jobs if args.jobs is not None else 2 if len(model_types) >= _WORKERS_FROM else 1
     caches = _sweep_caches(packs, dtype_name)
@@ -371,11 +372,26 @@ def _cached_row(data: Mapping[str, Any]) -> Any:
     return dataclasses.replace(row, report=_StoredReport(report)) if isinstance(report, dict) else row
 
 
+def _zoo_model_types() -> list[str]:
+    """``testing.zoo.zoo_model_types``, kept in the cache by transformers' version: a run whose
+    verdicts are all cached imports neither torch nor transformers' modeling code."""
+    from .._pipeline.selection import installed_transformers_version
+    from .cache import Cache
+
+    def names() -> list[str]:
+        from ..testing.zoo import zoo_model_types
+
+        return zoo_model_types()
+
+    cache = Cache("zoo-model-types", {"transformers": installed_transformers_version()})
+    return list(cache.value("names", names))
+
+
 def _sweep_caches(packs: Sequence[str], dtype: str) -> dict[str, Any]:
     """One cache of verdicts per pack (``cli.cache``): valid while the pack's distribution (name,
     version, a hash of its installed files), transformers, torch and hfpatch-core (version and
     files) are those that verified it, so a re-run verifies only what changed."""
-    import torch
+    import importlib_metadata
 
     from .cache import Cache, environment_key
 
@@ -384,7 +400,7 @@ def _sweep_caches(packs: Sequence[str], dtype: str) -> dict[str, Any]:
     for name in packs:
         key = {
             **{field: value for field, value in environment.items() if field != "packs"},
-            "torch": torch.__version__,
+            "torch": importlib_metadata.version("torch"),
             "dtype": dtype,
             "pack": [entry for entry in environment["packs"] if entry[0] == name],
         }

@@ -354,7 +354,8 @@ def zoo(
     """
     import torch
 
-    name = _DTYPE_NAMES[dtype if dtype is not None else torch.float32]
+    names = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+    name = names[dtype if dtype is not None else torch.float32]
 
     def each(rows: Sequence[ZooRow], number: int, total: int) -> None:
         for row in rows:
@@ -364,21 +365,10 @@ def zoo(
     return sweep([pack], model_types, dtype=name, jobs=1, generate_tokens=generate_tokens, progress=each)
 
 
-#: The dtypes a sweep verifies in, by the name a worker process is given.
-_DTYPE_NAMES: dict[Any, str] = {}
-
-
 def _dtype_of(name: str) -> Any:
     import torch
 
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
-    _DTYPE_NAMES.setdefault(dtype, name)
-    return dtype
-
-
-def _dtype_names() -> None:
-    for name in ("float32", "bfloat16", "float16"):
-        _dtype_of(name)
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
 
 
 def _verify_model_type(model_type: str, packs: Sequence[str], dtype: str, generate_tokens: int) -> list[ZooRow]:
@@ -472,7 +462,6 @@ def sweep(
     import multiprocessing
     import os
 
-    _dtype_names()
     if dtype not in ("float32", "bfloat16", "float16"):
         raise ValueError(f"sweep(dtype=...) takes 'float32', 'bfloat16' or 'float16', got {dtype!r}")
     types = list(dict.fromkeys(model_types if model_types is not None else zoo_model_types()))

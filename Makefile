@@ -46,7 +46,7 @@ TEST_JOBS ?= 2
 # Subprocesses (the CLI, torchrun, docs commands) inherit it.
 SUITE_ENV := OMP_NUM_THREADS=1
 
-.PHONY: all help venv venv-oldest demo dist test checks lint typecheck docs unit unit-oldest core core-oldest pack-suites pack-suites-oldest zoo compat interop clean bench-libraries
+.PHONY: all help venv venv-oldest demo dist release-dist release-check test checks lint typecheck docs unit unit-oldest core core-oldest pack-suites pack-suites-oldest zoo compat interop clean bench-libraries
 
 all: test
 
@@ -58,6 +58,8 @@ help:
 	@echo "venv-oldest         .venv-oldest: the same on the oldest supported transformers (5.3.0)"
 	@echo "demo                load a tiny Qwen2-MoE with and without the qwen-moe pack and compare (the main job)"
 	@echo "dist                the wheels of hfpatch-core and of every first-party pack, in dist/"
+	@echo "release-dist        the sdists and wheels a release uploads (hfpatch-core and every first-party pack), in dist/"
+	@echo "release-check       release-dist, twine check, then the wheels installed in a fresh venv: hfpatch list and verify"
 	@echo "test                everything CI runs (.ci/run): checks, the core and pack suites on both venvs"
 	@echo "checks              lint, typecheck and docs"
 	@echo "lint                ruff check, ruff format --check and import-linter"
@@ -84,7 +86,7 @@ $(VENV)/.installed: pyproject.toml constraints.txt requirements-dev.txt docs/req
 
 $(VENV_OLDEST)/.installed: pyproject.toml constraints-oldest.txt docs/requirements.txt _hfpatch_autorun.py
 	$(PYTHON) -m venv $(VENV_OLDEST)
-	$(BIN_OLDEST)/python -m pip install $(PIP_FLAGS) -c constraints-oldest.txt -r docs/requirements.txt pytest pytest-xdist hypothesis hatchling ruff import-linter peft accelerate -e .
+	$(BIN_OLDEST)/python -m pip install $(PIP_FLAGS) -c constraints-oldest.txt -r docs/requirements.txt pytest pytest-xdist hypothesis hatchling twine ruff import-linter peft accelerate -e .
 	touch $@
 
 # The first-party packs' wheels, built once (--no-build-isolation: the venv's hatchling builds
@@ -178,6 +180,18 @@ dist: $(VENV)/.installed
 	rm -rf $(DIST)
 	$(BIN)/python -m pip wheel $(PIP_FLAGS) --no-deps --no-build-isolation -w $(DIST) . $(PLUGINS)
 
+# A release (README "Publishing", .github/workflows/release.yml): the versioned sdist and wheel of
+# hfpatch-core and of every first-party pack, built by the venv's hatchling (.ci/release.py), then
+# checked: twine check --strict, and the wheels installed in a fresh venv (RELEASE_VENV; their
+# requirements from the package index, pinned by constraints.txt, torch linked from this venv so
+# that no CUDA build is fetched) where `hfpatch list` and `hfpatch verify` must pass.
+RELEASE_VENV ?= .venv-release
+release-dist: $(VENV)/.installed
+	$(BIN)/python .ci/release.py build --dist $(DIST)
+
+release-check: release-dist
+	$(BIN)/python .ci/release.py check --dist $(DIST) --venv $(RELEASE_VENV)
+
 lint: venv
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
@@ -229,8 +243,9 @@ test:
 	$(MAKE) --no-print-directory -j$(TEST_JOBS) -Otarget pack-suites pack-suites-oldest
 
 # The zoo table: every first-party pack against every causal-LM and image-text-to-text model type of the newest
-# supported transformers (hfpatch verify PACK --all-model-types, one process per pack), written
-# to docs/zoo.md. Not part of `make test` (tens of minutes); each pack's suite verifies a sample.
+# supported transformers (one `hfpatch verify PACK... --all-model-types`: a checkpoint per model type
+# for every pack, 2 worker processes, verdicts cached by versions), written to docs/zoo.md. Not part
+# of `make test` (tens of minutes cold); each pack's suite verifies a sample.
 # ZOO_DTYPE=bfloat16 verifies in bf16 (the logits bound calibrated in the run) into docs/zoo-bfloat16.md.
 ZOO_DTYPE ?= float32
 ZOO_TABLE := $(if $(filter float32,$(ZOO_DTYPE)),docs/zoo.md,docs/zoo-$(ZOO_DTYPE).md)
@@ -276,4 +291,4 @@ interop: $(VENV_INTEROP)/.installed $(PACKS_SITE_INTEROP)/.installed
 	cd interop && USE_HUB_KERNELS=0 PYTHONPATH=$(CURDIR)/$(PACKS_SITE_INTEROP) $(CURDIR)/$(BIN_INTEROP)/python -m pytest $(PYTEST_FLAGS) -p no:cacheprovider test_llmcompressor.py
 
 clean:
-	rm -rf $(VENV) $(VENV_OLDEST) $(VENV_COMPAT) $(VENV_INTEROP) .site .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(VENV_OLDEST) $(VENV_COMPAT) $(VENV_INTEROP) $(RELEASE_VENV) .site .pytest_cache .mypy_cache .ruff_cache

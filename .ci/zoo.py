@@ -1,15 +1,16 @@
 """``make zoo``: every first-party pack against every causal-LM and image-text-to-text model type, as docs/zoo.md.
 
-One process per pack (``hfpatch verify PACK --all-model-types --json``), two at a time, then
-one table: model type x pack -> exact / failed / refused (reason) / not applicable / no
-checkpoint, with the counts, the transformers version and the date.  Run it in the venv whose
-transformers the table is for, with the first-party packs on PYTHONPATH (the Makefile does).
+One ``hfpatch verify PACK... --all-model-types --json`` for every pack (``testing.zoo.sweep``: one
+tiny checkpoint per model type verified by every pack, in ``--jobs`` worker processes, verdicts
+cached by the installed versions so that a re-run verifies only what changed), then one table:
+model type x pack -> exact / failed / refused (reason) / not applicable / no checkpoint, with the
+counts, the transformers version and the date.  Run it in the venv whose transformers
+the table is for, with the first-party packs on PYTHONPATH (the Makefile does).
 """
 
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
 import datetime
 import json
 import os
@@ -40,20 +41,24 @@ def first_party_packs() -> list[str]:
     return names
 
 
-def run_pack(pack: str, model_types: list[str] | None, dtype: str = "float32") -> list[dict[str, object]]:
-    command = [sys.executable, "-m", "hfpatch_core", "verify", pack, "--all-model-types", "--json", "--dtype", dtype]
+def run_packs(
+    packs: list[str], model_types: list[str] | None, dtype: str = "float32", jobs: int = 2
+) -> dict[str, list[dict[str, object]]]:
+    """Every pack's rows of one ``hfpatch verify --all-model-types --json`` run, by pack."""
+    command = [sys.executable, "-m", "hfpatch_core", "verify", *packs, "--all-model-types", "--json"]
+    command += ["--dtype", dtype, "--jobs", str(jobs)]
     for model_type in model_types or ():
         command += ["--model-type", model_type]
-    env = {**os.environ, "USE_HUB_KERNELS": "0", "HF_PATCH_PACKS": pack}
-    # verify's progress lines ("[12/290] fused-dense on llama: exact") are passed on as they come:
-    # a run takes tens of minutes
+    env = {**os.environ, "USE_HUB_KERNELS": "0", "HF_PATCH_PACKS": ",".join(packs)}
+    # verify's progress lines ("[12/290] fused-dense on llama: exact (3.1 s)") are passed on as they
+    # come: a cold run takes minutes
     with tempfile.TemporaryFile(mode="w+") as out:  # a file: the JSON outgrows a pipe while stderr is read
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.PIPE, text=True, env=env)
         assert process.stderr is not None
         tail: list[str] = []
         for line in process.stderr:
             tail = [*tail[-40:], line]
-            if line.startswith("["):
+            if line.startswith(("[", "hfpatch: ")):
                 print(f"zoo: {line}", end="", file=sys.stderr, flush=True)
         process.wait()
         out.seek(0)
@@ -61,8 +66,12 @@ def run_pack(pack: str, model_types: list[str] | None, dtype: str = "float32") -
     if process.returncode not in (0, 1):
         raise SystemExit(f"zoo: {' '.join(command)} exited {process.returncode}:\n{''.join(tail)[-4000:]}")
     rows: list[dict[str, object]] = json.loads(stdout)["rows"]
-    print(f"zoo: {pack}: {len(rows)} model types", file=sys.stderr)
-    return rows
+    by_pack: dict[str, list[dict[str, object]]] = {pack: [] for pack in packs}
+    for row in rows:
+        by_pack[str(row["pack"])].append(row)
+    for pack, found in by_pack.items():
+        print(f"zoo: {pack}: {len(found)} model types", file=sys.stderr)
+    return by_pack
 
 
 def counts_of(rows: list[dict[str, object]]) -> dict[str, int]:
@@ -134,7 +143,7 @@ def main() -> int:
     parser.add_argument("--packs", help="comma-separated packs (default: every first-party pack)")
     parser.add_argument("--model-types", help="comma-separated model types (default: all causal-LM types)")
     parser.add_argument("--write", type=Path, help="write the table here (default: print it)")
-    parser.add_argument("--jobs", type=int, default=2)
+    parser.add_argument("--jobs", type=int, default=2, help="worker processes (verify --jobs)")
     parser.add_argument(
         "--dtype",
         choices=("float32", "bfloat16"),
@@ -144,8 +153,7 @@ def main() -> int:
     args = parser.parse_args()
     packs = args.packs.split(",") if args.packs else first_party_packs()
     model_types = args.model_types.split(",") if args.model_types else None
-    with concurrent.futures.ThreadPoolExecutor(max_workers=args.jobs) as pool:
-        results = dict(zip(packs, pool.map(lambda pack: run_pack(pack, model_types, args.dtype), packs), strict=True))
+    results = run_packs(packs, model_types, args.dtype, args.jobs)
     import transformers
 
     text = table(results, transformers.__version__, datetime.date.today().isoformat(), args.dtype)

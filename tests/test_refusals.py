@@ -130,7 +130,8 @@ def test_verify_all_model_types_gives_one_verdict_per_model_type(install) -> Non
         ("refusing", "gpt2"): "not applicable",
     }
     assert data["coverage"]["refusing"]["refused"] == 1
-    assert "[4/2]" not in result.stderr and "[2/2] refusing on gpt2: not applicable" in result.stderr
+    assert "[4/2]" not in result.stderr and "[2/2] refusing on " in result.stderr
+    assert "refusing on gpt2: not applicable" in result.stderr
     usage = run(HFPATCH, "verify", "careful", "--all-model-types", "--model", "x", site=site)
     assert usage.returncode == 2 and "--all-model-types takes no --model" in usage.stderr
 

@@ -118,6 +118,7 @@ def test_generated_projects_have_the_pack_layout(generated: Generated) -> None:
         project = generated.projects[pack]
         files = sorted(str(path.relative_to(project)) for path in project.rglob("*") if path.is_file())
         assert files == [
+            ".github/workflows/release.yml",
             ".github/workflows/tests.yml",
             ".gitignore",
             "README.md",
@@ -157,6 +158,14 @@ def test_generated_projects_have_the_pack_layout(generated: Generated) -> None:
         workflow = (project / ".github" / "workflows" / "tests.yml").read_text()
         for needed in ('python-version: "3.11"', "download.pytorch.org/whl/cpu", 'pip install -e ".[test]"', "pytest"):
             assert needed in workflow
+        release = (project / ".github" / "workflows" / "release.yml").read_text()
+        for needed in (
+            "twine check --strict",
+            f"hfpatch verify {pack}\n",
+            "pypa/gh-action-pypi-publish",
+            "id-token: write",
+        ):
+            assert needed in release
         readme = (project / "README.md").read_text()
         for needed in ("HF_PATCH_PACKS", f"`-{pack}`", "hfpatch list", f"hfpatch check {pack}", "hfpatch explain"):
             assert needed in readme

@@ -111,7 +111,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--no-cache",
         action="store_true",
-        help="compute what list, lock and lock --check keep in the cache (HF_PATCH_CACHE) again, and keep nothing",
+        help="compute what list, lock, lock --check and verify --all-model-types keep in the cache "
+        "(HF_PATCH_CACHE) again, and keep nothing",
     )
     commands = parser.add_subparsers(dest="command_name", required=True, metavar="COMMAND")
 
@@ -166,7 +167,15 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="verify on a tiny checkpoint of every causal-LM and image-text-to-text model type (or of each "
         "--model-type): one verdict each "
-        "(exact, failed, refused, not applicable, no checkpoint), the coverage table of docs/zoo.md",
+        "(exact, failed, refused, not applicable, no checkpoint), the coverage table of docs/zoo.md; one checkpoint "
+        "per model type for every pack, verdicts kept in the cache until a version changes",
+    )
+    verifying.add_argument(
+        "--jobs",
+        type=int,
+        metavar="N",
+        help="with --all-model-types: verify in N worker processes (1: in this process; default 2 from 8 model "
+        "types on, where a worker's start costs less than it saves)",
     )
     verifying.add_argument("--json", action="store_true", help="machine-readable output")
     verifying.add_argument(

@@ -12,7 +12,6 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from .._session.session import Session
 from .exit_codes import EXIT_OK, EXIT_PROBLEMS
 from .output import UsageError, print_json, quiet_transformers, table
 
@@ -26,6 +25,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
     dtype = _dtype(args.dtype)
     if args.all_model_types and (args.model is not None or args.distributed):
         raise UsageError("--all-model-types takes no --model or --distributed: it verifies tiny checkpoints")
+    if args.jobs is not None and not args.all_model_types:
+        raise UsageError("--jobs sets the worker processes of --all-model-types: add it, or leave --jobs out")
     distributed = _distributed_modes(args.distributed)
     if distributed and (args.train_steps or dtype is not None):
         raise UsageError("--distributed takes no --train or --dtype: it compares float32 logits across ranks")
@@ -36,6 +37,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
     selection = current_selection(args.packs or None, origin="hfpatch verify")
     if args.all_model_types:
         return _verify_every_model_type(args, selection, dtype)
+    from .._session.session import Session  # here: it imports torch, which a cached sweep never needs
+
     session = Session(selection, strict=False)
     jobs: list[tuple[str, str]] = []
     unverified: dict[str, str] = {str(getattr(error, "pack", "")) or "?": str(error) for error in selection.problems}
@@ -282,44 +285,127 @@ def _distributed_outcome(reports: Sequence[Any], unverified: Mapping[str, str]) 
 
 
 def _verify_every_model_type(args: argparse.Namespace, selection: Any, dtype: Any) -> int:
-    """``verify --all-model-types``: each selected pack on every model type, one verdict each."""
-    from ..testing.zoo import VERDICTS, ZooRow, coverage, zoo
+    """``verify --all-model-types``: each selected pack on every model type, one verdict each
+    (``testing.zoo.sweep``: one tiny checkpoint per model type for every pack, ``--jobs``
+    worker processes), a (pack, model type) verified before under the same versions read from
+    the cache (``_sweep_caches``)."""
+    import time
+
+    from ..testing.zoo import VERDICTS, ZooRow, coverage, sweep
 
     if selection.problems:
         for error in selection.problems:
             print(f"hfpatch: error: {error}", file=sys.stderr)
         return EXIT_PROBLEMS
+    if args.jobs is not None and args.jobs < 1:
+        raise UsageError(f"--jobs takes a number of worker processes, at least 1, got {args.jobs}")
+    packs = sorted(selection.packs)
+    dtype_name = args.dtype or "float32"
+    model_types = list(dict.fromkeys(args.model_type or _zoo_model_types()))
+    # a worker imports torch and transformers (seconds): for a few model types one process is faster
+    jobs = args.jobs if args.jobs is not None else 2 if len(model_types) >= _WORKERS_FROM else 1
+    caches = _sweep_caches(packs, dtype_name)
+    known = {
+        name: {model_type: _cached_row(row) for model_type in model_types if (row := cache.get(model_type))}
+        for name, cache in caches.items()
+    }
+    start = time.perf_counter()
 
-    def progress(row: ZooRow, number: int, total: int) -> None:
-        print(f"[{number}/{total}] {row.pack} on {row.model_type}: {row.verdict}", file=sys.stderr, flush=True)
+    def progress(rows: Sequence[ZooRow], number: int, total: int) -> None:
+        for row in rows:
+            cached = row.model_type in known.get(row.pack, {})
+            if not cached:
+                caches[row.pack].put(row.model_type, row.to_json())
+            print(
+                f"[{number}/{total}] {row.pack} on {row.model_type}: {row.verdict}"
+                f"{' (cached)' if cached else f' ({row.seconds:.1f} s)'}",
+                file=sys.stderr,
+                flush=True,
+            )
 
+    cached = sum(len(rows) for rows in known.values())
+    if cached:
+        print(f"hfpatch: {cached} verdicts from the cache (--no-cache verifies again)", file=sys.stderr, flush=True)
     # some models print from their forward or generation (reformer): stdout holds the table or the JSON only
     with quiet_transformers(), contextlib.redirect_stdout(sys.stderr):
-        rows = [
-            row
-            for name in sorted(selection.packs)
-            for row in zoo(name, args.model_type, dtype=dtype, progress=progress)
-        ]
+        rows = sweep(packs, model_types, dtype=dtype_name, jobs=jobs, known=known, progress=progress)
+    print(f"hfpatch: verified in {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
     if args.json:
         print_json(
             {
                 "rows": [row.to_json() for row in rows],
-                "coverage": {name: coverage([r for r in rows if r.pack == name]) for name in sorted(selection.packs)},
+                "coverage": {name: coverage([r for r in rows if r.pack == name]) for name in packs},
             }
         )
     else:
+        # the detail is the last column and is written whole (a refusal's reason is the answer)
         print(
             table(
                 [[r.pack, r.model_type, r.verdict, r.detail] for r in rows], ["pack", "model type", "verdict", "detail"]
             )
         )
-        for name in sorted(selection.packs):
+        for name in packs:
             counts = coverage([r for r in rows if r.pack == name])
             candidates = counts["exact"] + counts["failed"] + counts["refused"]
             summary = ", ".join(f"{counts[verdict]} {verdict}" for verdict in VERDICTS)
             share = f"; exact on {counts['exact']} of {candidates} candidates" if candidates else ""
             print(f"\n{name}: {summary}{share}")
     return EXIT_PROBLEMS if any(row.verdict == "failed" for row in rows) else EXIT_OK
+
+
+#: From how many model types ``verify --all-model-types`` verifies in two worker processes by default.
+_WORKERS_FROM = 8
+
+
+class _StoredReport(dict[str, Any]):
+    """A cached row's report, as its JSON: ``verify --json`` writes it back as it was."""
+
+    def to_json(self) -> dict[str, Any]:
+        return dict(self)
+
+
+def _cached_row(data: Mapping[str, Any]) -> Any:
+    from ..testing.zoo import ZooRow
+
+    row = ZooRow.from_json(data)
+    report = data.get("report")
+    return dataclasses.replace(row, report=_StoredReport(report)) if isinstance(report, dict) else row
+
+
+def _zoo_model_types() -> list[str]:
+    """``testing.zoo.zoo_model_types``, kept in the cache by transformers' version: a run whose
+    verdicts are all cached imports neither torch nor transformers' modeling code."""
+    from .._pipeline.selection import installed_transformers_version
+    from .cache import Cache
+
+    def names() -> list[str]:
+        from ..testing.zoo import zoo_model_types
+
+        return zoo_model_types()
+
+    cache = Cache("zoo-model-types", {"transformers": installed_transformers_version()})
+    return list(cache.value("names", names))
+
+
+def _sweep_caches(packs: Sequence[str], dtype: str) -> dict[str, Any]:
+    """One cache of verdicts per pack (``cli.cache``): valid while the pack's distribution (name,
+    version, a hash of its installed files), transformers, torch and hfpatch-core (version and
+    files) are those that verified it, so a re-run verifies only what changed."""
+    import importlib_metadata
+
+    from .cache import Cache, environment_key
+
+    environment = environment_key()
+    caches = {}
+    for name in packs:
+        key = {
+            **{field: value for field, value in environment.items() if field != "packs"},
+            "torch": importlib_metadata.version("torch"),
+            "dtype": dtype,
+            "pack": [entry for entry in environment["packs"] if entry[0] == name],
+        }
+        caches[name] = Cache(f"verify-{name}-{dtype}", key)
+    return caches
 
 
 def _distributed_modes(value: str | None) -> list[str]:

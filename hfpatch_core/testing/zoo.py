@@ -34,7 +34,9 @@ __all__ = [
     "causal_lm_model_types",
     "coverage",
     "coverage_sentence",
+    "load_contexts",
     "offers_anything",
+    "sweep",
     "update_zoo_markers",
     "verdict_of",
     "zoo",
@@ -56,7 +58,7 @@ class ZooRow:
         model_type: the model type.
         verdict: one of ``VERDICTS``.
         detail: the replaced classes and installed model steps (``exact``), the first failure (``failed``), the
-            reasons (``refused``), or why no checkpoint (``no checkpoint``); one line.
+            reasons (``refused``), or why no checkpoint (``no checkpoint``); one line, whole (never shortened).
         seconds: how long the model type took.
         verified: the class and config type the checks loaded (``Qwen3_5ForCausalLM
             (qwen3_5_text)``: a composite model type's tiny checkpoint may be its text
@@ -108,9 +110,9 @@ def zoo_model_types() -> list[str]:
     return sorted({*causal_lm_model_types(), *composite})
 
 
-def _one_line(text: str, limit: int = 200) -> str:
-    line = " ".join(str(text).split())
-    return line if len(line) <= limit else line[: limit - 3] + "..."
+def _one_line(text: str) -> str:
+    # whole: a refusal's reason is the pack author's answer to "why not this model?" (issue 46.5)
+    return " ".join(str(text).split())
 
 
 def _refusals(plan: Any) -> list[str]:
@@ -123,29 +125,67 @@ def _refusals(plan: Any) -> list[str]:
     return list(dict.fromkeys(found))
 
 
-def offers_anything(pack: str, checkpoint: Path) -> bool:
-    """Whether ``pack``'s hooks return anything for the model of ``checkpoint`` or its text model:
-    a patch, a converter, a refusal or a hook failure (``verdict_of`` says "not applicable" where not).
+def load_contexts(config: Any) -> list[Any]:
+    """The ``LoadContext`` of each load a checkpoint of ``config`` makes, as its hooks receive them:
+    the root's (its class, ``model_class_for``), then each sub-model's that loads in a load of its own
+    (``authoring.nested_loads`` of a meta build: a composite's text and vision models, built with
+    ``from_config``), with its own class and config and its parent's context, outermost first.
+
+    A pack that claims a composite's text model in that model's own load (the authors' guide's
+    advice) is asked with the very context a real load gives it.  Where the composite cannot be
+    built on the meta device, the text model is asked as ``AutoModel.from_config(text_config)``
+    would build it.
+    """
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_MAPPING_NAMES
+
+    from .._pipeline.model_types import model_class_for
+    from ..authoring import build_on_meta, nested_loads
+    from ..context import LoadContext
+
+    root = LoadContext.for_model(model_class_for(config), config)
+    contexts = [root]
+
+    def walk(model: Any, parent: LoadContext) -> None:
+        for sub in nested_loads(model).values():
+            context = LoadContext.for_model(type(sub), getattr(sub, "config", None), parent=parent)
+            contexts.append(context)
+            walk(sub, context)
+
+    try:
+        walk(build_on_meta(root), root)
+    except Exception:  # some models cannot be built on meta: their text model as the composite would build it
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        if text is not config and getattr(text, "model_type", None):
+            name = MODEL_MAPPING_NAMES.get(text.model_type)
+            model_class = getattr(transformers, name, None) if isinstance(name, str) else None
+            contexts.append(
+                LoadContext.for_model(model_class, text, parent=root)
+                if isinstance(model_class, type)
+                else LoadContext(text.model_type, root.model_class_name, config=text, parent=root)
+            )
+    return contexts
+
+
+def offers_anything(pack: str, checkpoint: Path, contexts: Sequence[Any] | None = None) -> bool:
+    """Whether ``pack``'s hooks return anything for a load of ``checkpoint`` (its root or a
+    sub-model's nested load, ``load_contexts``): a patch, a converter, a model step, a refusal or a
+    hook failure (``verdict_of`` says "not applicable" where not).
 
     Asked of the installed pack without loading a weight (the checkpoint's config only), so
     that a model type the pack has nothing for costs milliseconds, not two loads and a
-    generation; ``hfpatch demo --model`` picks the packs to show with it.
+    generation; ``hfpatch demo --model`` picks the packs to show with it.  ``contexts``: the
+    checkpoint's ``load_contexts``, when the caller asks several packs about one checkpoint.
     """
     from transformers import AutoConfig
 
     from .._pipeline.gathering import PackSet
-    from .._pipeline.model_types import model_class_for
     from .._pipeline.selection import current_selection
     from .._runtime.snapshot import HOOK_GUARD
-    from ..context import LoadContext
 
-    config = AutoConfig.from_pretrained(checkpoint)
+    if contexts is None:
+        contexts = load_contexts(AutoConfig.from_pretrained(checkpoint))
     packs = PackSet(current_selection(pack, origin="the zoo").packs, guard=HOOK_GUARD)
-    root = LoadContext.for_model(model_class_for(config), config)
-    contexts = [root]
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    if text is not config and getattr(text, "model_type", None):
-        contexts.append(LoadContext(text.model_type, root.model_class_name, config=text, parent=root))
     for context in contexts:
         gathered = packs.gather(context)
         if gathered.claims or gathered.converters or gathered.steps or gathered.refused or gathered.failures:
@@ -213,6 +253,7 @@ def verdict_of(
     dtype: Any = None,
     apply_path: bool = True,
     train_steps: int = 0,
+    contexts: Sequence[Any] | None = None,
 ) -> ZooRow:
     """The verdict of ``pack`` on a tiny checkpoint of ``model_type`` built in ``directory``.
 
@@ -230,6 +271,7 @@ def verdict_of(
             calibrated in the run, ``check_pack_equivalence``).
         apply_path: also apply the pack in place to the vanilla model and compare (``verify`` does).
         train_steps: also train for this many steps and compare (``verify --train``).
+        contexts: ``load_contexts`` of ``checkpoint``'s config, when several packs are verified on it.
     """
     import torch
 
@@ -250,7 +292,7 @@ def verdict_of(
             return row("no checkpoint", f"{type(exc).__name__}: {exc}")
     verified = verified_as(checkpoint)
     try:
-        if not offers_anything(pack, checkpoint):
+        if not offers_anything(pack, checkpoint, contexts):
             return row("not applicable")
         report = check_pack_equivalence(
             pack,
@@ -297,7 +339,8 @@ def zoo(
     dtype: Any = None,
     progress: Callable[[ZooRow, int, int], None] | None = None,
 ) -> list[ZooRow]:
-    """Verify ``pack`` on every model type of ``zoo_model_types()`` (or ``model_types``), one row each.
+    """Verify ``pack`` on every model type of ``zoo_model_types()`` (or ``model_types``), one row each,
+    in this process (``sweep``: several packs, worker processes and known rows).
 
     Args:
         pack: the pack's name, installed in this environment.
@@ -309,15 +352,184 @@ def zoo(
     Returns:
         One ``ZooRow`` per model type, in the order given.
     """
-    types = list(model_types) if model_types is not None else zoo_model_types()
-    rows = []
-    with tempfile.TemporaryDirectory(prefix="hfpatch-zoo-") as directory:
-        for number, model_type in enumerate(types, 1):
-            row = verdict_of(pack, model_type, Path(directory), generate_tokens=generate_tokens, dtype=dtype)
-            rows.append(row)
+    import torch
+
+    names = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+    name = names[dtype if dtype is not None else torch.float32]
+
+    def each(rows: Sequence[ZooRow], number: int, total: int) -> None:
+        for row in rows:
             if progress is not None:
-                progress(row, number, len(types))
+                progress(row, number, total)
+
+    return sweep([pack], model_types, dtype=name, jobs=1, generate_tokens=generate_tokens, progress=each)
+
+
+def _dtype_of(name: str) -> Any:
+    import torch
+
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+def _verify_model_type(model_type: str, packs: Sequence[str], dtype: str, generate_tokens: int) -> list[ZooRow]:
+    """Every pack of ``packs`` on one tiny checkpoint of ``model_type``, built once: one row each.
+
+    Runs in a worker process of ``sweep`` (or in its own, with one job); what a model prints
+    goes to stderr, where the progress is.
+    """
+    import contextlib
+    import sys
+
+    from .checkpoints import tiny_checkpoint
+
+    rows: list[ZooRow] = []
+    with tempfile.TemporaryDirectory(prefix="hfpatch-zoo-") as scratch, contextlib.redirect_stdout(sys.stderr):
+        start = time.perf_counter()
+        try:
+            checkpoint = tiny_checkpoint(model_type, Path(scratch) / model_type)
+        except Exception as exc:  # any model type may fail to build in its own way
+            seconds = round(time.perf_counter() - start, 2)
+            detail = _one_line(f"{type(exc).__name__}: {exc}")
+            return [ZooRow(pack, model_type, "no checkpoint", detail, seconds) for pack in packs]
+        try:
+            from transformers import AutoConfig
+
+            contexts: list[Any] | None = load_contexts(AutoConfig.from_pretrained(checkpoint))
+        except Exception:  # verdict_of says why, pack by pack
+            contexts = None
+        for pack in packs:
+            rows.append(
+                verdict_of(
+                    pack,
+                    model_type,
+                    Path(scratch),
+                    checkpoint=checkpoint,
+                    generate_tokens=generate_tokens,
+                    dtype=_dtype_of(dtype),
+                    contexts=contexts,
+                )
+            )
     return rows
+
+
+def _worker_start(threads: int) -> None:
+    """A sweep worker: ``threads`` intra-op threads (the cores shared between the workers), and
+    transformers' warnings and progress bars off, as ``hfpatch verify`` has them."""
+    import warnings
+
+    import torch
+    from transformers.utils import logging as hf_logging
+
+    torch.set_num_threads(threads)
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    warnings.simplefilter("ignore")
+
+
+def sweep(
+    packs: Sequence[str],
+    model_types: Iterable[str] | None = None,
+    *,
+    dtype: str = "float32",
+    jobs: int = 2,
+    generate_tokens: int = 8,
+    known: Mapping[str, Mapping[str, ZooRow]] | None = None,
+    progress: Callable[[Sequence[ZooRow], int, int], None] | None = None,
+) -> list[ZooRow]:
+    """Verify every pack of ``packs`` on every model type (``zoo_model_types()`` by default): the
+    machinery of ``hfpatch verify --all-model-types`` and ``make zoo``.
+
+    One tiny checkpoint is built per model type and every pack is verified on it
+    (``verdict_of``); the model types are shared among ``jobs`` worker processes (spawned:
+    each imports torch and transformers once). A model type whose worker dies (a crash in
+    native code) is verified again alone, and is ``failed`` if it dies again.
+
+    Args:
+        packs: the packs' names, installed in this environment (a worker sees the same path).
+        model_types: the model types to verify.
+        dtype: ``"float32"``, ``"bfloat16"`` or ``"float16"``: the dtype both models load in.
+        jobs: worker processes; 1 verifies in this process.
+        generate_tokens: greedy tokens compared per model type.
+        known: rows already known (a cache of an earlier run), by pack then model type: those
+            are not verified again.
+        progress: called in this process as each model type is done, with its rows (the
+            known ones included), its number and the total.
+
+    Returns:
+        One ``ZooRow`` per pack and model type, packs in the order given, then the model types.
+    """
+    import concurrent.futures
+    import multiprocessing
+    import os
+
+    if dtype not in ("float32", "bfloat16", "float16"):
+        raise ValueError(f"sweep(dtype=...) takes 'float32', 'bfloat16' or 'float16', got {dtype!r}")
+    types = list(dict.fromkeys(model_types if model_types is not None else zoo_model_types()))
+    known = known or {}
+    found: dict[tuple[str, str], ZooRow] = {}
+    work: dict[str, list[str]] = {}
+    for model_type in types:
+        for pack in packs:
+            row = known.get(pack, {}).get(model_type)
+            if row is not None:
+                found[pack, model_type] = row
+            else:
+                work.setdefault(model_type, []).append(pack)
+    finished: set[str] = set()
+
+    def deliver(model_type: str, rows: Sequence[ZooRow]) -> None:
+        finished.add(model_type)
+        for row in rows:
+            found[row.pack, model_type] = row
+        if progress is not None:
+            progress([found[pack, model_type] for pack in packs], len(finished), len(types))
+
+    for model_type in types:  # the model types known whole are reported first
+        if model_type not in work:
+            deliver(model_type, [])
+    jobs = max(1, min(jobs, len(work)))
+    if jobs == 1:
+        for model_type, pending in work.items():
+            deliver(model_type, _verify_model_type(model_type, pending, dtype, generate_tokens))
+    else:
+        import torch
+
+        # the cores this process may use, shared between the workers; never more threads than this
+        # process has (OMP_NUM_THREADS=1, as `make` sets it, stays 1)
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        threads = max(1, min(torch.get_num_threads(), cores // jobs))
+        context = multiprocessing.get_context("spawn")  # torch and OpenMP do not survive a fork
+        # a round runs every waiting model type; after a round a worker died in, the first of
+        # those left runs alone: dying alone, it is the one to blame
+        waiting, alone = list(work), False
+        while waiting:
+            batch = waiting[:1] if alone else waiting
+            died = False
+            with concurrent.futures.ProcessPoolExecutor(
+                len(batch) if alone else jobs, mp_context=context, initializer=_worker_start, initargs=(threads,)
+            ) as pool:
+                futures = {
+                    pool.submit(_verify_model_type, model_type, work[model_type], dtype, generate_tokens): model_type
+                    for model_type in batch
+                }
+                for future in concurrent.futures.as_completed(futures):
+                    model_type = futures[future]
+                    try:
+                        rows = future.result()
+                    except concurrent.futures.process.BrokenProcessPool:
+                        died = True
+                        continue
+                    except Exception as exc:  # the rows could not come back (one that does not pickle)
+                        detail = _one_line(f"{type(exc).__name__}: {exc}")
+                        rows = [ZooRow(pack, model_type, "failed", detail) for pack in work[model_type]]
+                    deliver(model_type, rows)
+            if alone and died:
+                blamed = batch[0]
+                detail = "the process verifying it died (a crash in native code?); verify it alone to see why"
+                deliver(blamed, [ZooRow(pack, blamed, "failed", detail) for pack in work[blamed]])
+            waiting = [model_type for model_type in waiting if model_type not in finished]
+            alone = died and not alone
+    return [found[pack, model_type] for pack in packs for model_type in types]
 
 
 def coverage(rows: Sequence[ZooRow]) -> dict[str, int]:

@@ -390,9 +390,9 @@ def _compare_with_vanilla(
         return None
 
     def head_pre_hook(module: nn.Module, args: Any) -> None:
-        seen["weight"] = module.weight
-        if module.bias is not None:
-            seen["bias"] = module.bias
+        seen["weight"] = head.weight
+        if head.bias is not None:
+            seen["bias"] = head.bias
 
     handles = [decoder.register_forward_hook(decoder_hook), head.register_forward_pre_hook(head_pre_hook)]
     try:
@@ -676,7 +676,7 @@ def _active_head(current: Any) -> nn.Linear | None:
     the head, or the original one when adapters are disabled: that module is the head.
     """
     if plain_linear(current):
-        return current  # type: ignore[no-any-return]
+        return current
     original, copies = getattr(current, "original_module", None), getattr(current, "modules_to_save", None)
     if not isinstance(original, nn.Module) or not isinstance(copies, nn.ModuleDict):
         return None

@@ -14,22 +14,22 @@ chunked loss does not do: refused.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeGuard
 
 from torch import nn
 
 __all__ = ["fsdp_head_unit", "is_dtensor", "plain_linear", "sharded_after_decoder"]
 
 
-def _fsdp_module_type() -> type | None:
+def _fsdp_module_type() -> type[Any] | None:
     try:
         from torch.distributed.fsdp import FSDPModule
     except ImportError:  # a torch without FSDP2
         return None
-    return FSDPModule  # type: ignore[no-any-return]
+    return FSDPModule
 
 
-def plain_linear(module: Any) -> bool:
+def plain_linear(module: Any) -> TypeGuard[nn.Linear]:
     """Whether ``module`` is a plain ``nn.Linear``, or one that ``fully_shard`` made an FSDP2 unit of (its
     class then ``FSDPLinear(FSDPModule, nn.Linear)``, which adds hooks and no computation)."""
     kind = type(module)

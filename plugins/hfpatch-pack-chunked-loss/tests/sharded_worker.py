@@ -136,7 +136,9 @@ def head_own_unit(model: Any) -> Any:
 def transformers_fsdp(path: str, install: bool) -> Any:
     from transformers.distributed import DistributedConfig
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, distributed_config=DistributedConfig(fsdp_size=2))
+    model = AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, distributed_config=DistributedConfig(fsdp_size=2)
+    )
     model.train()
     if install:
         chunked.install(model, chunk=CHUNK)

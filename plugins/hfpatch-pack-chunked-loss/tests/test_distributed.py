@@ -36,7 +36,9 @@ def has_load(mode: str) -> bool:
 def test_a_tensor_parallel_load_is_refused_with_the_reason_and_an_fsdp2_load_applies(tmp_path: Path) -> None:
     modes = [mode for mode in ("tp", "fsdp") if has_load(mode)]
     checkpoint = tiny_checkpoint("llama", tmp_path / "llama")
-    reports = {report.mode: report for report in verify_distributed("chunked-loss", checkpoint, modes, model_type="llama")}
+    reports = {
+        report.mode: report for report in verify_distributed("chunked-loss", checkpoint, modes, model_type="llama")
+    }
     tp = reports["tp"]
     assert tp.outcome == "refused", tp.detail
     assert tp.ok

@@ -303,7 +303,15 @@ def _detect(model: PreTrainedModel) -> _Found:
             probe = torch.linspace(-60.0, 60.0, _PROBE_TOKENS * vocab).reshape(1, _PROBE_TOKENS, vocab)
             probe[0, 0, 0], probe[0, 0, 1] = _SATURATING, 1.0
             seen["head_out"] = probe.to(head.weight.device, head.weight.dtype)
-            out = model(input_ids=input_ids, use_cache=False)
+            try:
+                out = model(input_ids=input_ids, use_cache=False)
+            except Exception as exc:
+                if sharded is None:
+                    raise
+                # a DTensor no FSDP2 or tensor-parallel hook handles (set by hand): vanilla's forward fails too
+                raise ChunkedLossRefused(
+                    f"{sharded}, and the model's forward fails on it ({type(exc).__name__}: {str(exc)[:200]})"
+                ) from exc
         for handle in handles[: len(candidates)]:
             handle.remove()
         decoder = next((m for m in candidates if _same(outputs.get(id(m)), seen.get("head_in"))), None)

@@ -89,6 +89,9 @@ def _bound(vanilla: float, scale: float) -> float:
 def test_fsdp2_gives_the_single_process_loss_and_gradients(
     fsdp2: list[dict[str, Any]], case: str, calibration: str
 ) -> None:
+    if case not in fsdp2[0]["cases"]:
+        assert not has_load("fsdp"), f"the worker did not run {case}"
+        pytest.skip("the installed transformers has no FSDP2 load (5.3)")
     for rank in fsdp2:
         vanilla, ours = rank["cases"][calibration], rank["cases"][case]
         assert ours["installed"], ours["refusal"]

@@ -119,6 +119,9 @@ def test_a_head_sharded_as_its_own_fsdp2_unit_is_refused_and_trains_vanilla(fsdp
 
 
 def test_a_tensor_parallel_head_is_refused_by_the_probe(fsdp2: list[dict[str, Any]]) -> None:
+    if not fsdp2[0]["cases"]["transformers-tp"]["head_sharded"]:
+        # the plan refuses the TP load on every release (test above); by hand, a whole head is not refused
+        pytest.skip("the installed transformers (5.3) keeps the LM head whole under tp_plan='auto'")
     for rank in fsdp2:
         case = rank["cases"]["transformers-tp"]
         assert not case["installed"]

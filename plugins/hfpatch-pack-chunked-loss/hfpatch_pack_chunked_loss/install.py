@@ -18,6 +18,7 @@ from transformers import PreTrainedModel
 from transformers.loss.loss_utils import ForCausalLMLoss
 
 from .loss import HeadTransform, chunked_causal_lm_loss
+from .sharded import is_dtensor, plain_linear, sharded_after_decoder
 
 __all__ = [
     "BUDGET_ENV",
@@ -259,11 +260,11 @@ def _detect(model: PreTrainedModel) -> _Found:
     the head reads), once with labels, comparing vanilla's own loss and gradients with the chunked
     loss's (``_compare_with_vanilla``)."""
     head = model.get_output_embeddings()
-    if type(head) is not nn.Linear:
+    if not plain_linear(head):
         raise ChunkedLossRefused(f"the LM head is a {type(head).__name__}, not a plain nn.Linear")
     sharded = _sharded(head)
-    if sharded is not None:
-        raise ChunkedLossRefused(f"{sharded}: the chunked loss over a sharded head is not written")
+    if sharded is not None and not is_dtensor(head.weight):
+        raise ChunkedLossRefused(f"{sharded}: the chunked loss over a partitioned head is not written")
     parameters = _signature(model).parameters
     missing = [name for name in ("labels", "logits_to_keep") if name not in parameters]
     if missing:
@@ -277,10 +278,14 @@ def _detect(model: PreTrainedModel) -> _Found:
     outputs: dict[int, torch.Tensor] = {}
     seen: dict[str, Any] = {}
 
+    # whether the head's weight is whole when each candidate has run: where the chunked loss reads it
+    whole: dict[int, bool] = {}
+
     def candidate_hook(module: nn.Module, args: Any, output: Any) -> None:
         hidden = _last_hidden(output)
         if hidden is not None and id(module) not in outputs:
             outputs[id(module)] = hidden
+            whole[id(module)] = not is_dtensor(head.weight)
 
     def head_pre_hook(module: nn.Module, args: Any) -> None:
         seen["head_in"] = args[0]
@@ -298,7 +303,15 @@ def _detect(model: PreTrainedModel) -> _Found:
             probe = torch.linspace(-60.0, 60.0, _PROBE_TOKENS * vocab).reshape(1, _PROBE_TOKENS, vocab)
             probe[0, 0, 0], probe[0, 0, 1] = _SATURATING, 1.0
             seen["head_out"] = probe.to(head.weight.device, head.weight.dtype)
-            out = model(input_ids=input_ids, use_cache=False)
+            try:
+                out = model(input_ids=input_ids, use_cache=False)
+            except Exception as exc:
+                if sharded is None:
+                    raise
+                # a DTensor no FSDP2 or tensor-parallel hook handles (set by hand): vanilla's forward fails too
+                raise ChunkedLossRefused(
+                    f"{sharded}, and the model's forward fails on it ({type(exc).__name__}: {str(exc)[:200]})"
+                ) from exc
         for handle in handles[: len(candidates)]:
             handle.remove()
         decoder = next((m for m in candidates if _same(outputs.get(id(m)), seen.get("head_in"))), None)
@@ -306,10 +319,12 @@ def _detect(model: PreTrainedModel) -> _Found:
             raise ChunkedLossRefused("the head's input is not the decoder's last hidden state")
         if not isinstance(getattr(out, "logits", None), torch.Tensor):
             raise ChunkedLossRefused("the forward returns no logits")
+        if not whole[id(decoder)]:
+            raise ChunkedLossRefused(sharded_after_decoder(model, head, str(sharded)))
         # what the head "returned", in the head's dtype, is what the forward transformed
         transform = _fit_transform(seen["head_out"].float().cpu(), out.logits.float().cpu(), head.weight.dtype)
         del seen["head_out"]
-        coefficient = _compare_with_vanilla(model, decoder, head, input_ids, transform)
+        coefficient = _compare_with_vanilla(model, decoder, head, input_ids, transform, copy=sharded is not None)
     finally:
         for handle in handles:
             handle.remove()
@@ -356,7 +371,13 @@ def _reference(
 
 
 def _compare_with_vanilla(
-    model: PreTrainedModel, decoder: nn.Module, head: nn.Linear, input_ids: torch.Tensor, transform: HeadTransform
+    model: PreTrainedModel,
+    decoder: nn.Module,
+    head: nn.Linear,
+    input_ids: torch.Tensor,
+    transform: HeadTransform,
+    *,
+    copy: bool = False,
 ) -> str | None:
     """Vanilla's loss and gradients (hidden states, head) on the probe against the chunked loss's, both
     measured against float64: the chunked loss may miss it by at most four times what vanilla misses it by
@@ -376,7 +397,12 @@ def _compare_with_vanilla(
             seen["decoder"] = hidden
         return None
 
-    handle = decoder.register_forward_hook(decoder_hook)
+    def head_pre_hook(module: nn.Module, args: Any) -> None:
+        seen["weight"] = head.weight
+        if head.bias is not None:
+            seen["bias"] = head.bias
+
+    handles = [decoder.register_forward_hook(decoder_hook), head.register_forward_pre_hook(head_pre_hook)]
     try:
         with torch.no_grad():
             model(input_ids=input_ids, use_cache=False)
@@ -386,16 +412,27 @@ def _compare_with_vanilla(
         labels[0, 1] = -100
         out = model(input_ids=input_ids, labels=labels, use_cache=False, **_router_arguments(model))
     finally:
-        handle.remove()
+        for handle in handles:
+            handle.remove()
     loss = out.loss
-    wanted = [hidden, head.weight] if head.weight.requires_grad else [hidden]
+    # the head as the forward used it: under FSDP2 the whole weight its pre-forward hook gathered,
+    # freed when the backward below reshards the unit, so the chunked loss reads a copy of it
+    weight, bias = seen["weight"], seen.get("bias")
+    used = _HeadView(weight, bias)
+    if copy:
+        used = _HeadView(
+            weight.detach().clone().requires_grad_(weight.requires_grad),
+            None if bias is None else bias.detach().clone().requires_grad_(bias.requires_grad),
+        )
+    wanted = [hidden, weight] if weight.requires_grad else [hidden]
+    mine = [hidden, used.weight] if weight.requires_grad else [hidden]
     vanilla = torch.autograd.grad(loss, wanted, retain_graph=False)
     # chunk 1: every chunk boundary the probe has, so a wrong accumulation shows
-    ours_loss = chunked_causal_lm_loss(hidden, head, labels, transform, chunk=1)
-    ours = torch.autograd.grad(ours_loss, wanted)
+    ours_loss = chunked_causal_lm_loss(hidden, used, labels, transform, chunk=1)  # type: ignore[arg-type]
+    ours = torch.autograd.grad(ours_loss, mine)
     aux = getattr(out, "aux_loss", None)
     coefficient, ours_total = _aux_coefficient(model, loss.detach(), ours_loss.detach(), aux, hidden.dtype)
-    reference_loss, reference_hidden, by_token, reference_head = _reference(hidden, head, labels, transform)
+    reference_loss, reference_hidden, by_token, reference_head = _reference(hidden, used, labels, transform)  # type: ignore[arg-type]
     if aux is not None and coefficient is not None:
         reference_loss = reference_loss + operator.attrgetter(coefficient)(model) * aux.detach().double()
     _check("loss", loss.detach(), ours_total, reference_loss, hidden.dtype)
@@ -405,15 +442,22 @@ def _compare_with_vanilla(
     by_token_error = float((by_token.double() - reference_hidden).abs().max())
     _judge("hidden-state gradient", max(vanilla_error, by_token_error), our_error, scale, hidden.dtype)
     if len(wanted) == 2:
-        rows = max(1, _REFERENCE_ELEMENTS // head.weight.shape[1])
+        rows = max(1, _REFERENCE_ELEMENTS // used.weight.shape[1])
         worst = (0.0, 0.0, 0.0)
-        for start in range(0, head.weight.shape[0], rows):
+        for start in range(0, used.weight.shape[0], rows):
             block = slice(start, start + rows)
             reference = reference_head(block)
             errors = _errors(vanilla[1][block], ours[1][block], reference)
             worst = (max(worst[0], errors[0]), max(worst[1], errors[1]), max(worst[2], errors[2]))
         _judge("head gradient", *worst, hidden.dtype)
     return coefficient
+
+
+class _HeadView:
+    """A head's weight and bias as one forward used them (what ``chunked_causal_lm_loss`` reads of a head)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        self.weight, self.bias = weight, bias
 
 
 def _errors(vanilla: torch.Tensor, ours: torch.Tensor, reference: torch.Tensor) -> tuple[float, float, float]:
@@ -526,7 +570,8 @@ class _ChunkedForward:
             or not model.training
             or not torch.is_grad_enabled()
             or head is None
-            or _sharded(head) is not None
+            # ZeRO-3's partitions are never whole here; a DTensor may be (FSDP2 gathers it in the forward)
+            or (_sharded(head) is not None and not is_dtensor(head.weight))
             or arguments.get("logits_to_keep", 0) != 0
             or "adapter_names" in extra
         ):
@@ -541,7 +586,7 @@ class _ChunkedForward:
 
         def capture(module: nn.Module, inputs: Any, output: Any) -> None:
             hidden = _last_hidden(output)
-            if not captured and hidden is not None:
+            if not captured and hidden is not None and not is_dtensor(head.weight):
                 captured.append(hidden)
 
         handle = self.decoder.register_forward_hook(capture)
@@ -551,7 +596,8 @@ class _ChunkedForward:
             handle.remove()
         aux = getattr(out, "aux_loss", None)
         if not captured or (aux is not None and installed.aux_loss_coefficient is None):
-            # an auxiliary loss the probe did not see (the config changed since): vanilla's step
+            # an auxiliary loss the probe did not see (the config changed since), or a head still sharded
+            # when the decoder returned (sharded otherwise since the install): vanilla's step
             return target(*args, **kwargs)
         loss = chunked_causal_lm_loss(
             captured[0],
@@ -637,7 +683,7 @@ def _active_head(current: Any) -> nn.Linear | None:
     ``ModulesToSaveWrapper`` (``modules_to_save=["lm_head"]``) runs its active adapter's trained copy of
     the head, or the original one when adapters are disabled: that module is the head.
     """
-    if type(current) is nn.Linear:
+    if plain_linear(current):
         return current
     original, copies = getattr(current, "original_module", None), getattr(current, "modules_to_save", None)
     if not isinstance(original, nn.Module) or not isinstance(copies, nn.ModuleDict):
@@ -647,7 +693,7 @@ def _active_head(current: Any) -> nn.Linear | None:
         chosen = original
     else:
         chosen = copies[active[0]]
-    return chosen if type(chosen) is nn.Linear else None
+    return chosen if plain_linear(chosen) else None
 
 
 def _wants_tuple(model: nn.Module, arguments: dict[str, Any], extra: dict[str, Any]) -> bool:

@@ -73,15 +73,26 @@ def provide_model_types() -> list[str]:
 
 @hfpatch_core.hookimpl
 def provide_model_steps(context: LoadContext) -> list[ModelStep | Refusal]:
-    """The chunked loss for a load of a class with a causal-LM loss path, refused where transformers
-    shards the model (tensor, fully sharded, pipeline or expert parallelism: the head may be a
-    DTensor, on which the chunked loss is not tested)."""
+    """The chunked loss for a load of a class with a causal-LM loss path.
+
+    Under transformers' FSDP2 load (``DistributedConfig(fsdp_size=...)``) it is installed and its probe
+    decides: FSDP2 gathers the head whole in the forward (transformers shards it with the final norm,
+    kept whole after the forward), and the chunked loss is the single-process one.  Refused where
+    transformers shards the model otherwise (tensor, pipeline or expert parallelism: the head's rows
+    stay split over the ranks through the step, and the chunked loss over vocabulary shards is not
+    written)."""
     if context.config is None or not _has_a_loss_path(context.model_class):
         return []
-    if context.parallel:
+    others = [mode for mode in context.parallel if mode not in _GATHERED]
+    if others:
         reason = (
-            f"the load is sharded by transformers ({', '.join(context.parallel)}): the LM head may be a "
-            "DTensor, on which the chunked loss is not tested; the vanilla loss runs"
+            f"the load is sharded by transformers ({', '.join(context.parallel)}): the LM head's rows may stay "
+            "split over the ranks through the step (a DTensor), and the chunked loss over vocabulary shards is "
+            "not written; the vanilla loss runs"
         )
         return [_refused(context.model_class_name, reason)]
     return [ModelStep(TARGET, install_step, uninstall_step)]
+
+
+# transformers' parallelisms whose sharded weights FSDP2 gathers whole in the forward
+_GATHERED = frozenset({"fsdp"})

@@ -17,7 +17,7 @@ from torch import nn
 from transformers import PreTrainedModel
 from transformers.loss.loss_utils import ForCausalLMLoss
 
-from .loss import HeadTransform, chunked_causal_lm_loss
+from .loss import HeadTransform, chunked_causal_lm_loss, logit_bytes_per_token
 from .sharded import is_dtensor, plain_linear, sharded_after_decoder
 
 __all__ = [
@@ -43,7 +43,8 @@ BUDGET_ENV = "HF_PATCH_CHUNKED_LOSS_BUDGET"
 #: vocabulary, 524 at 32,000 (``chunk_for``).
 DEFAULT_BUDGET = 256 * 2**20
 
-#: How many float32 chunk x vocabulary tensors one chunk's loss holds at once, at most: the
+#: How many chunk x vocabulary tensors one chunk's loss holds at once, at most, where autograd computes it
+#: (a soft-cap, bfloat16, autocast; float32 otherwise holds one buffer: ``loss.logit_bytes_per_token``): the
 #: logits (their transform's output and the float32 copy replace them), ``log_softmax``'s output
 #: saved for the backward, and in the backward the gradient it receives and the one it makes; a
 #: soft-cap's ``tanh`` output, saved for its backward, is the fourth (a scale's product replaces
@@ -89,13 +90,15 @@ def budget_from_env() -> int:
     return int(match["number"]) * _UNITS[match["unit"]]
 
 
-def chunk_for(budget: int, vocab: int, held: int = 0) -> int:
-    """Tokens per chunk such that a chunk's logits (``LOGIT_COPIES`` float32 tensors) and ``held`` bytes
-    (the last position's logits a training step returns) fit ``budget`` bytes.
+def chunk_for(budget: int, vocab: int, held: int = 0, *, per_token: int | None = None) -> int:
+    """Tokens per chunk such that a chunk's logits and ``held`` bytes (the last position's logits a
+    training step returns) fit ``budget`` bytes.  ``per_token``: what one token of a chunk holds
+    (``loss.logit_bytes_per_token`` for the path the loss takes); at most ``LOGIT_COPIES`` float32
+    tensors of ``vocab`` entries, the default.
 
     One token at least: a budget below one token's logits gives chunks of one token.
     """
-    return max(1, (budget - held) // (vocab * 4 * LOGIT_COPIES))
+    return max(1, (budget - held) // (per_token or vocab * 4 * LOGIT_COPIES))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,9 +120,12 @@ class Installed:
     budget: int | None = None
     aux_loss_coefficient: str | None = None
 
-    def chunk_of(self, vocab: int, held: int = 0) -> int:
-        """Tokens per chunk for a head of ``vocab`` rows, with ``held`` bytes of logits already alive."""
-        return self.chunk if self.chunk is not None else chunk_for(self.budget or DEFAULT_BUDGET, vocab, held)
+    def chunk_of(self, vocab: int, held: int = 0, *, per_token: int | None = None) -> int:
+        """Tokens per chunk for a head of ``vocab`` rows, with ``held`` bytes of logits already alive
+        and ``per_token`` bytes held by each token of a chunk (``chunk_for``)."""
+        if self.chunk is not None:
+            return self.chunk
+        return chunk_for(self.budget or DEFAULT_BUDGET, vocab, held, per_token=per_token)
 
 
 def _modules_named(model: nn.Module) -> dict[int, str]:
@@ -599,12 +605,16 @@ class _ChunkedForward:
             # an auxiliary loss the probe did not see (the config changed since), or a head still sharded
             # when the decoder returned (sharded otherwise since the install): vanilla's step
             return target(*args, **kwargs)
+        per_token = logit_bytes_per_token(captured[0], head, installed.transform, LOGIT_COPIES)
+        last = getattr(out, "logits", None)
+        # the last position's logits the step returns, with what their graph saves, count as a chunk's tokens
+        held = last.numel() // int(head.weight.shape[0]) * per_token if isinstance(last, torch.Tensor) else 0
         loss = chunked_causal_lm_loss(
             captured[0],
             head,
             labels,
             installed.transform,
-            chunk=installed.chunk_of(int(head.weight.shape[0]), _held(getattr(out, "logits", None))),
+            chunk=installed.chunk_of(int(head.weight.shape[0]), held, per_token=per_token),
             num_items_in_batch=extra.get("num_items_in_batch"),
             ignore_index=extra.get("ignore_index", -100),
             shift_labels=extra.get("shift_labels"),
@@ -616,12 +626,6 @@ class _ChunkedForward:
             self.watch.say(f"chunked-loss (called with labels by {_described(model.__dict__.get('forward'))})")
         out.loss = loss
         return out.to_tuple() if want_tuple else out
-
-
-def _held(logits: Any) -> int:
-    # the last position's logits the step returns, with what their graph saves (a soft-cap's tanh):
-    # counted as a chunk's tokens are
-    return logits.numel() * 4 * LOGIT_COPIES if isinstance(logits, torch.Tensor) else 0
 
 
 def _described(function: Any) -> str:

@@ -60,6 +60,19 @@ def _hand_written(
     )
 
 
+def logit_bytes_per_token(hidden: torch.Tensor, head: nn.Linear, transform: HeadTransform, copies: int) -> int:
+    """Bytes of chunk x vocabulary tensors one token of a chunk holds at once, at most, on the path the
+    loss takes for these inputs: the hand-written path's one reused float32 buffer; autograd's
+    ``copies`` tensors (logits, ``log_softmax``'s output, the gradients of the backward, a soft-cap's
+    saved ``tanh``) in the logits' dtype, float32 under autocast."""
+    vocab = int(head.weight.shape[0])
+    if _hand_written(hidden, head.weight, head.bias, transform):
+        return vocab * 4
+    autocast = torch.is_autocast_enabled(hidden.device.type)
+    element = 4 if autocast else torch.promote_types(hidden.dtype, head.weight.dtype).itemsize
+    return vocab * element * copies
+
+
 def _losses_and_logit_gradient_(logits: torch.Tensor, targets: torch.Tensor, losses: torch.Tensor) -> None:
     """A chunk's float32 logits become, in place, ``softmax - one_hot(targets)``; their losses go to ``losses``."""
     # vanilla's cross_entropy is this log_softmax and a gather; the kernel reads a row before it

@@ -377,16 +377,16 @@ def test_the_example_packs_are_listed(project: Path, example_sites: list[Path], 
 _COMMAND = re.compile(r"^\$ (?P<env>(?:[A-Z_]+=\S* )*)hfpatch (?P<args>[^&|;#]+?)\s*(?:#.*)?$")
 
 
-def shown_commands(path: Path) -> list[tuple[int, dict[str, str], list[str], str]]:
-    """The ``$ hfpatch ...`` lines of a page's console blocks that are followed by output:
-    (line, environment, arguments, output).  ``hfpatch run`` and ``hfpatch new`` are left out."""
+def console_lines(path: Path, pattern: re.Pattern[str]) -> list[tuple[int, re.Match[str], dict[str, str], str]]:
+    """The ``$ ...`` lines of a page's console blocks that ``pattern`` matches: (line, match,
+    environment from the ``env`` group, the output shown below it up to the next ``$`` line)."""
     found = []
     for block in blocks(path):
         if block.language != "console":
             continue
         lines = block.code.splitlines()
         for number, line in enumerate(lines):
-            match = _COMMAND.match(line)
+            match = pattern.match(line)
             if match is None:
                 continue
             output = []
@@ -394,12 +394,19 @@ def shown_commands(path: Path) -> list[tuple[int, dict[str, str], list[str], str
                 if later.startswith("$ "):
                     break
                 output.append(later)
-            args = match["args"].split()
-            if not "".join(output).strip() or args[0] in ("run", "new"):
-                continue
             env = dict(item.split("=", 1) for item in match["env"].split())
-            found.append((block.line + number, env, args, "\n".join(output)))
+            found.append((block.line + number, match, env, "\n".join(output)))
     return found
+
+
+def shown_commands(path: Path) -> list[tuple[int, dict[str, str], list[str], str]]:
+    """The ``$ hfpatch ...`` lines of a page's console blocks that are followed by output:
+    (line, environment, arguments, output).  ``hfpatch run`` and ``hfpatch new`` are left out."""
+    return [
+        (line, env, match["args"].split(), output)
+        for line, match, env, output in console_lines(path, _COMMAND)
+        if output.strip() and match["args"].split()[0] not in ("run", "new")
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -457,24 +464,11 @@ _PROGRAM = re.compile(r"^\$ (?P<env>(?:[A-Z_]+=\S* )*)python (?P<file>[\w.-]+\.p
 def shown_programs(path: Path) -> tuple[dict[str, Block], list[tuple[int, dict[str, str], list[str], str]]]:
     """A page's programs (``python title="train.py"`` blocks) and the console lines that run them,
     ``$ HF_PATCH_PACKS=x python train.py``: (line, environment, arguments, output shown below it)."""
-    page = blocks(path)
-    programs = {block.title: block for block in page if block.language in RUNNABLE and block.title}
-    runs = []
-    for block in page:
-        if block.language != "console":
-            continue
-        lines = block.code.splitlines()
-        for number, line in enumerate(lines):
-            match = _PROGRAM.match(line)
-            if match is None:
-                continue
-            output = []
-            for later in lines[number + 1 :]:
-                if later.startswith("$ "):
-                    break
-                output.append(later)
-            env = dict(item.split("=", 1) for item in match["env"].split())
-            runs.append((block.line + number, env, [match["file"], *match["args"].split()], "\n".join(output)))
+    programs = {block.title: block for block in blocks(path) if block.language in RUNNABLE and block.title}
+    runs = [
+        (line, env, [match["file"], *match["args"].split()], output)
+        for line, match, env, output in console_lines(path, _PROGRAM)
+    ]
     return programs, runs
 
 

@@ -24,6 +24,10 @@ transformers.utils.logging.disable_progress_bar()
 
 pytest_plugins = ["pytester"]
 
+#: The first-party packs, installed as wheels by ``make venv`` on a path entry of their own (the core
+#: suite sees only the packs each test installs).
+PACKS_SITE = Path(sys.prefix) / "first-party-packs"
+
 
 def tiny_llama_config(**overrides: object) -> LlamaConfig:
     values: dict[str, object] = dict(
@@ -142,3 +146,16 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
 
         cases, faults, modes = len(matrix.CASES), len(matrix.FAULTS), len(matrix.MODES)
         terminalreporter.write_line(f"fault matrix: {cases} cases ({faults} bad inputs x {modes} modes)")
+
+
+@pytest.fixture
+def first_party() -> Iterator[None]:
+    """The first-party packs installed (``_isolation`` restores sys.path; their modules are dropped after)."""
+    assert (PACKS_SITE / "hfpatch_pack_fused_dense").is_dir(), f"no first-party packs in {PACKS_SITE}: run make venv"
+    before = set(sys.modules)
+    sys.path.insert(0, str(PACKS_SITE))
+    importlib.invalidate_caches()
+    yield
+    for module in set(sys.modules) - before:
+        if module.startswith("hfpatch_pack_"):
+            del sys.modules[module]

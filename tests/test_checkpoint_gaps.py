@@ -28,10 +28,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import hfpatch_core
+from conftest import PACKS_SITE
 from hfpatch_core import WeightLayoutError
 from hfpatch_core.testing import tiny_checkpoint
 
-PACKS_SITE = Path(sys.prefix) / "first-party-packs"
 _ROOT = Path(hfpatch_core.__file__).resolve().parents[1]
 CHECKOUT = str(_ROOT) if (_ROOT / "pyproject.toml").is_file() else ""
 
@@ -186,21 +186,6 @@ def test_a_missing_expert_is_reported_as_the_checkpoint_spells_it(
     with pytest.raises(WeightLayoutError) as caught, hfpatch_core.enabled(packs=pack, strict=True):
         AutoModelForCausalLM.from_pretrained(directory)
     assert key in str(caught.value) and f"pack {pack!r}" in str(caught.value)
-
-
-@pytest.fixture
-def first_party():
-    """The first-party packs installed (``conftest._isolation`` restores sys.path)."""
-    import importlib
-
-    assert (PACKS_SITE / "hfpatch_pack_fused_dense").is_dir(), f"no first-party packs in {PACKS_SITE}: run make venv"
-    before = set(sys.modules)
-    sys.path.insert(0, str(PACKS_SITE))
-    importlib.invalidate_caches()
-    yield
-    for module in set(sys.modules) - before:
-        if module.startswith("hfpatch_pack_"):
-            del sys.modules[module]
 
 
 def test_sized_concatenate_zero_fills_and_records_a_missing_part() -> None:

@@ -1,8 +1,6 @@
 from __future__ import annotations
 
 import io
-import sys
-from pathlib import Path
 
 from hfpatch_core.cli import main
 from hfpatch_core.cli.demo import EXAMPLE_PACK, run_demo
@@ -104,9 +102,8 @@ def test_a_truncated_safetensors_file_is_named_before_any_load(llama_checkpoint,
         assert f"{weights.name} is not a readable safetensors file" in error and "save or download it again" in error
 
 
-def test_demo_shows_the_model_steps_and_checks_a_training_step(monkeypatch) -> None:
+def test_demo_shows_the_model_steps_and_checks_a_training_step(first_party) -> None:
     """Issue 44.7: ``hfpatch demo --packs fused-dense,chunked-loss`` never mentioned the installed step."""
-    monkeypatch.syspath_prepend(str(Path(sys.prefix) / "first-party-packs"))
     out = io.StringIO()
     report = run_demo(packs="fused-dense,chunked-loss", out=out)
     text = out.getvalue()

@@ -24,9 +24,6 @@ installs into ``<venv>/first-party-packs``, as in ``test_pack_conflicts.py``.
 
 from __future__ import annotations
 
-import importlib
-import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -39,8 +36,6 @@ from transformers.models.auto import modeling_auto
 import hfpatch_core
 from hfpatch_core import WeightLayoutError, original_state_dict, plan_of
 from hfpatch_core.testing import tiny_config
-
-PACKS_SITE = Path(sys.prefix) / "first-party-packs"
 
 #: family -> the first-party packs that apply to it (fused-dense on dense and MoE attention,
 #: linear-experts on MoE experts, qwen-moe on qwen3_moe), alone and together
@@ -112,19 +107,6 @@ def assert_same_state(got: dict[str, torch.Tensor], expected: dict[str, torch.Te
     assert sorted(got) == sorted(expected)
     for key, value in expected.items():
         assert torch.equal(got[key], value), key
-
-
-@pytest.fixture
-def first_party() -> Iterator[None]:
-    """The first-party packs installed (``conftest._isolation`` restores sys.path)."""
-    assert (PACKS_SITE / "hfpatch_pack_fused_dense").is_dir(), f"no first-party packs in {PACKS_SITE}: run make venv"
-    before = set(sys.modules)
-    sys.path.insert(0, str(PACKS_SITE))
-    importlib.invalidate_caches()
-    yield
-    for module in set(sys.modules) - before:
-        if module.startswith("hfpatch_pack_"):
-            del sys.modules[module]
 
 
 @pytest.mark.parametrize(("family", "pack"), CASES)

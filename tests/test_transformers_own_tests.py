@@ -28,7 +28,6 @@ import re
 import sys
 import types
 import unittest
-from collections.abc import Iterator
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -42,7 +41,6 @@ import hfpatch_core
 from hfpatch_core import plan_of
 from hfpatch_core.testing import tiny_config
 
-PACKS_SITE = Path(sys.prefix) / "first-party-packs"
 OWN_TESTS = Path(sys.prefix) / "transformers-tests"
 #: the package name transformers' ``tests/`` is imported under (its relative imports need one)
 PACKAGE = "transformers_own_tests"
@@ -207,19 +205,6 @@ def own_tests(pytestconfig: pytest.Config) -> None:
     assert (OWN_TESTS / "SOURCE").is_file(), f"transformers' own tests are not in {OWN_TESTS}: run make venv"
     register_markers(pytestconfig)
     model_tester_mixin()
-
-
-@pytest.fixture
-def first_party() -> Iterator[None]:
-    """The first-party packs installed (``conftest._isolation`` restores sys.path)."""
-    assert (PACKS_SITE / "hfpatch_pack_fused_dense").is_dir(), f"no first-party packs in {PACKS_SITE}: run make venv"
-    before = set(sys.modules)
-    sys.path.insert(0, str(PACKS_SITE))
-    importlib.invalidate_caches()
-    yield
-    for module in set(sys.modules) - before:
-        if module.startswith("hfpatch_pack_"):
-            del sys.modules[module]
 
 
 def _params() -> list[Any]:

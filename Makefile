@@ -36,6 +36,10 @@ BENCH_LIBRARIES := cut-cross-entropy triton
 TRANSFORMERS_REQUIREMENTS := huggingface-hub numpy packaging pyyaml regex tokenizers typer safetensors tqdm kernels
 CORE_REQUIREMENTS := torch pluggy importlib-metadata cookiecutter
 export USE_HUB_KERNELS := 0
+# DeepSpeed (the ZeRO-3 suites) is installed in the venvs; on a machine without a GPU, importing it
+# (transformers' unwrap_model does, through accelerate) warns on stdout that it falls back to the CPU.
+# These machines have no GPU: say so, as its docs advise for CPU runs.
+export DS_ACCELERATOR := cpu
 # Two jobs at a time in `make test` (CI has two cores): the two venvs build together, lint and
 # mypy and the docs run together, and the eight pack suites (two releases x four packs) run two
 # at a time, each a single process (their tiny models gain nothing from a second worker).

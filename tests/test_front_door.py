@@ -143,7 +143,7 @@ CONFIG_READING_PACK = """
 
 
 @pytest.mark.parametrize("build", ["LlamaForCausalLM", "LlamaModel", "LlamaForSequenceClassification"])
-def test_patched_with_a_model_type_patches_every_class_built_in_it(install, build: str) -> None:
+def test_patched_with_a_model_type_patches_every_class_built_in_it(install, monkeypatch, build: str) -> None:
     """Issue 44.3: ``patched("llama")`` planned without a config, so a pack that reads one claimed nothing (but
     did in the generic head's nested ``from_config``)."""
     import transformers
@@ -160,3 +160,8 @@ def test_patched_with_a_model_type_patches_every_class_built_in_it(install, buil
     unknown = hfpatch_core.patched("lama")
     with pytest.raises(ValueError, match=r"patched\(\): 'lama' is not a model type of transformers .*'llama'"):
         unknown.__enter__()
+    # the refused block left no session behind: a later block outside enable() reads HF_PATCH_PACKS
+    hfpatch_core.disable()
+    monkeypatch.setenv("HF_PATCH_PACKS", "none")
+    with hfpatch_core.patched(config):
+        assert type(transformers.LlamaModel(config).layers[0].mlp).__name__ == "LlamaMLP"

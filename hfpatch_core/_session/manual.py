@@ -60,11 +60,6 @@ def patched(config_or_model_type: Any, *, model_class: type | None = None) -> It
         ModelNotFoundError: ``config_or_model_type`` is a string that names no model type of the
             installed transformers (a ``ValueError``).
     """
-    # a nested patched() without enable() shares the outer block's session, so that the
-    # outer block's registrations count as hfpatch's own (overridable), not the user's
-    outer_session: Session | None = getattr(_manual, "session", None)
-    session = current_session() or outer_session or new_session()
-    _manual.session = session
     if isinstance(config_or_model_type, str):
         # without a config the packs that read one (most do) would claim nothing in the block, while the
         # models built in it have one, and a nested from_config inside them (a generic head's base) is planned with it
@@ -73,6 +68,11 @@ def patched(config_or_model_type: Any, *, model_class: type | None = None) -> It
             raise ModelNotFoundError(f"patched(): {problem}; pass a model type or a config")
         config_or_model_type = AutoConfig.for_model(config_or_model_type)
     context, class_names = context_for(config_or_model_type, model_class, load_module=True)
+    # a nested patched() without enable() shares the outer block's session, so that the
+    # outer block's registrations count as hfpatch's own (overridable), not the user's
+    outer_session: Session | None = getattr(_manual, "session", None)
+    session = current_session() or outer_session or new_session()
+    _manual.session = session  # from here on, the with statement below puts the outer one back
     with (
         _manual_session_restored(outer_session),
         session.applied(context, class_names) as frame,

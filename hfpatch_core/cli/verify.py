@@ -54,7 +54,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
             unverified[name] = "; ".join(result.problems) + " (or --model DIR)"
         jobs.extend((name, model_type) for model_type in result.model_types)
     if distributed:
-        outcome = _distributed_outcome(_run(jobs, args, _on_two_ranks(modes=distributed)), unverified)
+        with contextlib.redirect_stdout(sys.stderr):  # as in _verdicts: stdout holds the table or the JSON only
+            outcome = _distributed_outcome(_run(jobs, args, _on_two_ranks(modes=distributed)), unverified)
     else:
         outcome = _verdict_outcome(_verdicts(jobs, args, dtype), unverified, args.train_steps)
     if args.json:

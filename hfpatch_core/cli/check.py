@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import functools
 import importlib.util
 import json
 import warnings
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +39,7 @@ from ..plan import Plan
 from .drift import Drift, DriftRecord, RecordError, Target, compare, read_record, record_path
 from .exit_codes import EXIT_OK, EXIT_PROBLEMS
 from .explain import nesting_warnings
-from .output import UsageError, transformers_version
+from .output import UsageError, transformers_notices_off, transformers_version
 
 
 @dataclasses.dataclass(frozen=True)
@@ -289,7 +288,7 @@ def check_pack(
         imported = True
     else:
         check = _PackCheck(name, _Answers({name: info}), configs, cache=store)
-        with _quiet_notices():
+        with transformers_notices_off():
             targeted, declared = check.targets(info, model_types)
             progress = _progress(f"checking pack {name!r} on the {len(targeted)} model types it targets", targeted)
             for model_type in targeted:
@@ -338,20 +337,6 @@ def _progress(what: str, items: Sequence[str]) -> Any:
     from .output import Progress
 
     return Progress(what, len(items), cached=True) if len(items) > 20 else None
-
-
-@contextlib.contextmanager
-def _quiet_notices() -> Iterator[None]:
-    """transformers' notices off (errors still shown) while ``check`` builds hundreds of configs and
-    models: "falling back to ...", deprecations of a default config's fields; not the pack's problems."""
-    from transformers.utils import logging as hf_logging
-
-    verbosity = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()
-    try:
-        yield
-    finally:
-        hf_logging.set_verbosity(verbosity)
 
 
 @dataclasses.dataclass
@@ -511,7 +496,7 @@ def asked_with_configs(
     )
     answers: dict[str, str] = {}
     failed = False
-    with _quiet_notices():
+    with transformers_notices_off():
         for model_type in asked:
             if progress is not None:
                 progress.step(model_type)

@@ -10,14 +10,13 @@ else a tiny llama.
 
 from __future__ import annotations
 
-import contextlib
 import sys
 import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, TextIO
 
 from ..errors import HfPatchError
+from .output import transformers_notices_off
 
 EXAMPLE_PACK = "example-counting"
 FIRST_PARTY_PACK = "qwen-moe"
@@ -37,19 +36,6 @@ def _install_example_pack(site: Path) -> None:
         summary="Example pack: counting Llama MLPs and norms",
         requires=("transformers>=5.3,<6",),
     )
-
-
-@contextlib.contextmanager
-def _quiet_transformers() -> Iterator[None]:
-    # its progress bars are the command's business (hfpatch demo turns them off)
-    from transformers.utils import logging as hf_logging
-
-    verbosity = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()
-    try:
-        yield
-    finally:
-        hf_logging.set_verbosity(verbosity)
 
 
 class DemoError(HfPatchError, ValueError):
@@ -139,7 +125,7 @@ def run_demo(model_dir: str | None = None, packs: str | None = None, *, out: Tex
     choice = packs if packs is not None else packs_from_env()
     if model_dir is not None:
         _check_model_dir(model_dir)
-    with tempfile.TemporaryDirectory(prefix="hfpatch-demo-") as tmp, _quiet_transformers():
+    with tempfile.TemporaryDirectory(prefix="hfpatch-demo-") as tmp, transformers_notices_off():
         if choice is None:
             choice = _default_pack(model_dir)
             if model_dir is not None and choice == "none":

@@ -17,6 +17,7 @@ from torch import nn
 from transformers import PreTrainedModel
 from transformers.loss.loss_utils import ForCausalLMLoss
 
+from . import zero3
 from .loss import HeadTransform, chunked_causal_lm_loss, logit_bytes_per_token
 from .sharded import is_dtensor, plain_linear, sharded_after_decoder
 
@@ -154,7 +155,7 @@ def _sharded(head: nn.Linear) -> str | None:
         if type(parameter).__name__ == "DTensor":
             return "the LM head's weight is a DTensor (FSDP2 or tensor parallelism)"
         # ZeRO-3 leaves each rank an empty tensor and the shape in ds_shape, outside a gather
-        if hasattr(parameter, "ds_id") or parameter.numel() == 0:
+        if zero3.is_partitioned(parameter) or parameter.numel() == 0:
             return (
                 f"the LM head's weight is partitioned (DeepSpeed ZeRO-3: local shape {tuple(parameter.shape)}, "
                 f"whole {tuple(getattr(parameter, 'ds_shape', ()))})"
@@ -268,6 +269,9 @@ def _detect(model: PreTrainedModel) -> _Found:
     head = model.get_output_embeddings()
     if not plain_linear(head):
         raise ChunkedLossRefused(f"the LM head is a {type(head).__name__}, not a plain nn.Linear")
+    if zero3.needs_gathering(model):  # ZeRO-3 before deepspeed.initialize: probed gathered, on every rank
+        with zero3.probing(model, head):
+            return _detect(model)
     sharded = _sharded(head)
     if sharded is not None and not is_dtensor(head.weight):
         raise ChunkedLossRefused(f"{sharded}: the chunked loss over a partitioned head is not written")
@@ -577,7 +581,7 @@ class _ChunkedForward:
             or not torch.is_grad_enabled()
             or head is None
             # ZeRO-3's partitions are never whole here; a DTensor may be (FSDP2 gathers it in the forward)
-            or (_sharded(head) is not None and not is_dtensor(head.weight))
+            or (_sharded(head) is not None and not is_dtensor(head.weight) and not zero3.partitioned_head(head))
             or arguments.get("logits_to_keep", 0) != 0
             or "adapter_names" in extra
         ):
@@ -605,20 +609,22 @@ class _ChunkedForward:
             # an auxiliary loss the probe did not see (the config changed since), or a head still sharded
             # when the decoder returned (sharded otherwise since the install): vanilla's step
             return target(*args, **kwargs)
-        per_token = logit_bytes_per_token(captured[0], head, installed.transform, LOGIT_COPIES)
-        last = getattr(out, "logits", None)
-        # the last position's logits the step returns, with what their graph saves, count as a chunk's tokens
-        held = last.numel() // int(head.weight.shape[0]) * per_token if isinstance(last, torch.Tensor) else 0
-        loss = chunked_causal_lm_loss(
-            captured[0],
-            head,
-            labels,
-            installed.transform,
-            chunk=installed.chunk_of(int(head.weight.shape[0]), held, per_token=per_token),
-            num_items_in_batch=extra.get("num_items_in_batch"),
-            ignore_index=extra.get("ignore_index", -100),
-            shift_labels=extra.get("shift_labels"),
-        )
+        # a head ZeRO-3 partitions is gathered once for the whole loss (zero3.py)
+        with zero3.gathered(head.parameters(recurse=False)):
+            per_token = logit_bytes_per_token(captured[0], head, installed.transform, LOGIT_COPIES)
+            last = getattr(out, "logits", None)
+            # the last position's logits the step returns, with what their graph saves, count as a chunk's tokens
+            held = last.numel() // int(head.weight.shape[0]) * per_token if isinstance(last, torch.Tensor) else 0
+            loss = chunked_causal_lm_loss(
+                captured[0],
+                head,
+                labels,
+                installed.transform,
+                chunk=installed.chunk_of(int(head.weight.shape[0]), held, per_token=per_token),
+                num_items_in_batch=extra.get("num_items_in_batch"),
+                ignore_index=extra.get("ignore_index", -100),
+                shift_labels=extra.get("shift_labels"),
+            )
         if aux is not None:
             coefficient = operator.attrgetter(installed.aux_loss_coefficient)(model)  # type: ignore[arg-type]
             loss = loss + coefficient * aux.to(loss.device)

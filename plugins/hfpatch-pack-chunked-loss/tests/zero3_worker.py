@@ -59,12 +59,14 @@ def peak(checkpoint: str, packs: str, tokens: int) -> None:
     from transformers.integrations import HfDeepSpeedConfig
 
     import hfpatch_core
+    from hfpatch_core.plan import plan_of
 
     transformers.utils.logging.set_verbosity_error()
     config = {
         "train_micro_batch_size_per_gpu": 1,
         "gradient_accumulation_steps": 1,
         "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+        "zero_allow_untested_optimizer": True,  # torch SGD, as Trainer allows its optimizers
     }
     keep = HfDeepSpeedConfig(config)  # alive during from_pretrained: the model is built under zero.Init
     with hfpatch_core.enabled(packs=packs):
@@ -81,7 +83,11 @@ def peak(checkpoint: str, packs: str, tokens: int) -> None:
         engine.backward(loss)
         engine.step()
         grown = _status("VmHWM") - before
-    print(f"rank {dist.get_rank()} packs={packs} tokens={tokens} vocab={vocab} step peak +{grown / 2**20:.0f} MiB")
+    steps = [claim.target for claim in plan.installed_steps] if (plan := plan_of(model)) else []
+    print(
+        f"rank {dist.get_rank()} packs={packs} steps={steps} tokens={tokens} vocab={vocab} "
+        f"step peak +{grown / 2**20:.0f} MiB"
+    )
     del keep
 
 

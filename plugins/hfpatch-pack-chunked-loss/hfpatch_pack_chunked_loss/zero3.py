@@ -91,6 +91,16 @@ def probing(model: nn.Module, head: nn.Module) -> Iterator[None]:
     module's parameters and the head are whole at a time.  A module whose forward raised is
     partitioned again at the exit.
     """
+    if any(hasattr(module, "ds_id") for module in model.modules()):
+        from .install import ChunkedLossRefused
+
+        # DeepSpeed's hooks gather and release each module as it runs (the head too, in the probe's
+        # forward, from under the probe's own gather): the probe cannot hold the head whole there
+        raise ChunkedLossRefused(
+            "the model is already run by a DeepSpeed ZeRO-3 engine (deepspeed.initialize, Trainer.train): install "
+            "the chunked loss before, at the load (HF_PATCH_PACKS=chunked-loss) or with install(model) before "
+            "deepspeed.initialize or Trainer.train"
+        )
     held: dict[int, list[contextlib.ExitStack]] = {}
 
     def before(module: nn.Module, args: Any) -> None:

@@ -64,7 +64,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
             optim=OPTIM,
             weights=str(root / f"{name}-vanilla.safetensors"),
             save=False,
-            observe=observe,
+            observe="zero3_worker:install_after_the_engine",
         )
         for name, path in checkpoints.items()
     ]
@@ -117,7 +117,7 @@ def test_zero3_training_equals_the_single_process_reference(
     hidden = int(reference["model.embed_tokens.weight"].shape[1])
     for rank in range(2):
         assert ours.observed[rank] == [[3, 1, hidden]] * 2, ours.observed[rank]
-        assert vanilla.observed[rank] == [[3, 12, hidden]] * 2, vanilla.observed[rank]
+        assert vanilla.observed[rank]["head_inputs"] == [[3, 12, hidden]] * 2, vanilla.observed[rank]
     assert ours.max_loss_diff(reference_losses) <= loss_bound(vanilla.losses, reference_losses)
     trained, bounds = weights[name], _weight_bounds(weights[f"{model}/vanilla"], reference)
     assert set(trained) == set(reference)
@@ -141,3 +141,15 @@ def test_the_bound_fails_a_head_gradient_one_percent_off(run: dict[str, object],
     bound = _weight_bounds(weights[f"{model}/vanilla"], reference)[head]
     update = reference[head] - initial[head]
     assert 0.01 * float(update.abs().max()) > bound, (float(update.abs().max()), bound)
+
+
+@pytest.mark.parametrize("model", list(MODELS))
+def test_an_install_once_the_engine_runs_the_model_is_refused_with_the_way_to_install(
+    run: dict[str, object], model: str
+) -> None:
+    results: dict[str, Zero3Result] = run["results"]  # type: ignore[assignment]
+    # on every rank (no rank waits in a gather alone), before the probe runs anything
+    for observed in results[f"{model}/vanilla"].observed:
+        raised = observed["late_install"]
+        assert raised is not None and raised.startswith("ChunkedLossRefused: the model is already run by a DeepSpeed")
+        assert "HF_PATCH_PACKS=chunked-loss" in raised and "before deepspeed.initialize" in raised

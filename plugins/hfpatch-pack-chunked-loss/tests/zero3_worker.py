@@ -2,7 +2,8 @@
 
 ``head_inputs``: an observer that records the shape of every input of the LM head during the
 training, so a test tells the chunked step (the head called on the last position only,
-``logits_to_keep=1``) from vanilla's (every position).
+``logits_to_keep=1``) from vanilla's (every position); ``install_after_the_engine`` also tries
+``install`` on the model once DeepSpeed's engine runs it.
 
 ``python -m torch.distributed.run --standalone --nproc_per_node 2 zero3_worker.py peak CHECKPOINT
 PACKS TOKENS``: one ZeRO-3 training step (``deepspeed.initialize``, the model built under
@@ -38,6 +39,25 @@ def head_inputs(model: nn.Module) -> Callable[[], list[list[int]]]:
     def done() -> list[list[int]]:
         handle.remove()
         return seen
+
+    return done
+
+
+def install_after_the_engine(model: nn.Module) -> Callable[[], dict[str, Any]]:
+    """``head_inputs``, and after the training (the model run by DeepSpeed's engine) ``install`` tried on the
+    model: what it raised."""
+    import hfpatch_pack_chunked_loss as chunked
+
+    inputs = head_inputs(model)
+
+    def done() -> dict[str, Any]:
+        try:
+            chunked.install(model)  # type: ignore[arg-type]
+        except Exception as exc:
+            raised: str | None = f"{type(exc).__name__}: {exc}"
+        else:
+            raised = None
+        return {"head_inputs": inputs(), "late_install": raised}
 
     return done
 

@@ -268,7 +268,7 @@ def _combine(ranks: list[dict[str, Any]]) -> Zero3Result:
 def _arguments(output_dir: str, steps: int, deepspeed: Mapping[str, Any] | None, optim: str | None = None) -> Any:
     from transformers import TrainingArguments
 
-    chosen = {} if optim is None else {"optim": optim}
+    chosen: dict[str, Any] = {} if optim is None else {"optim": optim}
     return TrainingArguments(
         output_dir,
         max_steps=steps,

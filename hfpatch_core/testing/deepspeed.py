@@ -13,6 +13,11 @@ ZeRO-3 losses are held to, calibrated in the run.  A test::
     bound = loss_bound(results["llama/vanilla"].losses, reference)
     assert results["llama/fused-dense"].max_loss_diff(reference) <= bound
 
+To compare the trained weights too: ``Zero3Case(optim="sgd", weights=FILE)`` (rank 0 writes them,
+gathered), ``reference_training`` (the one-process losses and weights) and ``weight_bounds``.
+``Zero3Case.observe`` records what each rank's steps did (a hook's findings), and the result says
+which model steps the load installed (``Zero3Result.steps``) or refused.
+
 Two load paths (``Zero3Case.init``): ``"zero.Init"`` creates the ``TrainingArguments`` (and so
 transformers' ``HfDeepSpeedConfig``) before ``from_pretrained``, which then builds the model
 under ``deepspeed.zero.Init``: every parameter is partitioned as its module is built, and the
@@ -183,6 +188,29 @@ def loss_bound(vanilla_zero3: Sequence[float], reference: Sequence[float], *more
         raise ValueError(f"loss_bound: runs of {[len(run) for run in runs]} steps against {len(reference)}")
     spread = max((abs(a - b) for run in runs for a, b in zip(run, reference, strict=True)), default=0.0)
     return max(LOSS_FLOOR, LOSS_CALIBRATION * spread)
+
+
+def weight_bounds(vanilla_sharded: Mapping[str, Any], reference: Mapping[str, Any]) -> dict[str, float]:
+    """Per tensor, the bound of a pack's trained weights under sharding against ``reference`` (vanilla
+    on one process, ``reference_training``), for SGD (``Zero3Case(optim="sgd")``: an update is the
+    gradient times the learning rate).
+
+    ``LOSS_CALIBRATION`` times what the sharded run does to vanilla's own trained weights (its
+    reduce-scatter averages the ranks' gradients in another order), at least two float32 steps at the
+    tensor's largest value (an update an ulp off may round the weight to the neighbouring float).
+
+    Raises:
+        KeyError: ``vanilla_sharded`` lacks a tensor of ``reference``.
+    """
+    import torch
+
+    eps = torch.finfo(torch.float32).eps
+    return {
+        key: max(
+            LOSS_CALIBRATION * float((vanilla_sharded[key] - value).abs().max()), 2 * eps * float(value.abs().max())
+        )
+        for key, value in reference.items()
+    }
 
 
 def zero3_environment(extra_path: Sequence[str | os.PathLike[str]] = ()) -> dict[str, str]:

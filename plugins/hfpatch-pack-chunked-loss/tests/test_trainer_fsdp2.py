@@ -20,11 +20,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 from safetensors.torch import load_file
 
 from hfpatch_core.testing import safetensors_of, tiny_checkpoint
-from hfpatch_core.testing.deepspeed import loss_bound, reference_training
+from hfpatch_core.testing.deepspeed import loss_bound, reference_training, weight_bounds
 
 WORKER = Path(__file__).with_name("trainer_fsdp2_worker.py")
 PACKS_SITE = Path(sys.prefix) / "first-party-packs"
@@ -63,17 +62,6 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     }
 
 
-def _weight_bounds(vanilla: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> dict[str, float]:
-    """Per tensor: three times what FSDP2 does to vanilla's trained weights (the reduce-scatter averages the
-    ranks' gradients in another order), at least two float32 steps at the tensor's largest value (an
-    update an ulp off may round the weight to the neighbouring float)."""
-    eps = torch.finfo(torch.float32).eps
-    return {
-        key: max(3 * float((vanilla[key] - ref).abs().max()), 2 * eps * float(ref.abs().max()))
-        for key, ref in reference.items()
-    }
-
-
 @pytest.mark.parametrize("model", list(MODELS))
 def test_trainer_fsdp2_gives_the_single_process_losses_and_weights(run: dict[str, Any], model: str) -> None:
     reference_losses, reference = run["references"][model]
@@ -92,7 +80,7 @@ def test_trainer_fsdp2_gives_the_single_process_losses_and_weights(run: dict[str
         bound = loss_bound(vanilla["losses"], reference_losses)
         assert max(abs(a - b) for a, b in zip(ours["losses"], reference_losses, strict=True)) <= bound
     trained = run["weights"][f"{model}-chunked-loss"]
-    bounds = _weight_bounds(run["weights"][f"{model}-none"], reference)
+    bounds = weight_bounds(run["weights"][f"{model}-none"], reference)
     assert set(trained) == set(reference)
     for key, bound in bounds.items():
         error = float((trained[key] - reference[key]).abs().max())
@@ -104,6 +92,6 @@ def test_the_bound_fails_a_head_gradient_one_percent_off(run: dict[str, Any], mo
     reference = run["references"][model][1]
     initial = run["initial"][model]
     head = "lm_head.weight" if "lm_head.weight" in initial else "model.embed_tokens.weight"  # tied: one tensor
-    bound = _weight_bounds(run["weights"][f"{model}-none"], reference)[head]
+    bound = weight_bounds(run["weights"][f"{model}-none"], reference)[head]
     update = reference[head] - initial[head]
     assert 0.01 * float(update.abs().max()) > bound, (float(update.abs().max()), bound)

@@ -28,6 +28,7 @@ from hfpatch_core.testing.deepspeed import (
     Zero3Result,
     loss_bound,
     reference_training,
+    weight_bounds,
     zero3_training,
 )
 
@@ -88,17 +89,6 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
     return {"results": results, "weights": weights, "references": references, "initial": initial}
 
 
-def _weight_bounds(vanilla: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> dict[str, float]:
-    """Per tensor: three times what ZeRO-3 does to vanilla's trained weights (its reduce-scatter averages
-    the ranks' gradients in another order), at least two float32 steps at the tensor's largest value
-    (an update that differs by an ulp may round the weight to the neighbouring float)."""
-    eps = torch.finfo(torch.float32).eps
-    return {
-        key: max(3 * float((vanilla[key] - ref).abs().max()), 2 * eps * float(ref.abs().max()))
-        for key, ref in reference.items()
-    }
-
-
 @pytest.mark.parametrize(("model", "name", "init", "saved"), CASES)
 def test_zero3_training_equals_the_single_process_reference(
     run: dict[str, object], model: str, name: str, init: str, saved: bool
@@ -119,7 +109,7 @@ def test_zero3_training_equals_the_single_process_reference(
         assert ours.observed[rank] == [[3, 1, hidden]] * 2, ours.observed[rank]
         assert vanilla.observed[rank]["head_inputs"] == [[3, 12, hidden]] * 2, vanilla.observed[rank]
     assert ours.max_loss_diff(reference_losses) <= loss_bound(vanilla.losses, reference_losses)
-    trained, bounds = weights[name], _weight_bounds(weights[f"{model}/vanilla"], reference)
+    trained, bounds = weights[name], weight_bounds(weights[f"{model}/vanilla"], reference)
     assert set(trained) == set(reference)
     for key, bound in bounds.items():
         error = float((trained[key] - reference[key]).abs().max())
@@ -138,7 +128,7 @@ def test_the_bound_fails_a_head_gradient_one_percent_off(run: dict[str, object],
     reference = run["references"][model][1]  # type: ignore[index]
     initial = run["initial"][model]  # type: ignore[index]
     head = "lm_head.weight" if "lm_head.weight" in initial else "model.embed_tokens.weight"  # tied: one tensor
-    bound = _weight_bounds(weights[f"{model}/vanilla"], reference)[head]
+    bound = weight_bounds(weights[f"{model}/vanilla"], reference)[head]
     update = reference[head] - initial[head]
     assert 0.01 * float(update.abs().max()) > bound, (float(update.abs().max()), bound)
 

@@ -6,6 +6,12 @@ FSDP2 by hand (``fully_shard`` on each decoder layer, then on the model), vanill
 installed before or after the sharding, and writes ``OUT/rankN.json``: per case the loss, its
 distance from the single-process reference, the gradients' distance (the whole gradient, gathered
 from the shards), and the most bytes of vocabulary-sized tensors (logits) alive during the step.
+
+Tensor parallelism (``tp_plan="auto"``) trains every rank on one batch (rank 0's): its cases compare
+with the single-process step on that batch, vanilla's and the pack's (installed by hand after the load,
+and planned by ``HF_PATCH_PACKS=chunked-loss``, here ``hfpatch_core.enabled(packs="chunked-loss")``),
+then two steps of an optimizer.  5.3 keeps each rank's rows of a sharded weight as a plain tensor, and
+their gradients too: each is compared with its block of the reference's.
 """
 
 from __future__ import annotations
@@ -31,11 +37,12 @@ CHUNK = 5  # tokens per chunk: several chunks per batch, a last one shorter
 
 
 class LiveLogits(TorchDispatchMode):
-    """The most bytes of tensors with a vocabulary-sized dimension and no hidden-sized one alive at once."""
+    """The most bytes of tensors with a vocabulary-sized dimension (the whole vocabulary, or under tensor
+    parallelism a rank's rows of it) and no hidden-sized one alive at once."""
 
-    def __init__(self, vocab: int, hidden: int) -> None:
+    def __init__(self, vocab: int, hidden: int, local: int | None = None) -> None:
         super().__init__()
-        self.vocab, self.hidden = vocab, hidden
+        self.vocab, self.hidden = {vocab, local or vocab}, hidden
         self.live: dict[int, tuple[weakref.ref[Any], int]] = {}
         self.peak = 0
 
@@ -44,7 +51,7 @@ class LiveLogits(TorchDispatchMode):
         for tensor in out if isinstance(out, (tuple, list)) else (out,):
             if (
                 type(tensor) is torch.Tensor  # a DTensor's local tensor is counted as it is made
-                and self.vocab in tensor.shape
+                and any(size in tensor.shape for size in self.vocab)
                 and self.hidden not in tensor.shape
             ):
                 storage = tensor.untyped_storage()
@@ -80,16 +87,43 @@ def reference(path: str, world: int) -> tuple[list[float], dict[str, torch.Tenso
     return losses, {name: p.grad.detach().clone() for name, p in model.named_parameters()}
 
 
+def reference_one(path: str, steps: int = 0) -> tuple[float, dict[str, torch.Tensor], list[float]]:
+    """One process, vanilla, rank 0's batch (tensor parallelism's): the loss, the gradient, and the losses of
+    ``steps`` optimizer steps after it."""
+    model = load(path)
+    ids, labels = batch(0, model.config.vocab_size)
+    loss = model(input_ids=ids, labels=labels).loss
+    loss.backward()
+    grads = {name: p.grad.detach().clone() for name, p in model.named_parameters()}
+    return float(loss), grads, train(model, steps)
+
+
+def train(model: Any, steps: int) -> list[float]:
+    """The losses of ``steps`` SGD steps on rank 0's batch (after a first backward already run)."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    ids, labels = batch(0, model.config.vocab_size)
+    losses = []
+    for _ in range(steps):
+        optimizer.step()
+        optimizer.zero_grad()
+        loss = model(input_ids=ids, labels=labels).loss
+        loss.backward()
+        losses.append(float(loss))
+    return losses
+
+
 def shard(model: Any) -> None:
     for layer in model.model.layers:
         fully_shard(layer)
     fully_shard(model)
 
 
-def step(model: Any) -> dict[str, Any]:
+def step(model: Any, rank: int = RANK) -> dict[str, Any]:
     config = model.config
-    ids, labels = batch(RANK, config.vocab_size)
-    with LiveLogits(config.vocab_size, config.hidden_size) as mode:
+    ids, labels = batch(rank, config.vocab_size)
+    local = model.lm_head.weight
+    local = local.to_local() if hasattr(local, "to_local") else local
+    with LiveLogits(config.vocab_size, config.hidden_size, int(local.shape[0])) as mode:
         out = model(input_ids=ids, labels=labels)
         out.loss.backward()
     grads = {}
@@ -145,16 +179,52 @@ def transformers_fsdp(path: str, install: bool) -> Any:
     return model
 
 
-def transformers_tp(path: str) -> Any:
+def transformers_tp(path: str, how: str) -> Any:
+    """A ``tp_plan="auto"`` load: vanilla, the pack installed by hand after it, or planned by the selection."""
+    import hfpatch_core
+
+    with hfpatch_core.enabled(packs="chunked-loss" if how == "planned" else "none"):
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, tp_plan="auto")
+    model.train()
+    if how == "installed":
+        try:
+            chunked.install(model, chunk=CHUNK)
+        except chunked.ChunkedLossRefused as exc:
+            model.refusal = str(exc)
+    return model
+
+
+def tp_sharded_head(path: str, placement: str) -> Any:
+    """A head a user shards otherwise after a TP load (columns, or rows over a 2-D mesh): refused."""
+    from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
+
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, tp_plan="auto")
     model.train()
-    # 5.25 shards the head's rows (a DTensor); 5.3 keeps it whole on every rank
-    model.head_sharded = type(model.lm_head.weight).__name__ == "DTensor"
+    head = model.lm_head
+    # 5.3's tensor parallelism keeps a plain tensor of each rank's rows: no DTensor placement to change
+    model.sharded_by_hand = {"refusal": None, "dtensor": type(head.weight).__name__ == "DTensor"}
+    if not model.sharded_by_hand["dtensor"]:
+        return model
+    whole = head.weight.full_tensor().detach()
+    if placement == "columns":
+        mesh, placements = head.weight.device_mesh, [Shard(1)]
+    else:
+        mesh, placements = init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "tp")), [Shard(0), Shard(0)]
+    head.weight = torch.nn.Parameter(distribute_tensor(whole, mesh, placements))
     try:
         chunked.install(model, chunk=CHUNK)
     except chunked.ChunkedLossRefused as exc:
-        model.refusal = str(exc)
+        model.sharded_by_hand["refusal"] = str(exc)
     return model
+
+
+def local_block(full: torch.Tensor, local: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+    """The block of ``full`` a rank holds as ``local`` (5.3's plain shards: ceil(n / world) a rank)."""
+    for dim, (whole, held) in enumerate(zip(full.shape, local.shape, strict=True)):
+        if whole != held:
+            block = -(-whole // world)
+            return full.narrow(dim, rank * block, held)
+    return full
 
 
 CASES: dict[str, Callable[[Any], Any]] = {
@@ -164,8 +234,35 @@ CASES: dict[str, Callable[[Any], Any]] = {
     "head-own-unit": head_own_unit,
     "transformers-fsdp-vanilla": lambda path: transformers_fsdp(path, False),
     "transformers-fsdp": lambda path: transformers_fsdp(path, True),
-    "transformers-tp": transformers_tp,
 }
+
+TP_CASES: dict[str, Callable[[Any], Any]] = {
+    "tp-vanilla": lambda path: transformers_tp(path, "vanilla"),
+    "tp-installed": lambda path: transformers_tp(path, "installed"),
+    "tp-planned": lambda path: transformers_tp(path, "planned"),
+    "tp-head-columns": lambda path: tp_sharded_head(path, "columns"),
+    "tp-head-2d-mesh": lambda path: tp_sharded_head(path, "2d"),
+}
+TP_STEPS = 2  # optimizer steps after the compared one
+
+
+def tp_case(model: Any, loss: float, expected: dict[str, torch.Tensor], steps: int) -> dict[str, Any]:
+    """A tensor-parallel model's step on rank 0's batch against the one-process one, then ``steps`` SGD steps."""
+    world = dist.get_world_size()
+    result = step(model, rank=0)
+    grads = result.pop("grads")
+    result["grad_error"] = {
+        n: float((g - local_block(expected[n], g, RANK, world)).abs().max()) for n, g in grads.items()
+    }
+    result["grad_scale"] = {n: float(g.abs().max()) for n, g in expected.items()}
+    result["wrong_error"] = {n: float((expected[n] * 1.001 - expected[n]).abs().max()) for n in expected}
+    result["loss_error"] = abs(result["loss"] - loss)
+    result["installed"] = chunked.installed(model) is not None
+    result["refusal"] = getattr(model, "refusal", None)
+    result["head_type"] = type(model.lm_head.weight).__name__
+    result["head_rows"] = int(getattr(model.lm_head.weight, "_local_tensor", model.lm_head.weight).shape[0])
+    result["steps"] = train(model, steps)
+    return result
 
 
 def main() -> None:
@@ -200,6 +297,16 @@ def main() -> None:
         # a gradient 0.1% off (a wrong divisor, a dropped chunk would be far more): the bound must fail it
         result["wrong_error"] = {n: float((expected[n] * 1.001 - expected[n]).abs().max()) for n in expected}
         payload["cases"][name] = result
+    tp_loss, tp_expected, tp_losses = reference_one(path, TP_STEPS)
+    payload["tp_reference_loss"] = tp_loss
+    payload["tp_reference_steps"] = tp_losses
+    for name, prepare in TP_CASES.items():
+        torch.manual_seed(0)
+        model = prepare(path)
+        if name.startswith("tp-head-"):
+            payload["cases"][name] = {"installed": chunked.installed(model) is not None, **model.sharded_by_hand}
+        else:
+            payload["cases"][name] = tp_case(model, tp_loss, tp_expected, TP_STEPS)
     (out / f"rank{RANK}.json").write_text(json.dumps(payload, indent=1))
     dist.barrier()
     dist.destroy_process_group()

@@ -183,8 +183,13 @@ def transformers_tp(path: str, how: str) -> Any:
     """A ``tp_plan="auto"`` load: vanilla, the pack installed by hand after it, or planned by the selection."""
     import hfpatch_core
 
-    with hfpatch_core.enabled(packs="chunked-loss" if how == "planned" else "none"):
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, tp_plan="auto")
+    # planned with a budget of a few tokens' logits per rank, which the step's peak is checked against
+    os.environ[chunked.BUDGET_ENV] = str(TP_BUDGET) if how == "planned" else ""
+    try:
+        with hfpatch_core.enabled(packs="chunked-loss" if how == "planned" else "none"):
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, tp_plan="auto")
+    finally:
+        del os.environ[chunked.BUDGET_ENV]
     model.train()
     if how == "installed":
         try:
@@ -243,6 +248,7 @@ TP_CASES: dict[str, Callable[[Any], Any]] = {
     "tp-head-columns": lambda path: tp_sharded_head(path, "columns"),
     "tp-head-2d-mesh": lambda path: tp_sharded_head(path, "2d"),
 }
+TP_BUDGET = 10 * 2**10  # bytes: 6 tokens of a rank's 256 rows of float32 logits, with the last position's
 TP_STEPS = 2  # optimizer steps after the compared one
 
 

@@ -179,15 +179,27 @@ def transformers_fsdp(path: str, install: bool) -> Any:
     return model
 
 
-def transformers_tp(path: str, how: str) -> Any:
-    """A ``tp_plan="auto"`` load: vanilla, the pack installed by hand after it, or planned by the selection."""
+def transformers_tp(path: str, how: str, head_rows: bool = False) -> Any:
+    """A ``tp_plan="auto"`` load: vanilla, the pack installed by hand after it, or planned by the selection.
+
+    ``head_rows``: the model's plan with the head's rule given explicitly (5.3's ``post_init`` drops the
+    class's own ``{"lm_head": "colwise_gather_output"}``, so its "auto" keeps the head whole; given in the
+    plan, 5.3 splits its rows too, as plain tensors, and 5.25 as "auto" does)."""
     import hfpatch_core
+
+    plan: Any = "auto"
+    if head_rows:
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(path)
+        layers = {f"model.{name}": style for name, style in (config.base_model_tp_plan or {}).items()}
+        plan = {**layers, "lm_head": "colwise_gather_output"}
 
     # planned with a budget of a few tokens' logits per rank, which the step's peak is checked against
     os.environ[chunked.BUDGET_ENV] = str(TP_BUDGET) if how == "planned" else ""
     try:
         with hfpatch_core.enabled(packs="chunked-loss" if how == "planned" else "none"):
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, tp_plan="auto")
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, tp_plan=plan)
     finally:
         del os.environ[chunked.BUDGET_ENV]
     model.train()
@@ -245,6 +257,8 @@ TP_CASES: dict[str, Callable[[Any], Any]] = {
     "tp-vanilla": lambda path: transformers_tp(path, "vanilla"),
     "tp-installed": lambda path: transformers_tp(path, "installed"),
     "tp-planned": lambda path: transformers_tp(path, "planned"),
+    "tp-rows-vanilla": lambda path: transformers_tp(path, "vanilla", head_rows=True),
+    "tp-rows-installed": lambda path: transformers_tp(path, "installed", head_rows=True),
     "tp-head-columns": lambda path: tp_sharded_head(path, "columns"),
     "tp-head-2d-mesh": lambda path: tp_sharded_head(path, "2d"),
 }

@@ -18,7 +18,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import hfpatch_pack_chunked_loss as chunked
 import pytest
 import torch
 

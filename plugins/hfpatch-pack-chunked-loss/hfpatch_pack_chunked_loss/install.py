@@ -272,7 +272,7 @@ def _detect(model: PreTrainedModel) -> _Found:
     sharded = _sharded(head)
     if sharded is not None and not is_dtensor(head.weight):
         raise ChunkedLossRefused(f"{sharded}: the chunked loss over a partitioned head is not written")
-    tensor_parallel = tensor_parallel_refusal(model, head)
+    tensor_parallel = tensor_parallel_refusal(model, head, str(sharded))
     if tensor_parallel is not None:
         raise ChunkedLossRefused(tensor_parallel)
     parameters = _signature(model).parameters

@@ -95,7 +95,7 @@ def fsdp_units_holding(model: nn.Module, head: nn.Module) -> bool:
     )
 
 
-def tensor_parallel_refusal(model: nn.Module, head: nn.Module) -> str | None:
+def tensor_parallel_refusal(model: nn.Module, head: nn.Module, why: str) -> str | None:
     """Why a head sharded outside FSDP2 (tensor parallelism, or a ``DTensor`` set by hand) is refused before
     the probe runs the model, or ``None``: its weight is not a ``DTensor``, FSDP2 holds it, or its rows are
     split as the vocabulary-parallel loss reads them (``vocab_parallel.row_split``)."""
@@ -104,7 +104,7 @@ def tensor_parallel_refusal(model: nn.Module, head: nn.Module) -> str | None:
     if not is_dtensor(head.weight) or fsdp_units_holding(model, head) or row_split(model, head) is not None:
         return None
     return (
-        "the LM head's weight is a DTensor outside any FSDP2 unit (sharded for the whole step, as tensor "
-        f"parallelism shards it), and {split_refusal(model, head)}: the vocabulary-parallel loss reads a head "
-        "whose rows are split over a 1-D mesh of ranks (Shard(0)), as tp_plan='auto' shards it"
+        f"{why}, outside any FSDP2 unit (so sharded for the whole step, as tensor parallelism shards it), and "
+        f"{split_refusal(model, head)}: the vocabulary-parallel loss reads a head whose rows are split over a "
+        "1-D mesh of ranks (Shard(0)), as tp_plan='auto' shards it"
     )

@@ -118,12 +118,14 @@ def shard(model: Any) -> None:
     fully_shard(model)
 
 
-def step(model: Any, rank: int = RANK) -> dict[str, Any]:
+def step(model: Any, rank: int = RANK, split: bool = False) -> dict[str, Any]:
+    """One training step on ``rank``'s batch; ``split``: the head's rows are split over the ranks (tensor
+    parallelism), whose logits tensors are a rank's rows wide."""
     config = model.config
     ids, labels = batch(rank, config.vocab_size)
-    local = model.lm_head.weight
-    local = local.to_local() if hasattr(local, "to_local") else local
-    with LiveLogits(config.vocab_size, config.hidden_size, int(local.shape[0])) as mode:
+    weight = model.lm_head.weight
+    local = int((weight.to_local() if hasattr(weight, "to_local") else weight).shape[0]) if split else None
+    with LiveLogits(config.vocab_size, config.hidden_size, local) as mode:
         out = model(input_ids=ids, labels=labels)
         out.loss.backward()
     grads = {}
@@ -269,7 +271,7 @@ TP_STEPS = 2  # optimizer steps after the compared one
 def tp_case(model: Any, loss: float, expected: dict[str, torch.Tensor], steps: int) -> dict[str, Any]:
     """A tensor-parallel model's step on rank 0's batch against the one-process one, then ``steps`` SGD steps."""
     world = dist.get_world_size()
-    result = step(model, rank=0)
+    result = step(model, rank=0, split=True)
     grads = result.pop("grads")
     result["grad_error"] = {
         n: float((g - local_block(expected[n], g, RANK, world)).abs().max()) for n, g in grads.items()

@@ -92,10 +92,26 @@ def reference_one(path: str, steps: int = 0) -> tuple[float, dict[str, torch.Ten
     ``steps`` optimizer steps after it."""
     model = load(path)
     ids, labels = batch(0, model.config.vocab_size)
+    with torch.no_grad():
+        items = float(model(input_ids=ids, labels=labels, num_items_in_batch=torch.tensor(ITEMS)).loss)
     loss = model(input_ids=ids, labels=labels).loss
     loss.backward()
     grads = {name: p.grad.detach().clone() for name, p in model.named_parameters()}
-    return float(loss), grads, train(model, steps)
+    return float(loss), grads, [items, *train(model, steps)]
+
+
+def items_and_bad_label(model: Any) -> tuple[float, str | None]:
+    """The loss of rank 0's batch divided by ``ITEMS`` (Trainer's ``num_items_in_batch``), and the error a
+    label outside the vocabulary raises (on every rank alike: no rank may wait in a collective)."""
+    ids, labels = batch(0, model.config.vocab_size)
+    items = float(model(input_ids=ids, labels=labels, num_items_in_batch=torch.tensor(ITEMS)).loss)
+    wrong = labels.clone()
+    wrong[1, 5] = model.config.vocab_size + 3
+    try:
+        model(input_ids=ids, labels=wrong)
+    except IndexError as exc:
+        return items, str(exc)
+    return items, None
 
 
 def train(model: Any, steps: int) -> list[float]:
@@ -265,7 +281,8 @@ TP_CASES: dict[str, Callable[[Any], Any]] = {
     "tp-head-2d-mesh": lambda path: tp_sharded_head(path, "2d"),
 }
 TP_BUDGET = 10 * 2**10  # bytes: 6 tokens of a rank's 256 rows of float32 logits, with the last position's
-TP_STEPS = 2  # optimizer steps after the compared one
+TP_STEPS = 2
+ITEMS = 7  # a num_items_in_batch other than the batch's count of labels (21)  # optimizer steps after the compared one
 
 
 def tp_case(model: Any, loss: float, expected: dict[str, torch.Tensor], steps: int) -> dict[str, Any]:
@@ -283,6 +300,7 @@ def tp_case(model: Any, loss: float, expected: dict[str, torch.Tensor], steps: i
     result["refusal"] = getattr(model, "refusal", None)
     result["head_type"] = type(model.lm_head.weight).__name__
     result["head_rows"] = int(getattr(model.lm_head.weight, "_local_tensor", model.lm_head.weight).shape[0])
+    result["items_loss"], result["bad_label_error"] = items_and_bad_label(model)
     result["steps"] = train(model, steps)
     return result
 
@@ -321,7 +339,7 @@ def main() -> None:
         payload["cases"][name] = result
     tp_loss, tp_expected, tp_losses = reference_one(path, TP_STEPS)
     payload["tp_reference_loss"] = tp_loss
-    payload["tp_reference_steps"] = tp_losses
+    payload["tp_reference_items_loss"], *payload["tp_reference_steps"] = tp_losses
     for name, prepare in TP_CASES.items():
         torch.manual_seed(0)
         model = prepare(path)

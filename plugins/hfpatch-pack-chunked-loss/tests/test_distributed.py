@@ -135,6 +135,11 @@ def test_tensor_parallel_gives_the_single_process_loss_and_gradients(
             assert error <= bound, (name, error, bound)
             assert ours["wrong_error"][name] > bound or ours["grad_scale"][name] == 0, name
         assert ours["peak_logits_bytes"] < vanilla["peak_logits_bytes"] / 4
+        # Trainer's num_items_in_batch divides the sum, as vanilla's
+        expected = rank["tp_reference_items_loss"]
+        assert abs(ours["items_loss"] - expected) <= _bound(abs(vanilla["items_loss"] - expected), expected)
+        # a label outside the vocabulary raises on every rank (vanilla's nll_loss raises too), naming it
+        assert ours["bad_label_error"] is not None and f"label {VOCAB + 3}" in ours["bad_label_error"]
         # two SGD steps on: the losses stay the single-process ones as vanilla's TP steps do
         for step, (expected, mine, theirs) in enumerate(
             zip(rank["tp_reference_steps"], ours["steps"], vanilla["steps"], strict=True)

@@ -305,6 +305,66 @@ def tp_case(model: Any, loss: float, expected: dict[str, torch.Tensor], steps: i
     return result
 
 
+def kernel_cases() -> dict[str, dict[str, float]]:
+    """The vocabulary-parallel loss itself on rows split unevenly (515 = 258 + 257), with each transform and
+    dtype: its loss and gradients (hidden states; this rank's rows of the head) and vanilla's one-process
+    ones (``cross_entropy`` over the whole head's transformed logits, autograd in the dtype), each measured
+    against float64's."""
+    from hfpatch_pack_chunked_loss.loss import HeadTransform
+    from hfpatch_pack_chunked_loss.vocab_parallel import RowSplit, causal_lm_loss
+
+    world = dist.get_world_size()
+    split = RowSplit(dist.group.WORLD, RANK, world)
+    vocab, hidden_size = 515, 32
+    block = -(-vocab // world)
+    rows = slice(RANK * block, min(vocab, (RANK + 1) * block))
+    generator = torch.Generator().manual_seed(7)
+    hidden64 = torch.randn(2, 9, hidden_size, generator=generator, dtype=torch.float64)
+    weight64 = torch.randn(vocab, hidden_size, generator=generator, dtype=torch.float64) / 4
+    labels = torch.randint(0, vocab, (2, 9), generator=generator)
+    labels[0, 2] = -100
+    labels[1, 1] = block + 1  # one label in each rank's rows at least
+    labels[1, 3] = 3
+    results = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        for name, transform in {
+            "plain": HeadTransform(),
+            "scale": HeadTransform(scale=0.25),
+            "softcap": HeadTransform(softcap=3.0),
+        }.items():
+            computed = {}
+            for side in ("float64", "vanilla", "ours"):
+                kind = torch.float64 if side == "float64" else dtype
+                hidden = hidden64.to(kind).requires_grad_(True)
+                weight = weight64.to(kind).requires_grad_(True)
+                if side == "ours":
+                    local = weight[rows]
+                    loss = causal_lm_loss(hidden, _Rows(local), labels, transform, split=split, chunk=4)
+                    grad_hidden, grad_rows = torch.autograd.grad(loss, [hidden, local])
+                else:
+                    logits = transform(torch.nn.functional.linear(hidden, weight)).float()
+                    shifted = torch.nn.functional.pad(labels, (0, 1), value=-100)[..., 1:]
+                    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, vocab), shifted.reshape(-1))
+                    grad_hidden, grad_weight = torch.autograd.grad(loss, [hidden, weight])
+                    grad_rows = grad_weight[rows]
+                computed[side] = [loss.double(), grad_hidden.double(), grad_rows.double()]
+            for index, part in enumerate(("loss", "hidden", "head")):
+                reference = computed["float64"][index]
+                results[f"{dtype}-{name}-{part}"] = {
+                    "ours": float((computed["ours"][index] - reference).abs().max()),
+                    "vanilla": float((computed["vanilla"][index] - reference).abs().max()),
+                    "scale": float(reference.abs().max()),
+                    # the loss is float32 on both sides (ForCausalLMLoss upcasts the logits); gradients the dtype's
+                    "eps": torch.finfo(torch.float32 if part == "loss" else dtype).eps,
+                }
+    return results
+
+
+class _Rows:
+    def __init__(self, weight: torch.Tensor) -> None:
+        self.weight, self.bias = weight, None
+
+
 def main() -> None:
     path, out = sys.argv[1], Path(sys.argv[2])
     transformers.utils.logging.set_verbosity_error()
@@ -337,6 +397,7 @@ def main() -> None:
         # a gradient 0.1% off (a wrong divisor, a dropped chunk would be far more): the bound must fail it
         result["wrong_error"] = {n: float((expected[n] * 1.001 - expected[n]).abs().max()) for n in expected}
         payload["cases"][name] = result
+    payload["kernel"] = kernel_cases()
     tp_loss, tp_expected, tp_losses = reference_one(path, TP_STEPS)
     payload["tp_reference_loss"] = tp_loss
     payload["tp_reference_items_loss"], *payload["tp_reference_steps"] = tp_losses

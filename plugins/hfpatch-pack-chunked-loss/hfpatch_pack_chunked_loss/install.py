@@ -601,9 +601,11 @@ class _ChunkedForward:
 
         def capture(module: nn.Module, inputs: Any, output: Any) -> None:
             hidden = _last_hidden(output)
+            if captured or hidden is None:
+                return
             # the head's rows split over the ranks (tensor parallelism) when the decoder has returned, or whole
             split = vocab_parallel.row_split(model, head)
-            if not captured and hidden is not None and (split is not None or not is_dtensor(head.weight)):
+            if split is not None or not is_dtensor(head.weight):
                 captured.append(hidden)
                 splits.append(split)
 

@@ -320,8 +320,9 @@ def causal_lm_loss(
     return result
 
 
-def _max_over(split: RowSplit, values: list[float]) -> list[float]:
-    tensor = torch.tensor(values, dtype=torch.float64)
+def _max_over(split: RowSplit, values: list[float], device: torch.device) -> list[float]:
+    # on the device the group's backend reduces (NCCL: the GPU)
+    tensor = torch.tensor(values, dtype=torch.float64, device=device)
     dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=split.group)
     return [float(v) for v in tensor]
 
@@ -329,14 +330,14 @@ def _max_over(split: RowSplit, values: list[float]) -> list[float]:
 def _gather_columns(local: torch.Tensor, split: RowSplit) -> torch.Tensor:
     """The ranks' column blocks of a (tokens x rows) tensor side by side, in rank order (blocks of
     unequal width padded for the all-gather)."""
-    widths = torch.zeros(split.world, dtype=torch.int64)
+    widths = torch.zeros(split.world, dtype=torch.int64, device=local.device)
     widths[split.rank] = local.shape[1]
     dist.all_reduce(widths, op=dist.ReduceOp.SUM, group=split.group)
     widest = int(widths.max())
     padded = nn.functional.pad(local, (0, widest - local.shape[1])).contiguous()
     blocks = [torch.empty_like(padded) for _ in range(split.world)]
     dist.all_gather(blocks, padded, group=split.group)
-    return torch.cat([block[:, : int(width)] for block, width in zip(blocks, widths, strict=True)], 1)
+    return torch.cat([block[:, : int(width)] for block, width in zip(blocks, widths.tolist(), strict=True)], 1)
 
 
 def compare_with_vanilla(
@@ -377,7 +378,7 @@ def compare_with_vanilla(
     ours_loss = causal_lm_loss(hidden, rows, labels, transform, split=split, chunk=1)
     mine = [hidden, rows.weight] if wants_weight else [hidden]
     ours = torch.autograd.grad(ours_loss, mine)
-    vanilla_value, ours_value = _max_over(split, [float(loss.detach()), float(ours_loss.detach())])
+    vanilla_value, ours_value = _max_over(split, [float(loss.detach()), float(ours_loss.detach())], hidden.device)
     aux = getattr(out, "aux_loss", None)
     coefficient, ours_total = _aux_coefficient(
         model,
@@ -413,7 +414,7 @@ def compare_with_vanilla(
         vanilla_error, our_error, scale = errors
         if calibration is not None:
             vanilla_error = max(vanilla_error, calibration())
-        agreed = _max_over(split, [vanilla_error, our_error, scale])
+        agreed = _max_over(split, [vanilla_error, our_error, scale], hidden.device)
         _judge(name, agreed[0], agreed[1], agreed[2], hidden.dtype)
 
     judged("loss", _errors(torch.tensor(vanilla_value), ours_total, reference_loss.detach()))

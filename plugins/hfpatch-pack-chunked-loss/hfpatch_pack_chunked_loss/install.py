@@ -17,9 +17,9 @@ from torch import nn
 from transformers import PreTrainedModel
 from transformers.loss.loss_utils import ForCausalLMLoss
 
-from . import zero3
+from . import vocab_parallel, zero3
 from .loss import HeadTransform, chunked_causal_lm_loss, logit_bytes_per_token
-from .sharded import is_dtensor, plain_linear, sharded_after_decoder
+from .sharded import is_dtensor, plain_linear, sharded_after_decoder, tensor_parallel_refusal
 
 __all__ = [
     "BUDGET_ENV",
@@ -275,6 +275,9 @@ def _detect(model: PreTrainedModel) -> _Found:
     sharded = _sharded(head)
     if sharded is not None and not is_dtensor(head.weight):
         raise ChunkedLossRefused(f"{sharded}: the chunked loss over a partitioned head is not written")
+    tensor_parallel = tensor_parallel_refusal(model, head, str(sharded))
+    if tensor_parallel is not None:
+        raise ChunkedLossRefused(tensor_parallel)
     parameters = _signature(model).parameters
     missing = [name for name in ("labels", "logits_to_keep") if name not in parameters]
     if missing:
@@ -329,7 +332,7 @@ def _detect(model: PreTrainedModel) -> _Found:
             raise ChunkedLossRefused("the head's input is not the decoder's last hidden state")
         if not isinstance(getattr(out, "logits", None), torch.Tensor):
             raise ChunkedLossRefused("the forward returns no logits")
-        if not whole[id(decoder)]:
+        if not whole[id(decoder)] and vocab_parallel.row_split(model, head) is None:
             raise ChunkedLossRefused(sharded_after_decoder(model, head, str(sharded)))
         # what the head "returned", in the head's dtype, is what the forward transformed
         transform = _fit_transform(seen["head_out"].float().cpu(), out.logits.float().cpu(), head.weight.dtype)
@@ -425,6 +428,10 @@ def _compare_with_vanilla(
         for handle in handles:
             handle.remove()
     loss = out.loss
+    split = vocab_parallel.row_split(model, head)
+    if split is not None:  # tensor parallelism: each rank's rows of the head
+        weight = seen["weight"]
+        return vocab_parallel.compare_with_vanilla(model, head, split, hidden, labels, loss, out, weight, transform)
     # the head as the forward used it: under FSDP2 the whole weight its pre-forward hook gathered,
     # freed when the backward below reshards the unit, so the chunked loss reads a copy of it
     weight, bias = seen["weight"], seen.get("bias")
@@ -593,11 +600,17 @@ class _ChunkedForward:
         elif want_tuple:
             extra["return_dict"] = True
         captured: list[torch.Tensor] = []
+        splits: list[vocab_parallel.RowSplit | None] = []
 
         def capture(module: nn.Module, inputs: Any, output: Any) -> None:
             hidden = _last_hidden(output)
-            if not captured and hidden is not None and not is_dtensor(head.weight):
+            if captured or hidden is None:
+                return
+            # the head's rows split over the ranks (tensor parallelism) when the decoder has returned, or whole
+            split = vocab_parallel.row_split(model, head)
+            if split is not None or not is_dtensor(head.weight):
                 captured.append(hidden)
+                splits.append(split)
 
         handle = self.decoder.register_forward_hook(capture)
         try:
@@ -611,16 +624,18 @@ class _ChunkedForward:
             return target(*args, **kwargs)
         # a head ZeRO-3 partitions is gathered once for the whole loss (zero3.py)
         with zero3.gathered(head.parameters(recurse=False)):
-            per_token = logit_bytes_per_token(captured[0], head, installed.transform, LOGIT_COPIES)
+            rows = vocab_parallel.local_rows(head, splits[0])  # the head, or this rank's rows of it
+            per_token = logit_bytes_per_token(captured[0], rows, installed.transform, LOGIT_COPIES)
             last = getattr(out, "logits", None)
             # the last position's logits the step returns, with what their graph saves, count as a chunk's tokens
-            held = last.numel() // int(head.weight.shape[0]) * per_token if isinstance(last, torch.Tensor) else 0
-            loss = chunked_causal_lm_loss(
+            held = last.numel() // int(rows.weight.shape[0]) * per_token if isinstance(last, torch.Tensor) else 0
+            loss = vocab_parallel.causal_lm_loss(
                 captured[0],
-                head,
+                rows,
                 labels,
                 installed.transform,
-                chunk=installed.chunk_of(int(head.weight.shape[0]), held, per_token=per_token),
+                split=splits[0],
+                chunk=installed.chunk_of(int(rows.weight.shape[0]), held, per_token=per_token),
                 num_items_in_batch=extra.get("num_items_in_batch"),
                 ignore_index=extra.get("ignore_index", -100),
                 shift_labels=extra.get("shift_labels"),

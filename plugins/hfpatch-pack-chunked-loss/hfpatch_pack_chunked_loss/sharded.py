@@ -10,6 +10,10 @@ forward, sees the head whole, and the chunked loss is the single-process one: no
 beyond what FSDP2 gathers for vanilla's head matmul.  A head that is a unit of its own
 (``fully_shard(model.lm_head)``) is gathered only when the head module itself is called, which the
 chunked loss does not do: refused.
+
+Tensor parallelism (transformers' ``tp_plan="auto"``) splits the head's rows over the ranks for the
+whole step: ``vocab_parallel`` computes the loss over those rows.  A head sharded any other way
+when the decoder has returned is refused, with how it is placed.
 """
 
 from __future__ import annotations
@@ -18,7 +22,14 @@ from typing import Any, TypeGuard
 
 from torch import nn
 
-__all__ = ["fsdp_head_unit", "is_dtensor", "plain_linear", "sharded_after_decoder"]
+__all__ = [
+    "fsdp_head_unit",
+    "fsdp_units_holding",
+    "is_dtensor",
+    "plain_linear",
+    "sharded_after_decoder",
+    "tensor_parallel_refusal",
+]
 
 
 def _fsdp_module_type() -> type[Any] | None:
@@ -54,9 +65,12 @@ def sharded_after_decoder(model: nn.Module, head: nn.Module, why: str) -> str:
             f"(fully_shard(model), or together with the final norm: fully_shard([model.model.norm, model.lm_head])) "
             f"instead of fully_shard on {unit!r}"
         )
+    from .vocab_parallel import split_refusal
+
     return (
-        f"{why}, and still one when the decoder has returned (tensor parallelism shards its rows for the whole "
-        "step): the chunked loss over vocabulary shards is not written"
+        f"{why}, and still one when the decoder has returned, sharded in a way the vocabulary-parallel loss does "
+        f"not read: {split_refusal(model, head)} (it reads a head whose rows are split over a 1-D mesh, "
+        "Shard(0), as tensor parallelism's tp_plan='auto' shards it)"
     )
 
 
@@ -70,3 +84,27 @@ def fsdp_head_unit(model: nn.Module, head: nn.Module) -> str | None:
         if name and isinstance(module, fsdp) and any(sub is head for sub in module.modules()):
             return name
     return None
+
+
+def fsdp_units_holding(model: nn.Module, head: nn.Module) -> bool:
+    """Whether any FSDP2 unit (the model's own included) holds the head: its weight is then a ``DTensor``
+    between FSDP2's gathers, never split over the ranks for a step (``vocab_parallel.row_split``)."""
+    fsdp = _fsdp_module_type()
+    return fsdp is not None and any(
+        isinstance(module, fsdp) and any(sub is head for sub in module.modules()) for module in model.modules()
+    )
+
+
+def tensor_parallel_refusal(model: nn.Module, head: nn.Module, why: str) -> str | None:
+    """Why a head sharded outside FSDP2 (tensor parallelism, or a ``DTensor`` set by hand) is refused before
+    the probe runs the model, or ``None``: its weight is not a ``DTensor``, FSDP2 holds it, or its rows are
+    split as the vocabulary-parallel loss reads them (``vocab_parallel.row_split``)."""
+    from .vocab_parallel import row_split, split_refusal
+
+    if not is_dtensor(head.weight) or fsdp_units_holding(model, head) or row_split(model, head) is not None:
+        return None
+    return (
+        f"{why}, outside any FSDP2 unit (so sharded for the whole step, as tensor parallelism shards it), and "
+        f"{split_refusal(model, head)}: the vocabulary-parallel loss reads a head whose rows are split over a "
+        "1-D mesh of ranks (Shard(0)), as tp_plan='auto' shards it"
+    )

@@ -75,24 +75,24 @@ def provide_model_types() -> list[str]:
 def provide_model_steps(context: LoadContext) -> list[ModelStep | Refusal]:
     """The chunked loss for a load of a class with a causal-LM loss path.
 
-    Under transformers' FSDP2 load (``DistributedConfig(fsdp_size=...)``) it is installed and its probe
-    decides: FSDP2 gathers the head whole in the forward (transformers shards it with the final norm,
-    kept whole after the forward), and the chunked loss is the single-process one.  Refused where
-    transformers shards the model otherwise (tensor, pipeline or expert parallelism: the head's rows
-    stay split over the ranks through the step, and the chunked loss over vocabulary shards is not
-    written)."""
+    Under transformers' FSDP2 load (``DistributedConfig(fsdp_size=...)``) or tensor-parallel load
+    (``tp_plan="auto"``), one of them alone, it is installed and its probe decides, on every rank alike:
+    FSDP2 gathers the head whole in the forward (transformers shards it with the final norm, kept whole
+    after the forward), and the chunked loss is the single-process one; tensor parallelism splits the
+    head's rows over the ranks for the whole step, and the loss is computed over them
+    (``vocab_parallel``).  Refused where transformers shards the model otherwise (pipeline or expert
+    parallelism, or tensor parallelism with another: not checked against vanilla)."""
     if context.config is None or not _has_a_loss_path(context.model_class):
         return []
-    others = [mode for mode in context.parallel if mode not in _GATHERED]
-    if others:
+    if context.parallel and (len(context.parallel) > 1 or context.parallel[0] not in _INSTALLED_SHARDED):
         reason = (
-            f"the load is sharded by transformers ({', '.join(context.parallel)}): the LM head's rows may stay "
-            "split over the ranks through the step (a DTensor), and the chunked loss over vocabulary shards is "
-            "not written; the vanilla loss runs"
+            f"the load is sharded by transformers ({', '.join(context.parallel)}): the chunked loss runs under "
+            "FSDP2 or tensor parallelism alone (tp_plan='auto'), whose heads it is checked on; the vanilla loss runs"
         )
         return [_refused(context.model_class_name, reason)]
     return [ModelStep(TARGET, install_step, uninstall_step)]
 
 
-# transformers' parallelisms whose sharded weights FSDP2 gathers whole in the forward
-_GATHERED = frozenset({"fsdp"})
+# transformers' parallelisms the install's probe decides on: FSDP2 gathers the head whole in the forward,
+# tensor parallelism splits its rows for the whole step (the vocabulary-parallel loss)
+_INSTALLED_SHARDED = frozenset({"fsdp", "tp"})

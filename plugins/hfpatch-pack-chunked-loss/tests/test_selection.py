@@ -110,16 +110,19 @@ def test_apply_installs_it_and_a_refusal_is_on_the_plan(checkpoints: dict[str, P
 
 def test_a_load_sharded_by_transformers_is_refused_with_the_reason(checkpoints: dict[str, Path]) -> None:
     config = load(checkpoints["llama"]).config
-    for parallel in [("tp",), ("ep",), ("fsdp", "tp")]:
+    for parallel in [("ep",), ("pp",), ("tp", "fsdp"), ("tp", "ep")]:
         context = hfpatch_core.LoadContext.for_model(LlamaForCausalLM, config, parallel=parallel)
         [refusal] = chunked.provide_model_steps(context)
         assert isinstance(refusal, hfpatch_core.Refusal) and refusal.target == chunked.TARGET
-        assert ", ".join(parallel) in refusal.reason and "vocabulary shards is not written" in refusal.reason
-    # FSDP2 gathers the head whole in the forward: the step is installed and its probe decides
-    # (under torchrun: tests/test_distributed.py)
-    context = hfpatch_core.LoadContext.for_model(LlamaForCausalLM, config, parallel=("fsdp",))
-    [step] = chunked.provide_model_steps(context)
-    assert isinstance(step, hfpatch_core.ModelStep) and step.target == chunked.TARGET
+        assert ", ".join(parallel) in refusal.reason
+        assert "the chunked loss runs under FSDP2 or tensor parallelism alone" in refusal.reason
+    # FSDP2 gathers the head whole in the forward, tensor parallelism splits its rows for the step (the
+    # vocabulary-parallel loss): the step is installed and its probe decides (under torchrun:
+    # tests/test_distributed.py)
+    for parallel in [("fsdp",), ("tp",)]:
+        context = hfpatch_core.LoadContext.for_model(LlamaForCausalLM, config, parallel=parallel)
+        [step] = chunked.provide_model_steps(context)
+        assert isinstance(step, hfpatch_core.ModelStep) and step.target == chunked.TARGET
     # a model without a causal-LM loss path is not a candidate
     base = hfpatch_core.LoadContext("llama", "LlamaModel", config=config)
     assert chunked.provide_model_steps(base) == []

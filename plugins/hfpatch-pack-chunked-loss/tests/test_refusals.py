@@ -61,7 +61,7 @@ def test_something_between_the_decoder_and_the_head(checkpoints: dict[str, Path]
 
 def test_a_transform_that_is_neither_a_scale_nor_a_soft_cap(checkpoints: dict[str, Path]) -> None:
     model = _ClampedLlama.from_pretrained(checkpoints["llama"], attn_implementation="eager")
-    assert "neither the identity, a scale nor a soft-cap" in _refused(model)
+    assert "neither the identity, a scale, a soft-cap nor a scale then a soft-cap" in _refused(model)
     # the same checkpoint in vanilla's class is claimed: the refusal is the clamp's
     assert chunked.install(load(checkpoints["llama"])).transform == chunked.HeadTransform()
 

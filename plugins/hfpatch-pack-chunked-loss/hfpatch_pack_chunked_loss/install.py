@@ -352,6 +352,7 @@ def _detect(model: PreTrainedModel) -> _Found:
     if missing:
         raise ChunkedLossRefused(f"{type(model).__name__}.forward takes no {' or '.join(missing)}")
     candidates = _decoder_candidates(model, head)
+    classes = {name: type(module) for name, module in model.named_modules()}
     input_ids = _probe_inputs(head)
     outputs: dict[int, torch.Tensor] = {}
     seen: dict[str, Any] = {}
@@ -420,7 +421,23 @@ def _detect(model: PreTrainedModel) -> _Found:
         for handle in handles:
             handle.remove()
         model.train(was_training)
+    _check_unchanged(model, classes)
     return _Found(transform, decoder, coefficient, loss, at_head, linear_subclass)
+
+
+def _check_unchanged(model: nn.Module, classes: dict[str, type]) -> None:
+    # a forward that swaps its own modules on a short input (an attention that falls back to another
+    # class) changed the model the user loaded before any step of theirs: refused, with what changed
+    now = {name: type(module) for name, module in model.named_modules()}
+    changed = sorted(name for name in {*classes, *now} if classes.get(name) is not now.get(name))
+    if changed:
+        name = changed[0]
+        before, after = classes.get(name), now.get(name)
+        raise ChunkedLossRefused(
+            f"the model's forward replaced its own modules on the probe's {_PROBE_TOKENS} tokens ({len(changed)} of them; "
+            f"{name or 'the model'}: {getattr(before, '__name__', None)} became {getattr(after, '__name__', None)}): "
+            "the chunked loss cannot probe it without changing it"
+        )
 
 
 def _check_head_input(head_in: Any, input_ids: torch.Tensor) -> None:
@@ -555,9 +572,17 @@ def _compare_with_vanilla(
     """
     seen: dict[str, torch.Tensor] = {}
 
+    def replacing(hidden: Any) -> bool:
+        # the call with labels computes the hidden states the call without them did, or the step (which
+        # calls without labels) would read others than vanilla's loss does
+        if "replace" not in seen:
+            return False
+        seen["labeled"] = hidden
+        return isinstance(hidden, torch.Tensor) and hidden.shape == seen["replace"].shape
+
     def decoder_hook(module: nn.Module, args: Any, output: Any) -> Any:
         hidden = _last_hidden(output)
-        if "replace" in seen:
+        if replacing(hidden):
             return _with_hidden(output, seen["replace"])
         if hidden is not None:
             seen["decoder"] = hidden
@@ -568,7 +593,7 @@ def _compare_with_vanilla(
         if head.bias is not None:
             seen["bias"] = head.bias
         if at_head:
-            if "replace" in seen:
+            if replacing(args[0]):
                 return (seen["replace"], *args[1:])
             seen["decoder"] = args[0]
         return None
@@ -593,9 +618,15 @@ def _compare_with_vanilla(
             # a **kwargs that does not take it (passed to a module that names its arguments): nor does a step
             items = False
             out = model(**arguments)
+    except Exception:
+        if "labeled" in seen and not _same(seen["labeled"], seen["replace"]):
+            raise ChunkedLossRefused(_labels_change_the_hidden_states(seen["labeled"], hidden)) from None
+        raise
     finally:
         for handle in handles:
             handle.remove()
+    if "labeled" in seen and not _same(seen["labeled"], seen["replace"]):
+        raise ChunkedLossRefused(_labels_change_the_hidden_states(seen["labeled"], hidden))
     loss = out.loss
     # the head as the forward used it: under FSDP2 the whole weight its pre-forward hook gathered,
     # freed when the backward below reshards the unit, so the chunked loss reads a copy of it
@@ -647,6 +678,15 @@ def _compare_with_vanilla(
             worst = (max(worst[0], errors[0]), max(worst[1], errors[1]), max(worst[2], errors[2]))
         _judge("head gradient", *worst, hidden.dtype)
     return coefficient, kind
+
+
+def _labels_change_the_hidden_states(labeled: Any, unlabeled: torch.Tensor) -> str:
+    shape = tuple(labeled.shape) if isinstance(labeled, torch.Tensor) else type(labeled).__name__
+    return (
+        f"the forward computes other hidden states with labels ({shape}) than without ({tuple(unlabeled.shape)}): "
+        "it builds inputs from the labels (an encoder-decoder's decoder inputs), so a step's hidden states, read "
+        "without labels, are not the ones vanilla's loss reads"
+    )
 
 
 class _HeadView:

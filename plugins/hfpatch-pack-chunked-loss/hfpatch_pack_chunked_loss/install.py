@@ -434,8 +434,9 @@ def _check_unchanged(model: nn.Module, classes: dict[str, type]) -> None:
         name = changed[0]
         before, after = classes.get(name), now.get(name)
         raise ChunkedLossRefused(
-            f"the model's forward replaced its own modules on the probe's {_PROBE_TOKENS} tokens ({len(changed)} of them; "
-            f"{name or 'the model'}: {getattr(before, '__name__', None)} became {getattr(after, '__name__', None)}): "
+            f"the model's forward replaced its own modules on the probe's {_PROBE_TOKENS} tokens ({len(changed)} of "
+            f"them; {name or 'the model'}: {getattr(before, '__name__', None)} became "
+            f"{getattr(after, '__name__', None)}): "
             "the chunked loss cannot probe it without changing it"
         )
 
@@ -462,7 +463,7 @@ def _targets(labels: torch.Tensor, loss: LossKind) -> torch.Tensor:
 
 
 def _float64_logits(
-    hidden: torch.Tensor, head: nn.Linear, transform: HeadTransform
+    hidden: torch.Tensor, head: nn.Linear | _HeadView, transform: HeadTransform
 ) -> tuple[torch.Tensor, torch.Tensor, list[slice]]:
     """The probe's hidden states, their transformed logits in float64 (the head cast a block of rows
     at a time: the whole of it in float64 would be twice the head's memory), and those blocks."""
@@ -476,9 +477,13 @@ def _float64_logits(
     return h, logits, blocks
 
 
-def _reference_loss(logits: torch.Tensor, transform: HeadTransform, targets: torch.Tensor, divisor: Any) -> torch.Tensor:
+def _reference_loss(
+    logits: torch.Tensor, transform: HeadTransform, targets: torch.Tensor, divisor: Any
+) -> torch.Tensor:
     # cross_entropy's sum over the counted tokens, divided as the loss divides it (a mean: by their count)
-    total = nn.functional.cross_entropy(transform(logits), targets.to(logits.device), ignore_index=-100, reduction="sum")
+    total = nn.functional.cross_entropy(
+        transform(logits), targets.to(logits.device), ignore_index=-100, reduction="sum"
+    )
     count = (targets != -100).sum()
     return total / (count if divisor is None else torch.as_tensor(divisor, dtype=total.dtype, device=total.device))
 
@@ -488,7 +493,7 @@ def _reference(
     logits: torch.Tensor,
     blocks: list[slice],
     hidden: torch.Tensor,
-    head: nn.Linear,
+    head: nn.Linear | _HeadView,
     targets: torch.Tensor,
     divisor: Any,
     transform: HeadTransform,
@@ -528,8 +533,13 @@ def _accepts(model: nn.Module, name: str) -> bool:
 
 
 def _loss_kind(
-    model: nn.Module, vanilla: torch.Tensor, aux: torch.Tensor | None, logits: torch.Tensor, labels: torch.Tensor,
-    transform: HeadTransform, items: bool,
+    model: nn.Module,
+    vanilla: torch.Tensor,
+    aux: torch.Tensor | None,
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    transform: HeadTransform,
+    items: bool,
 ) -> LossKind:
     """Which token-wise cross-entropy vanilla's loss is: the one of ``LossKind``'s four whose float64 value
     (with the auxiliary loss, times any ``*aux_loss_coef``) is nearest vanilla's.  That it is near enough,
@@ -542,7 +552,9 @@ def _loss_kind(
     value = float(vanilla)
 
     def distance(kind: LossKind) -> float:
-        loss = float(_reference_loss(logits, transform, _targets(labels, kind), _PROBE_ITEMS if kind.loss_kwargs else None))
+        loss = float(
+            _reference_loss(logits, transform, _targets(labels, kind), _PROBE_ITEMS if kind.loss_kwargs else None)
+        )
         return min(abs(value - (loss + c * aux_value if aux is not None else loss)) for c in coefficients)
 
     return min(kinds, key=distance)
@@ -638,7 +650,7 @@ def _compare_with_vanilla(
             None if bias is None else bias.detach().clone().requires_grad_(bias.requires_grad),
         )
     aux = getattr(out, "aux_loss", None)
-    h64, logits64, blocks = _float64_logits(hidden, used, transform)  # type: ignore[arg-type]
+    h64, logits64, blocks = _float64_logits(hidden, used, transform)
     kind = _loss_kind(model, loss.detach(), aux, logits64, labels, transform, items)
     targets = _targets(labels, kind)
     divisor = _PROBE_ITEMS if kind.loss_kwargs else None
@@ -658,7 +670,14 @@ def _compare_with_vanilla(
     ours = torch.autograd.grad(ours_loss, mine)
     coefficient, ours_total = _aux_coefficient(model, loss.detach(), ours_loss.detach(), aux, hidden.dtype)
     reference_loss, reference_hidden, by_token, reference_head = _reference(
-        h64, logits64, blocks, hidden, used, targets, divisor, transform  # type: ignore[arg-type]
+        h64,
+        logits64,
+        blocks,
+        hidden,
+        used,
+        targets,
+        divisor,
+        transform,
     )
     if aux is not None and coefficient is not None:
         reference_loss = reference_loss + operator.attrgetter(coefficient)(model) * aux.detach().double()
@@ -788,6 +807,31 @@ class _ChunkedForward:
         # a forward set on the instance before the install (another wrapper): called as the original
         self.original = original
         self.disabled = False
+
+    def read_hidden(self, head: nn.Module, call: Callable[[int], Any]) -> torch.Tensor | None:
+        """The hidden states the chunked loss reads (every position) in ``call(logits_to_keep)``, a forward
+        of the model that computes the last position's logits only; ``None`` when none were read.
+        Called by ``token_log_probs``."""
+        captured: list[torch.Tensor] = []
+
+        def after(module: nn.Module, args: Any, output: Any) -> None:
+            hidden = _last_hidden(output)
+            if not captured and hidden is not None:
+                captured.append(hidden)
+
+        def before(module: nn.Module, args: Any) -> Any:
+            if captured:
+                return None
+            captured.append(args[0])
+            return (args[0][..., -1:, :], *args[1:])
+
+        at_head = self.at_head
+        handle = head.register_forward_pre_hook(before) if at_head else self.decoder.register_forward_hook(after)
+        try:
+            call(0 if at_head else 1)
+        finally:
+            handle.remove()
+        return captured[0] if captured else None
 
     def _target(self) -> Callable[..., Any]:
         if self.original is not None:
@@ -953,7 +997,7 @@ def _active_head(current: Any, linear_subclass: tuple[type, torch.dtype] | None 
     dtype it was probed in) is the head while its weight keeps that dtype.
     """
     if _linear(current, linear_subclass):
-        return current  # type: ignore[no-any-return]
+        return current
     original, copies = getattr(current, "original_module", None), getattr(current, "modules_to_save", None)
     if not isinstance(original, nn.Module) or not isinstance(copies, nn.ModuleDict):
         return None
@@ -968,7 +1012,11 @@ def _active_head(current: Any, linear_subclass: tuple[type, torch.dtype] | None 
 def _linear(module: Any, linear_subclass: tuple[type, torch.dtype] | None) -> bool:
     if plain_linear(module):
         return True
-    return linear_subclass is not None and type(module) is linear_subclass[0] and module.weight.dtype == linear_subclass[1]
+    return (
+        linear_subclass is not None
+        and type(module) is linear_subclass[0]
+        and getattr(getattr(module, "weight", None), "dtype", None) == linear_subclass[1]
+    )
 
 
 def _wants_tuple(model: nn.Module, arguments: dict[str, Any], extra: dict[str, Any]) -> bool:

@@ -17,6 +17,7 @@ import pytest
 import torch
 from hfpatch_pack_chunked_loss import ChunkedLossRefused, HeadTransform, LossKind
 from transformers import AutoModelForCausalLM, BartConfig, BertConfig, LlamaForCausalLM
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 
 from conftest import VOCAB, load
 from hfpatch_core.testing import tiny_checkpoint
@@ -95,10 +96,20 @@ def _load(path: Path) -> Any:
     return model
 
 
-# each was refused before: bert's and minicpm3's head input is no sub-module's last hidden state (an MLM
-# transform's bare tensor, a division), bart's and xlnet's losses are unshifted means, muse_glimmer scales
-# then soft-caps, ergo's head is an nn.Linear subclass
-@pytest.mark.parametrize("model_type", ["bert", "minicpm3", "bart", "xlnet", "muse_glimmer", "ergo"])
+def _known(*model_types: str) -> list[str]:
+    # the model types of the installed transformers (minicpm3, muse_glimmer, ergo and dory are newer than
+    # 5.3): the structures they stand for are also tested below on models built here
+    return [model_type for model_type in model_types if model_type in CONFIG_MAPPING_NAMES]
+
+
+# each was refused before: modernbert-decoder's and minicpm3's head input is no sub-module's last hidden
+# state (a prediction head's bare tensor, a division), bart's and xlnet's losses are unshifted means,
+# muse_glimmer scales then soft-caps, ergo's head is an nn.Linear subclass.  (bert's MLM transform is
+# tested on a checkpoint of its own below: transformers 5.3 does not save bert's LayerNorm as it reads it,
+# so the zoo has no checkpoint of it there.)
+@pytest.mark.parametrize(
+    "model_type", _known("modernbert-decoder", "minicpm3", "bart", "xlnet", "muse_glimmer", "ergo")
+)
 def test_exact_in_the_zoo(model_type: str, tmp_path: Path) -> None:
     row = verdict_of("chunked-loss", model_type, tmp_path, generate_tokens=0)
     assert row.verdict == "exact", row.detail
@@ -106,7 +117,7 @@ def test_exact_in_the_zoo(model_type: str, tmp_path: Path) -> None:
     assert row.report.step_loss_diff is not None
 
 
-@pytest.mark.parametrize("model_type", ["bert", "bart"])
+@pytest.mark.parametrize("model_type", ["modernbert-decoder", "bart"])
 def test_exact_in_the_zoo_in_bfloat16(model_type: str, tmp_path: Path) -> None:
     row = verdict_of("chunked-loss", model_type, tmp_path, generate_tokens=0, dtype=torch.bfloat16)
     assert row.verdict == "exact", row.detail
@@ -255,12 +266,16 @@ def test_an_nn_linear_subclass_that_computes_otherwise_is_refused(checkpoints: d
 @pytest.mark.parametrize(
     ("model_type", "reason"),
     [
-        # a learned per-token scale of the logits, a parameter
-        ("dory", "the LM head is a DoryLMHead, an nn.Linear with parameters of its own (logit_scale)"),
-        # block-sparse attention falls back to full attention on short inputs, by swapping its modules
-        ("big_bird", "the model's forward replaced its own modules on the probe's 4 tokens"),
-        # an encoder-decoder whose decoder inputs are the shifted labels
-        ("florence2", "the forward computes other hidden states with labels ((1, 4, "),
+        (model_type, reason)
+        for model_type, reason in (
+            # a learned per-token scale of the logits, a parameter
+            ("dory", "the LM head is a DoryLMHead, an nn.Linear with parameters of its own (logit_scale)"),
+            # block-sparse attention falls back to full attention on short inputs, by swapping its modules
+            ("big_bird", "the model's forward replaced its own modules on the probe's 4 tokens"),
+            # an encoder-decoder whose decoder inputs are the shifted labels
+            ("florence2", "the forward computes other hidden states with labels ((1, 4, "),
+        )
+        if model_type in CONFIG_MAPPING_NAMES
     ],
 )
 def test_refused_for_what_is_in_the_model(model_type: str, reason: str, tmp_path: Path) -> None:

@@ -631,13 +631,13 @@ def _compare_with_vanilla(
             items = False
             out = model(**arguments)
     except Exception:
-        if "labeled" in seen and not _same(seen["labeled"], seen["replace"]):
+        if "labeled" in seen and not _near(seen["labeled"], hidden):
             raise ChunkedLossRefused(_labels_change_the_hidden_states(seen["labeled"], hidden)) from None
         raise
     finally:
         for handle in handles:
             handle.remove()
-    if "labeled" in seen and not _same(seen["labeled"], seen["replace"]):
+    if "labeled" in seen and not _near(seen["labeled"], hidden):
         raise ChunkedLossRefused(_labels_change_the_hidden_states(seen["labeled"], hidden))
     loss = out.loss
     # the head as the forward used it: under FSDP2 the whole weight its pre-forward hook gathered,
@@ -697,6 +697,17 @@ def _compare_with_vanilla(
             worst = (max(worst[0], errors[0]), max(worst[1], errors[1]), max(worst[2], errors[2]))
         _judge("head gradient", *worst, hidden.dtype)
     return coefficient, kind
+
+
+def _near(labeled: Any, unlabeled: torch.Tensor) -> bool:
+    """Whether the hidden states of the call with labels are the call without labels' (the first runs
+    under autograd, the second not): within 16 steps of the dtype at their largest value, as a forward
+    that takes another kernel under autograd (doge's) rounds; inputs built from the labels change them
+    by their own size."""
+    if not isinstance(labeled, torch.Tensor) or labeled.shape != unlabeled.shape:
+        return False
+    difference = float((labeled.detach().double() - unlabeled.detach().double()).abs().max())
+    return difference <= 16 * torch.finfo(unlabeled.dtype).eps * float(unlabeled.detach().abs().max())
 
 
 def _labels_change_the_hidden_states(labeled: Any, unlabeled: torch.Tensor) -> str:

@@ -106,10 +106,9 @@ def _known(*model_types: str) -> list[str]:
 # state (a prediction head's bare tensor, a division), bart's and xlnet's losses are unshifted means,
 # muse_glimmer scales then soft-caps, ergo's head is an nn.Linear subclass.  (bert's MLM transform is
 # tested on a checkpoint of its own below: transformers 5.3 does not save bert's LayerNorm as it reads it,
-# so the zoo has no checkpoint of it there.)  doge's forward rounds otherwise under autograd than without:
-# its hidden states with labels are its hidden states without them (florence2's are not, below).
+# so the zoo has no checkpoint of it there.)
 @pytest.mark.parametrize(
-    "model_type", _known("modernbert-decoder", "minicpm3", "bart", "xlnet", "muse_glimmer", "ergo", "doge")
+    "model_type", _known("modernbert-decoder", "minicpm3", "bart", "xlnet", "muse_glimmer", "ergo")
 )
 def test_exact_in_the_zoo(model_type: str, tmp_path: Path) -> None:
     row = verdict_of("chunked-loss", model_type, tmp_path, generate_tokens=0)
@@ -175,6 +174,28 @@ def test_loss_arguments_a_forward_does_not_read_leave_the_step_vanillas(more: di
     ours = _step(model, input_ids=input_ids, labels=labels, shift_labels=labels)
     assert torch.equal(ours[0], vanilla[0])
     assert ours[2].shape == (BATCH, SEQUENCE, VOCAB)
+
+
+def _an_ulp_under_autograd(module: Any, args: Any, output: Any) -> Any:
+    # doge's forward takes another kernel under autograd: its hidden states round otherwise by an ulp
+    if torch.is_grad_enabled():
+        output.last_hidden_state = torch.nextafter(output.last_hidden_state, torch.tensor(float("inf")))
+    return output
+
+
+def test_hidden_states_that_round_otherwise_under_autograd_are_the_same_hidden_states(
+    checkpoints: dict[str, Path],
+) -> None:
+    """The probe's call without labels runs under no_grad, its call with labels under autograd: the
+    check that labels do not change the hidden states (florence2's decoder inputs) allows rounding."""
+    input_ids, labels = _batch()
+    reference = load(checkpoints["llama"])
+    reference.model.register_forward_hook(_an_ulp_under_autograd)
+    vanilla = _step(reference, input_ids=input_ids, labels=labels)
+    model = load(checkpoints["llama"])
+    model.model.register_forward_hook(_an_ulp_under_autograd)
+    chunked.install(model, chunk=CHUNK)
+    _assert_vanilla(vanilla, _step(model, input_ids=input_ids, labels=labels))
 
 
 def test_a_scale_then_a_soft_cap(checkpoints: dict[str, Path]) -> None:

@@ -331,3 +331,23 @@ def test_a_model_read_at_its_head_copies_pickles_and_is_freed(more: dict[str, Pa
     del model, twin, restored
     gc.collect()
     assert ref() is None
+
+
+def test_token_log_probs_read_at_the_head(more: dict[str, Path]) -> None:
+    """GRPO's and DPO's per-token log-probabilities read the hidden states where the step does."""
+    input_ids, _ = _batch(3)
+    weights = torch.linspace(-1.0, 1.0, SEQUENCE - 1).expand(BATCH, -1)
+    vanilla = _load(more["bert"])
+    logits = vanilla(input_ids=input_ids).logits[:, :-1].float() / 0.7
+    expected = torch.log_softmax(logits, -1).gather(-1, input_ids[:, 1:, None]).squeeze(-1)
+    (expected * weights).sum().backward()
+    model = _load(more["bert"])
+    chunked.install(model, chunk=CHUNK)
+    values = chunked.token_log_probs(model, input_ids, temperature=0.7)
+    (values * weights).sum().backward()
+    # fp32: the same per-token operations (test_logprobs's bound)
+    torch.testing.assert_close(values, expected.detach(), rtol=0, atol=1e-5)
+    theirs = {name: p.grad for name, p in vanilla.named_parameters() if p.grad is not None}
+    ours = {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
+    assert ours.keys() == theirs.keys()
+    assert max(float((ours[name] - theirs[name]).abs().max()) for name in theirs) <= 1e-5

@@ -13,6 +13,11 @@ ZeRO-3 losses are held to, calibrated in the run.  A test::
     bound = loss_bound(results["llama/vanilla"].losses, reference)
     assert results["llama/fused-dense"].max_loss_diff(reference) <= bound
 
+To compare the trained weights too: ``Zero3Case(optim="sgd", weights=FILE)`` (rank 0 writes them,
+gathered), ``reference_training`` (the one-process losses and weights) and ``weight_bounds``.
+``Zero3Case.observe`` records what each rank's steps did (a hook's findings), and the result says
+which model steps the load installed (``Zero3Result.steps``) or refused.
+
 Two load paths (``Zero3Case.init``): ``"zero.Init"`` creates the ``TrainingArguments`` (and so
 transformers' ``HfDeepSpeedConfig``) before ``from_pretrained``, which then builds the model
 under ``deepspeed.zero.Init``: every parameter is partitioned as its module is built, and the
@@ -94,6 +99,13 @@ class Zero3Case:
             ``"initialize"`` (loaded whole, partitioned by ``deepspeed.initialize``).
         steps: training steps.
         save: save with ``Trainer.save_model`` and reload the result with vanilla transformers.
+        optim: ``TrainingArguments(optim=...)`` (``"sgd"``: the update is the gradient times the
+            learning rate, so the trained weights compare gradients); ``None``: ``Trainer``'s default.
+        weights: a file where rank 0 writes the trained weights, gathered, in the original layout
+            (safetensors), to compare with ``reference_training``'s; ``None``: not written.
+        observe: ``"module:function"``, called on every rank with the loaded model before the
+            training; what it returns is called after the training, and its JSON-able result is
+            the rank's entry of ``Zero3Result.observed`` (what a step did: a hook's records).
     """
 
     name: str
@@ -102,6 +114,9 @@ class Zero3Case:
     init: str = "zero.Init"
     steps: int = DEFAULT_STEPS
     save: bool = True
+    optim: str | None = None
+    weights: str | None = None
+    observe: str | None = None
 
     def __post_init__(self) -> None:
         if self.init not in ("zero.Init", "initialize"):
@@ -127,6 +142,10 @@ class Zero3Result:
         direct_save: per rank, what ``model.save_pretrained(path)`` without a state dict raised on
             every rank after the training, where a pack converts weights (``None``: it did not raise,
             or was not tried).
+        steps: per rank, the model steps the load installed (``"target [pack]"``, the plan's
+            ``installed_steps``).
+        refused: per rank, target -> reason of what the load's plan refused.
+        observed: per rank, what ``Zero3Case.observe`` returned (``None`` without it).
     """
 
     losses: list[float] = dataclasses.field(default_factory=list)
@@ -138,6 +157,9 @@ class Zero3Result:
     reload_diff: float | None = None
     reload_keys: list[str] = dataclasses.field(default_factory=list)
     direct_save: list[str | None] = dataclasses.field(default_factory=list)
+    steps: list[list[str]] = dataclasses.field(default_factory=list)
+    refused: list[dict[str, str]] = dataclasses.field(default_factory=list)
+    observed: list[Any] = dataclasses.field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -166,6 +188,29 @@ def loss_bound(vanilla_zero3: Sequence[float], reference: Sequence[float], *more
         raise ValueError(f"loss_bound: runs of {[len(run) for run in runs]} steps against {len(reference)}")
     spread = max((abs(a - b) for run in runs for a, b in zip(run, reference, strict=True)), default=0.0)
     return max(LOSS_FLOOR, LOSS_CALIBRATION * spread)
+
+
+def weight_bounds(vanilla_sharded: Mapping[str, Any], reference: Mapping[str, Any]) -> dict[str, float]:
+    """Per tensor, the bound of a pack's trained weights under sharding against ``reference`` (vanilla
+    on one process, ``reference_training``), for SGD (``Zero3Case(optim="sgd")``: an update is the
+    gradient times the learning rate).
+
+    ``LOSS_CALIBRATION`` times what the sharded run does to vanilla's own trained weights (its
+    reduce-scatter averages the ranks' gradients in another order), at least two float32 steps at the
+    tensor's largest value (an update an ulp off may round the weight to the neighbouring float).
+
+    Raises:
+        KeyError: ``vanilla_sharded`` lacks a tensor of ``reference``.
+    """
+    import torch
+
+    eps = torch.finfo(torch.float32).eps
+    return {
+        key: max(
+            LOSS_CALIBRATION * float((vanilla_sharded[key] - value).abs().max()), 2 * eps * float(value.abs().max())
+        )
+        for key, value in reference.items()
+    }
 
 
 def zero3_environment(extra_path: Sequence[str | os.PathLike[str]] = ()) -> dict[str, str]:
@@ -239,15 +284,19 @@ def _combine(ranks: list[dict[str, Any]]) -> Zero3Result:
         reload_diff=first["reload_diff"],
         reload_keys=first["reload_keys"],
         direct_save=[rank["direct_save"] for rank in ranks],
+        steps=[rank["steps"] for rank in ranks],
+        refused=[rank["refused"] for rank in ranks],
+        observed=[rank["observed"] for rank in ranks],
     )
 
 
 # --- the training, on one process or on each rank -------------------------------------------
 
 
-def _arguments(output_dir: str, steps: int, deepspeed: Mapping[str, Any] | None) -> Any:
+def _arguments(output_dir: str, steps: int, deepspeed: Mapping[str, Any] | None, optim: str | None = None) -> Any:
     from transformers import TrainingArguments
 
+    chosen: dict[str, Any] = {} if optim is None else {"optim": optim}
     return TrainingArguments(
         output_dir,
         max_steps=steps,
@@ -260,6 +309,7 @@ def _arguments(output_dir: str, steps: int, deepspeed: Mapping[str, Any] | None)
         disable_tqdm=True,
         use_cpu=True,  # with DeepSpeed too: else accelerate, finding no GPU, counts one process of one
         deepspeed=dict(deepspeed) if deepspeed is not None else None,
+        **chosen,
     )
 
 
@@ -300,17 +350,36 @@ def reference_losses(
     Returns:
         The loss of each step.
     """
+    return reference_training(checkpoint, packs, steps=steps)[0]
+
+
+def reference_training(
+    checkpoint: str | os.PathLike[str], packs: str = "none", *, steps: int = DEFAULT_STEPS, optim: str | None = None
+) -> tuple[list[float], dict[str, Any]]:
+    """``reference_losses``, and the trained weights in the original layout (``Zero3Case.weights``'s keys).
+
+    Args:
+        checkpoint: a checkpoint directory.
+        packs: the packs of the load (``"none"``: vanilla, the reference).
+        steps: training steps.
+        optim: ``TrainingArguments(optim=...)`` (``Zero3Case.optim``); ``None``: ``Trainer``'s default.
+
+    Returns:
+        The loss of each step, and parameter name -> trained tensor.
+    """
     import torch
     from transformers import AutoModelForCausalLM
 
     import hfpatch_core
+    from hfpatch_core import original_state_dict
 
     with hfpatch_core.enabled(packs=packs):
         model = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32)
     with tempfile.TemporaryDirectory(prefix="hfpatch-reference-") as out:
-        trainer = _trainer(model, _arguments(out, steps, None), steps)
+        trainer = _trainer(model, _arguments(out, steps, None, optim), steps)
         trainer.train()
-    return _losses(trainer)
+    weights = {key: value.detach().clone() for key, value in original_state_dict(model).items()}
+    return _losses(trainer), weights
 
 
 @contextlib.contextmanager
@@ -346,29 +415,38 @@ def _run_case(case: Zero3Case, out: Path) -> dict[str, Any]:
     from hfpatch_core.plan import plan_of
 
     result: dict[str, Any] = {"losses": [], "replaced": {}, "error": None, "warnings": [], "saved": []}
-    result.update(reload_diff=None, reload_keys=[], direct_save=None)
+    result.update(reload_diff=None, reload_keys=[], direct_save=None, steps=[], refused={}, observed=None)
     directory = out / case.name.replace("/", "_")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", PackWarning)
         try:
             arguments = None
             if case.init == "zero.Init":  # alive while the model is built: from_pretrained uses zero.Init
-                arguments = _arguments(str(directory), case.steps, ZERO3_CONFIG)
+                arguments = _arguments(str(directory), case.steps, ZERO3_CONFIG, case.optim)
                 with hfpatch_core.enabled(packs=case.packs):
                     model = AutoModelForCausalLM.from_pretrained(case.checkpoint, dtype=torch.float32)
             else:
                 with _no_deepspeed_config(), hfpatch_core.enabled(packs=case.packs):
                     model = AutoModelForCausalLM.from_pretrained(case.checkpoint, dtype=torch.float32)
-                arguments = _arguments(str(directory), case.steps, ZERO3_CONFIG)
+                arguments = _arguments(str(directory), case.steps, ZERO3_CONFIG, case.optim)
             plan = plan_of(model)
             result["replaced"] = {c.target: c.patch.replacement.__name__ for c in plan.entries} if plan else {}
+            result["steps"] = [f"{c.target} [{c.pack}]" for c in plan.installed_steps] if plan else []
+            result["refused"] = {r.target: r.reason for r in plan.refused} if plan else {}
+            observer = _observer(case.observe, model)
             trainer = _trainer(model, arguments, case.steps)
             trainer.train()
             result["losses"] = _losses(trainer)
+            if observer is not None:
+                result["observed"] = observer()
+            if case.weights is not None and not case.save:
+                _write_weights(model, case.weights)
             if case.save:
                 trainer.save_model(str(directory / "saved"))
                 dist.barrier()
                 trained = _gathered_original_layout(model)
+                if case.weights is not None and dist.get_rank() == 0:
+                    _save_tensors(trained, case.weights)
                 if dist.get_rank() == 0:
                     result["saved"] = sorted(path.name for path in (directory / "saved").iterdir())
                     with _no_deepspeed_config(), hfpatch_core.enabled(packs="none"):
@@ -389,6 +467,30 @@ def _run_case(case: Zero3Case, out: Path) -> dict[str, Any]:
             result["error"] = f"{type(exc).__name__}: {exc}"[:3000] + "\n" + traceback.format_exc()[-3000:]
     result["warnings"] = [str(w.message) for w in caught if issubclass(w.category, PackWarning)]
     return result
+
+
+def _observer(spec: str | None, model: Any) -> Any:
+    if spec is None:
+        return None
+    import importlib
+
+    module, _, name = spec.partition(":")
+    return getattr(importlib.import_module(module), name)(model)
+
+
+def _save_tensors(tensors: Mapping[str, Any], path: str) -> None:
+    from safetensors.torch import save_file
+
+    save_file({key: value.contiguous() for key, value in tensors.items()}, path)
+
+
+def _write_weights(model: Any, path: str) -> None:
+    """The trained weights gathered (a collective: every rank), written by rank 0."""
+    import torch.distributed as dist
+
+    trained = _gathered_original_layout(model)
+    if dist.get_rank() == 0:
+        _save_tensors(trained, path)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

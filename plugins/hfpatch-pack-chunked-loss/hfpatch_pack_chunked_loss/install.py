@@ -17,6 +17,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
+from . import zero3
 from .loss import HeadTransform, chunked_causal_lm_loss, logit_bytes_per_token
 from .sharded import is_dtensor, plain_linear, sharded_after_decoder
 
@@ -174,7 +175,7 @@ def _sharded(head: nn.Linear) -> str | None:
         if type(parameter).__name__ == "DTensor":
             return "the LM head's weight is a DTensor (FSDP2 or tensor parallelism)"
         # ZeRO-3 leaves each rank an empty tensor and the shape in ds_shape, outside a gather
-        if hasattr(parameter, "ds_id") or parameter.numel() == 0:
+        if zero3.is_partitioned(parameter) or parameter.numel() == 0:
             return (
                 f"the LM head's weight is partitioned (DeepSpeed ZeRO-3: local shape {tuple(parameter.shape)}, "
                 f"whole {tuple(getattr(parameter, 'ds_shape', ()))})"
@@ -287,10 +288,12 @@ def detect(model: PreTrainedModel) -> HeadTransform:
         The transform between the head and the loss.
 
     Raises:
-        ChunkedLossRefused: with the reason (the head is not a plain ``nn.Linear`` or is sharded; the
-            forward has no ``labels`` or ``logits_to_keep``; the loss is not transformers'
-            ``ForCausalLMLoss``; no sub-module's output is the head's input; the transform is neither
-            a scale nor a soft-cap; an auxiliary loss is added with a coefficient the pack cannot
+        ChunkedLossRefused: with the reason (the head is not an ``nn.Linear`` computing nn.Linear's
+            forward, or is sharded; the forward has no ``labels`` or ``logits_to_keep``; the head's
+            input is neither a sub-module's output nor one row per token; the transform is none of
+            the identity, a scale, a soft-cap, a scale then a soft-cap; the loss is no token-wise
+            cross-entropy (``LossKind``); the hidden states change with the labels; the forward
+            swaps its own modules; an auxiliary loss is added with a coefficient the pack cannot
             read; or the chunked loss differs from vanilla's on the probe).
     """
     return _detect(model).transform
@@ -343,6 +346,10 @@ def _detect(model: PreTrainedModel) -> _Found:
     the head reads), once with labels, comparing vanilla's own loss and gradients with the chunked
     loss's (``_compare_with_vanilla``)."""
     head = model.get_output_embeddings()
+    if zero3.needs_gathering(model) and isinstance(head, nn.Linear):
+        # ZeRO-3 before deepspeed.initialize: probed gathered, on every rank
+        with zero3.probing(model, head):
+            return _detect(model)
     linear_subclass = _linear_head(head)
     sharded = _sharded(head)
     if sharded is not None and not is_dtensor(head.weight):
@@ -879,7 +886,7 @@ class _ChunkedForward:
             or not torch.is_grad_enabled()
             or head is None
             # ZeRO-3's partitions are never whole here; a DTensor may be (FSDP2 gathers it in the forward)
-            or (_sharded(head) is not None and not is_dtensor(head.weight))
+            or (_sharded(head) is not None and not is_dtensor(head.weight) and not zero3.partitioned_head(head))
             or arguments.get("logits_to_keep", 0) != 0
             or "adapter_names" in extra
         ):
@@ -916,27 +923,34 @@ class _ChunkedForward:
             # an auxiliary loss the probe did not see (the config changed since), or a head still sharded
             # when the decoder returned (sharded otherwise since the install): vanilla's step
             return target(*args, **kwargs)
-        per_token = logit_bytes_per_token(captured[0], head, installed.transform, LOGIT_COPIES)
-        last = getattr(out, "logits", None)
-        # the last position's logits the step returns, with what their graph saves, count as a chunk's tokens
-        held = last.numel() // int(head.weight.shape[0]) * per_token if isinstance(last, torch.Tensor) else 0
-        chunk = installed.chunk_of(int(head.weight.shape[0]), held, per_token=per_token)
-        if loss.loss_kwargs:
-            value = chunked_causal_lm_loss(
-                captured[0],
-                head,
-                labels,
-                installed.transform,
-                chunk=chunk,
-                num_items_in_batch=extra.get("num_items_in_batch"),
-                ignore_index=extra.get("ignore_index", -100),
-                shift_labels=extra.get("shift_labels") if loss.shift else labels,
-            )
-        else:
-            # the mean over the counted tokens, as the forward's own CrossEntropyLoss computes it
-            value = chunked_causal_lm_loss(
-                captured[0], head, labels, installed.transform, chunk=chunk, shift_labels=None if loss.shift else labels
-            )
+        # a head ZeRO-3 partitions is gathered once for the whole loss (zero3.py)
+        with zero3.gathered(head.parameters(recurse=False)):
+            per_token = logit_bytes_per_token(captured[0], head, installed.transform, LOGIT_COPIES)
+            last = getattr(out, "logits", None)
+            # the last position's logits the step returns, with what their graph saves, count as a chunk's tokens
+            held = last.numel() // int(head.weight.shape[0]) * per_token if isinstance(last, torch.Tensor) else 0
+            chunk = installed.chunk_of(int(head.weight.shape[0]), held, per_token=per_token)
+            if loss.loss_kwargs:
+                value = chunked_causal_lm_loss(
+                    captured[0],
+                    head,
+                    labels,
+                    installed.transform,
+                    chunk=chunk,
+                    num_items_in_batch=extra.get("num_items_in_batch"),
+                    ignore_index=extra.get("ignore_index", -100),
+                    shift_labels=extra.get("shift_labels") if loss.shift else labels,
+                )
+            else:
+                # the mean over the counted tokens, as the forward's own CrossEntropyLoss computes it
+                value = chunked_causal_lm_loss(
+                    captured[0],
+                    head,
+                    labels,
+                    installed.transform,
+                    chunk=chunk,
+                    shift_labels=None if loss.shift else labels,
+                )
         if aux is not None:
             coefficient = operator.attrgetter(installed.aux_loss_coefficient)(model)  # type: ignore[arg-type]
             value = value + coefficient * aux.to(value.device)

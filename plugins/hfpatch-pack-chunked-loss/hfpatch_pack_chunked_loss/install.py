@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import logging
+import math
 import operator
 import os
 import re
@@ -27,6 +28,7 @@ __all__ = [
     "LOGIT_COPIES",
     "ChunkedLossRefused",
     "Installed",
+    "LossKind",
     "budget_from_env",
     "chunk_for",
     "detect",
@@ -103,6 +105,23 @@ def chunk_for(budget: int, vocab: int, held: int = 0, *, per_token: int | None =
 
 
 @dataclasses.dataclass(frozen=True)
+class LossKind:
+    """Which token-wise cross-entropy (``ignore_index=-100``) a family's forward computes from its logits,
+    found by probing its loss against each (``_loss_kind``).
+
+    Attributes:
+        shift: the logits at position t are compared with the label at t + 1 (``ForCausalLMLoss``);
+            ``False``: with the label at t (bart's, xlnet's, xlm's and cpmant's causal-LM heads).
+        loss_kwargs: the forward hands its loss keyword arguments to the loss: a sum divided by
+            ``num_items_in_batch`` when given, and ``ignore_index`` and ``shift_labels`` are read;
+            ``False``: the mean over the counted tokens whatever the call passes.
+    """
+
+    shift: bool = True
+    loss_kwargs: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
 class Installed:
     """What ``install`` found and put on a model.
 
@@ -114,12 +133,14 @@ class Installed:
         aux_loss_coefficient: where the family's forward reads the coefficient of the auxiliary
             (MoE load-balancing) loss it adds to the loss, as a dotted attribute path from the model
             (``"router_aux_loss_coef"``), read at each step; ``None`` when the forward adds none.
+        loss: which cross-entropy the family's forward computes (``LossKind``).
     """
 
     transform: HeadTransform
     chunk: int | None = None
     budget: int | None = None
     aux_loss_coefficient: str | None = None
+    loss: LossKind = LossKind()
 
     def chunk_of(self, vocab: int, held: int = 0, *, per_token: int | None = None) -> int:
         """Tokens per chunk for a head of ``vocab`` rows, with ``held`` bytes of logits already alive
@@ -188,6 +209,9 @@ def _fit_transform(probe: torch.Tensor, out: torch.Tensor, dtype: torch.dtype) -
         candidates.append(HeadTransform(scale=one))
     if saturated != 0.0:
         candidates.append(HeadTransform(softcap=saturated))
+        composed = _prescaled_softcap(probe, out, saturated, float(flat_out[1]))
+        if composed is not None:
+            candidates.append(composed)
     # the right transform misses by the rounding of its two or three operations in the model's dtype
     # (a few eps); one with other operations (a bias, a clamp, a per-column scale) misses by far more
     tolerance = 4 * torch.finfo(dtype).eps
@@ -195,9 +219,29 @@ def _fit_transform(probe: torch.Tensor, out: torch.Tensor, dtype: torch.dtype) -
         if torch.allclose(candidate(probe), out, rtol=tolerance, atol=tolerance):
             return candidate
     raise ChunkedLossRefused(
-        "the forward transforms the head's output in a way that is neither the identity, a scale nor a "
-        "soft-cap (probed with chosen head outputs)"
+        "the forward transforms the head's output in a way that is neither the identity, a scale, a "
+        "soft-cap nor a scale then a soft-cap (probed with chosen head outputs)"
     )
+
+
+def _prescaled_softcap(probe: torch.Tensor, out: torch.Tensor, cap: float, at_one: float) -> HeadTransform | None:
+    """A scale then a soft-cap (``cap * tanh(x * prescale / cap)``): the saturated probe read the cap,
+    the probe's 1.0 reads the prescale through ``atanh``; of the float32 numbers around that estimate
+    (a forward's Python float multiplies a tensor as a float32), the one nearest the forward's output."""
+    if not abs(at_one) < abs(cap):
+        return None
+    estimate = torch.tensor(cap * math.atanh(at_one / cap), dtype=torch.float32)
+    found = [estimate]
+    for direction in (math.inf, -math.inf):
+        value = estimate
+        for _ in range(4):
+            value = torch.nextafter(value, torch.tensor(direction, dtype=torch.float32))
+            found.append(value)
+
+    def miss(prescale: torch.Tensor) -> float:
+        return float((HeadTransform(softcap=cap, prescale=float(prescale))(probe) - out).abs().max())
+
+    return HeadTransform(softcap=cap, prescale=float(min(found, key=miss)))
 
 
 def _probe_inputs(head: nn.Linear) -> torch.Tensor:
@@ -245,10 +289,12 @@ def detect(model: PreTrainedModel) -> HeadTransform:
         The transform between the head and the loss.
 
     Raises:
-        ChunkedLossRefused: with the reason (the head is not a plain ``nn.Linear`` or is sharded; the
-            forward has no ``labels`` or ``logits_to_keep``; the loss is not transformers'
-            ``ForCausalLMLoss``; no sub-module's output is the head's input; the transform is neither
-            a scale nor a soft-cap; an auxiliary loss is added with a coefficient the pack cannot
+        ChunkedLossRefused: with the reason (the head is not an ``nn.Linear`` computing nn.Linear's
+            forward, or is sharded; the forward has no ``labels`` or ``logits_to_keep``; the head's
+            input is neither a sub-module's output nor one row per token; the transform is none of
+            the identity, a scale, a soft-cap, a scale then a soft-cap; the loss is no token-wise
+            cross-entropy (``LossKind``); the hidden states change with the labels; the forward
+            swaps its own modules; an auxiliary loss is added with a coefficient the pack cannot
             read; or the chunked loss differs from vanilla's on the probe).
     """
     return _detect(model).transform
@@ -259,6 +305,40 @@ class _Found:
     transform: HeadTransform
     decoder: nn.Module
     aux_loss_coefficient: str | None
+    loss: LossKind = LossKind()
+    # the hidden states are the head's input (read by a pre-hook on the head), not ``decoder``'s output
+    at_head: bool = False
+    # a subclass of nn.Linear whose forward is nn.Linear's in this dtype (``_linear_head``), or None
+    linear_subclass: tuple[type, torch.dtype] | None = None
+
+
+def _linear_head(head: Any) -> tuple[type, torch.dtype] | None:
+    """``None`` for a plain ``nn.Linear`` head; for a subclass of it whose forward computes what
+    ``nn.Linear``'s does, bit for bit, in the head's dtype (an upcast to float32 that is no cast in
+    float32, say), its class and that dtype; otherwise refused with what the subclass adds."""
+    if plain_linear(head):
+        return None
+    name = type(head).__name__
+    if not isinstance(head, nn.Linear):
+        raise ChunkedLossRefused(f"the LM head is a {name}, not a plain nn.Linear")
+    extra = [n for n, _ in head.named_parameters() if n not in ("weight", "bias")]
+    if extra:
+        raise ChunkedLossRefused(
+            f"the LM head is a {name}, an nn.Linear with parameters of its own ({', '.join(extra)}) that its forward "
+            "applies to the logits: the chunked loss computes a plain linear head"
+        )
+    weight = head.weight
+    generator = torch.Generator().manual_seed(0)
+    probe = torch.randn((1, 2, weight.shape[1]), generator=generator).to(weight.device, weight.dtype)
+    with torch.no_grad():
+        theirs = head(probe)
+        plain = nn.functional.linear(probe, weight, head.bias)
+    if theirs.dtype != plain.dtype or theirs.shape != plain.shape or not torch.equal(theirs, plain):
+        raise ChunkedLossRefused(
+            f"the LM head is a {name}, an nn.Linear subclass whose forward does not compute nn.Linear's in "
+            f"{weight.dtype} (its output differs on a probe: {theirs.dtype} {tuple(theirs.shape)})"
+        )
+    return type(head), weight.dtype
 
 
 def _detect(model: PreTrainedModel) -> _Found:
@@ -267,11 +347,11 @@ def _detect(model: PreTrainedModel) -> _Found:
     the head reads), once with labels, comparing vanilla's own loss and gradients with the chunked
     loss's (``_compare_with_vanilla``)."""
     head = model.get_output_embeddings()
-    if not plain_linear(head):
-        raise ChunkedLossRefused(f"the LM head is a {type(head).__name__}, not a plain nn.Linear")
-    if zero3.needs_gathering(model):  # ZeRO-3 before deepspeed.initialize: probed gathered, on every rank
+    if zero3.needs_gathering(model) and isinstance(head, nn.Linear):
+        # ZeRO-3 before deepspeed.initialize: probed gathered, on every rank
         with zero3.probing(model, head):
             return _detect(model)
+    linear_subclass = _linear_head(head)
     sharded = _sharded(head)
     if sharded is not None and not is_dtensor(head.weight):
         raise ChunkedLossRefused(f"{sharded}: the chunked loss over a partitioned head is not written")
@@ -282,11 +362,8 @@ def _detect(model: PreTrainedModel) -> _Found:
     missing = [name for name in ("labels", "logits_to_keep") if name not in parameters]
     if missing:
         raise ChunkedLossRefused(f"{type(model).__name__}.forward takes no {' or '.join(missing)}")
-    if model.loss_function is not ForCausalLMLoss:
-        raise ChunkedLossRefused(
-            f"the loss is {getattr(model.loss_function, '__name__', model.loss_function)!r}, not ForCausalLMLoss"
-        )
     candidates = _decoder_candidates(model, head)
+    classes = {name: type(module) for name, module in model.named_modules()}
     input_ids = _probe_inputs(head)
     outputs: dict[int, torch.Tensor] = {}
     seen: dict[str, Any] = {}
@@ -302,6 +379,7 @@ def _detect(model: PreTrainedModel) -> _Found:
 
     def head_pre_hook(module: nn.Module, args: Any) -> None:
         seen["head_in"] = args[0]
+        whole[id(module)] = not is_dtensor(head.weight)
 
     def head_hook(module: nn.Module, args: Any, output: torch.Tensor) -> Any:
         return seen.get("head_out")
@@ -328,46 +406,119 @@ def _detect(model: PreTrainedModel) -> _Found:
         for handle in handles[: len(candidates)]:
             handle.remove()
         decoder = next((m for m in candidates if _same(outputs.get(id(m)), seen.get("head_in"))), None)
+        at_head = decoder is None
         if decoder is None:
-            raise ChunkedLossRefused("the head's input is not the decoder's last hidden state")
+            # no sub-module returns what the head reads (an MLM head's transform returns a bare tensor, a
+            # forward divides the hidden states before the head): the step reads the head's own input,
+            # every position of it, and lets the head compute the last position's logits only
+            decoder = head
+            _check_head_input(seen.get("head_in"), input_ids)
         if not isinstance(getattr(out, "logits", None), torch.Tensor):
             raise ChunkedLossRefused("the forward returns no logits")
         if not whole[id(decoder)] and vocab_parallel.row_split(model, head) is None:
             raise ChunkedLossRefused(sharded_after_decoder(model, head, str(sharded)))
+        if out.logits.shape != seen["head_out"].shape:
+            raise ChunkedLossRefused(
+                f"the forward's logits {tuple(out.logits.shape)} are not the head's output {tuple(probe.shape)} "
+                "transformed element by element (the forward slices or reshapes them)"
+            )
         # what the head "returned", in the head's dtype, is what the forward transformed
         transform = _fit_transform(seen["head_out"].float().cpu(), out.logits.float().cpu(), head.weight.dtype)
         del seen["head_out"]
-        coefficient = _compare_with_vanilla(model, decoder, head, input_ids, transform, copy=sharded is not None)
+        coefficient, loss = _compare_with_vanilla(
+            model, decoder, head, input_ids, transform, copy=sharded is not None, at_head=at_head
+        )
     finally:
         for handle in handles:
             handle.remove()
         model.train(was_training)
-    return _Found(transform, decoder, coefficient)
+    _check_unchanged(model, classes)
+    return _Found(transform, decoder, coefficient, loss, at_head, linear_subclass)
+
+
+def _check_unchanged(model: nn.Module, classes: dict[str, type]) -> None:
+    # a forward that swaps its own modules on a short input (an attention that falls back to another
+    # class) changed the model the user loaded before any step of theirs: refused, with what changed
+    now = {name: type(module) for name, module in model.named_modules()}
+    changed = sorted(name for name in {*classes, *now} if classes.get(name) is not now.get(name))
+    if changed:
+        name = changed[0]
+        before, after = classes.get(name), now.get(name)
+        raise ChunkedLossRefused(
+            f"the model's forward replaced its own modules on the probe's {_PROBE_TOKENS} tokens ({len(changed)} of "
+            f"them; {name or 'the model'}: {getattr(before, '__name__', None)} became "
+            f"{getattr(after, '__name__', None)}): "
+            "the chunked loss cannot probe it without changing it"
+        )
+
+
+def _check_head_input(head_in: Any, input_ids: torch.Tensor) -> None:
+    # the step keeps the head's input at every position and gives the head the last one: that needs
+    # one row per token, as the labels have
+    if not isinstance(head_in, torch.Tensor) or tuple(head_in.shape[:-1]) != tuple(input_ids.shape):
+        shape = tuple(head_in.shape) if isinstance(head_in, torch.Tensor) else type(head_in).__name__
+        raise ChunkedLossRefused(
+            f"the head's input {shape} is not one row per token of the input {tuple(input_ids.shape)}, and no "
+            "sub-module's output is it: the chunked loss cannot read the hidden states"
+        )
 
 
 def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
     return a is not None and b is not None and a.shape == b.shape and torch.equal(a, b)
 
 
-def _reference(
-    hidden: torch.Tensor, head: nn.Linear, labels: torch.Tensor, transform: HeadTransform
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Callable[[slice], torch.Tensor]]:
-    """The probe's loss and gradients in float64, the head cast a block of rows at a time.
+def _targets(labels: torch.Tensor, loss: LossKind) -> torch.Tensor:
+    """The flattened labels each token's logits are compared with, as the loss ``loss`` reads them."""
+    shifted = nn.functional.pad(labels, (0, 1), value=-100)[..., 1:] if loss.shift else labels
+    return shifted.reshape(-1)
 
-    Returns the loss, the hidden states' gradient, that gradient summed token by token in the head's
-    dtype from float64's gradient of the logits, and a function giving the head weight's gradient for a
-    slice of its rows (the whole of it in float64 would be twice the head's memory).
-    """
+
+def _float64_logits(
+    hidden: torch.Tensor, head: nn.Linear | _HeadView, transform: HeadTransform
+) -> tuple[torch.Tensor, torch.Tensor, list[slice]]:
+    """The probe's hidden states, their transformed logits in float64 (the head cast a block of rows
+    at a time: the whole of it in float64 would be twice the head's memory), and those blocks."""
     h = hidden.detach().reshape(-1, hidden.shape[-1]).double()
-    targets = nn.functional.pad(labels, (0, 1), value=-100)[..., 1:].reshape(-1).to(h.device)
     weight, bias = head.weight.detach(), None if head.bias is None else head.bias.detach()
     rows = max(1, _REFERENCE_ELEMENTS // weight.shape[1])
     blocks = [slice(start, start + rows) for start in range(0, weight.shape[0], rows)]
     logits = torch.cat(
         [nn.functional.linear(h, weight[b].double(), None if bias is None else bias[b].double()) for b in blocks], -1
-    ).requires_grad_(True)
+    )
+    return h, logits, blocks
+
+
+def _reference_loss(
+    logits: torch.Tensor, transform: HeadTransform, targets: torch.Tensor, divisor: Any
+) -> torch.Tensor:
+    # cross_entropy's sum over the counted tokens, divided as the loss divides it (a mean: by their count)
+    total = nn.functional.cross_entropy(
+        transform(logits), targets.to(logits.device), ignore_index=-100, reduction="sum"
+    )
+    count = (targets != -100).sum()
+    return total / (count if divisor is None else torch.as_tensor(divisor, dtype=total.dtype, device=total.device))
+
+
+def _reference(
+    h: torch.Tensor,
+    logits: torch.Tensor,
+    blocks: list[slice],
+    hidden: torch.Tensor,
+    head: nn.Linear | _HeadView,
+    targets: torch.Tensor,
+    divisor: Any,
+    transform: HeadTransform,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Callable[[slice], torch.Tensor]]:
+    """The probe's loss and gradients in float64 (``_float64_logits``).
+
+    Returns the loss, the hidden states' gradient, that gradient summed token by token in the head's
+    dtype from float64's gradient of the logits, and a function giving the head weight's gradient for a
+    slice of its rows.
+    """
+    weight = head.weight.detach()
+    logits = logits.detach().requires_grad_(True)
     with torch.enable_grad():
-        loss = nn.functional.cross_entropy(transform(logits), targets, ignore_index=-100)
+        loss = _reference_loss(logits, transform, targets, divisor)
         (grad_logits,) = torch.autograd.grad(loss, logits)
     grad_hidden = torch.zeros_like(h)
     for b in blocks:
@@ -383,6 +534,43 @@ def _reference(
     )
 
 
+# the probe's num_items_in_batch: more than its 4 tokens, so a sum divided by it is no mean
+_PROBE_ITEMS = 7
+
+
+def _accepts(model: nn.Module, name: str) -> bool:
+    parameters = _signature(model).parameters.values()
+    return any(p.name == name or p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
+
+
+def _loss_kind(
+    model: nn.Module,
+    vanilla: torch.Tensor,
+    aux: torch.Tensor | None,
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    transform: HeadTransform,
+    items: bool,
+) -> LossKind:
+    """Which token-wise cross-entropy vanilla's loss is: the one of ``LossKind``'s four whose float64 value
+    (with the auxiliary loss, times any ``*aux_loss_coef``) is nearest vanilla's.  That it is near enough,
+    and the gradients, ``_compare_with_vanilla`` checks next."""
+    kinds = [LossKind(shift, kwargs) for shift in (True, False) for kwargs in ((True, False) if items else (False,))]
+    coefficients = [0.0]
+    if aux is not None:
+        coefficients += [float(operator.attrgetter(path)(model)) for path in _coefficient_paths(model)]
+        aux_value = float(aux.detach())
+    value = float(vanilla)
+
+    def distance(kind: LossKind) -> float:
+        loss = float(
+            _reference_loss(logits, transform, _targets(labels, kind), _PROBE_ITEMS if kind.loss_kwargs else None)
+        )
+        return min(abs(value - (loss + c * aux_value if aux is not None else loss)) for c in coefficients)
+
+    return min(kinds, key=distance)
+
+
 def _compare_with_vanilla(
     model: PreTrainedModel,
     decoder: nn.Module,
@@ -391,31 +579,60 @@ def _compare_with_vanilla(
     transform: HeadTransform,
     *,
     copy: bool = False,
-) -> str | None:
+    at_head: bool = False,
+) -> tuple[str | None, LossKind]:
     """Vanilla's loss and gradients (hidden states, head) on the probe against the chunked loss's, both
     measured against float64: the chunked loss may miss it by at most four times what vanilla misses it by
     (plus eight steps of the dtype), so the bound grows with the vocabulary as vanilla's own error does.
     For the hidden states' gradient, a sum over the vocabulary, the calibration is also that sum taken
-    one token at a time (the order of the probe's one-token chunks).
+    one token at a time (the order of the probe's one-token chunks).  ``at_head``: the hidden states are
+    the head's input, not ``decoder``'s output.
 
-    Returns the path of the auxiliary loss's coefficient (``Installed.aux_loss_coefficient``).
+    Which cross-entropy vanilla computes (``LossKind``) is read from its loss first: the probe passes
+    ``num_items_in_batch`` where the forward takes it, and the labels with one token ignored.
+
+    Returns the path of the auxiliary loss's coefficient (``Installed.aux_loss_coefficient``) and the loss.
     """
     seen: dict[str, torch.Tensor] = {}
 
+    def replacing(hidden: Any) -> bool:
+        # the call with labels computes the hidden states the call without them did, or the step (which
+        # calls without labels) would read others than vanilla's loss does
+        if "replace" not in seen:
+            return False
+        seen["labeled"] = hidden
+        return isinstance(hidden, torch.Tensor) and hidden.shape == seen["replace"].shape
+
     def decoder_hook(module: nn.Module, args: Any, output: Any) -> Any:
         hidden = _last_hidden(output)
-        if "replace" in seen:
+        if replacing(hidden):
             return _with_hidden(output, seen["replace"])
         if hidden is not None:
             seen["decoder"] = hidden
         return None
 
-    def head_pre_hook(module: nn.Module, args: Any) -> None:
+    def head_pre_hook(module: nn.Module, args: Any) -> Any:
         seen["weight"] = head.weight
         if head.bias is not None:
             seen["bias"] = head.bias
+        if at_head:
+            if replacing(args[0]):
+                return (seen["replace"], *args[1:])
+            seen["decoder"] = args[0]
+        return None
 
-    handles = [decoder.register_forward_hook(decoder_hook), head.register_forward_pre_hook(head_pre_hook)]
+    split = vocab_parallel.row_split(model, head)
+    if split is not None and model.loss_function is not ForCausalLMLoss:
+        # the vocabulary-parallel loss is ForCausalLMLoss's: which other cross-entropy a forward computes
+        # is read (_loss_kind) from the whole logits, which no rank holds
+        raise ChunkedLossRefused(
+            f"the head's rows are split over the ranks and the loss is "
+            f"{getattr(model.loss_function, '__name__', model.loss_function)!r}, not ForCausalLMLoss: the chunked "
+            "loss over vocabulary shards computes ForCausalLMLoss only"
+        )
+    handles = [head.register_forward_pre_hook(head_pre_hook)]
+    if not at_head:
+        handles.append(decoder.register_forward_hook(decoder_hook))
     try:
         with torch.no_grad():
             model(input_ids=input_ids, use_cache=False)
@@ -423,15 +640,33 @@ def _compare_with_vanilla(
         seen["replace"] = hidden
         labels = input_ids.clone()
         labels[0, 1] = -100
-        out = model(input_ids=input_ids, labels=labels, use_cache=False, **_router_arguments(model))
+        arguments = {"input_ids": input_ids, "labels": labels, "use_cache": False, **_router_arguments(model)}
+        # under tensor parallelism the loss is ForCausalLMLoss (above), compared as a mean
+        items = split is None and _accepts(model, "num_items_in_batch")
+        try:
+            out = model(**arguments, **({"num_items_in_batch": torch.tensor(_PROBE_ITEMS)} if items else {}))
+        except TypeError:
+            if not items:
+                raise
+            # a **kwargs that does not take it (passed to a module that names its arguments): nor does a step
+            items = False
+            out = model(**arguments)
+    except Exception:
+        if "labeled" in seen and not _near(seen["labeled"], hidden):
+            raise ChunkedLossRefused(_labels_change_the_hidden_states(seen["labeled"], hidden)) from None
+        raise
     finally:
         for handle in handles:
             handle.remove()
+    if "labeled" in seen and not _near(seen["labeled"], hidden):
+        raise ChunkedLossRefused(_labels_change_the_hidden_states(seen["labeled"], hidden))
     loss = out.loss
-    split = vocab_parallel.row_split(model, head)
     if split is not None:  # tensor parallelism: each rank's rows of the head
         weight = seen["weight"]
-        return vocab_parallel.compare_with_vanilla(model, head, split, hidden, labels, loss, out, weight, transform)
+        coefficient = vocab_parallel.compare_with_vanilla(
+            model, head, split, hidden, labels, loss, out, weight, transform
+        )
+        return coefficient, LossKind()
     # the head as the forward used it: under FSDP2 the whole weight its pre-forward hook gathered,
     # freed when the backward below reshards the unit, so the chunked loss reads a copy of it
     weight, bias = seen["weight"], seen.get("bias")
@@ -441,15 +676,36 @@ def _compare_with_vanilla(
             weight.detach().clone().requires_grad_(weight.requires_grad),
             None if bias is None else bias.detach().clone().requires_grad_(bias.requires_grad),
         )
+    aux = getattr(out, "aux_loss", None)
+    h64, logits64, blocks = _float64_logits(hidden, used, transform)
+    kind = _loss_kind(model, loss.detach(), aux, logits64, labels, transform, items)
+    targets = _targets(labels, kind)
+    divisor = _PROBE_ITEMS if kind.loss_kwargs else None
     wanted = [hidden, weight] if weight.requires_grad else [hidden]
     mine = [hidden, used.weight] if weight.requires_grad else [hidden]
     vanilla = torch.autograd.grad(loss, wanted, retain_graph=False)
     # chunk 1: every chunk boundary the probe has, so a wrong accumulation shows
-    ours_loss = chunked_causal_lm_loss(hidden, used, labels, transform, chunk=1)  # type: ignore[arg-type]
+    ours_loss = chunked_causal_lm_loss(
+        hidden,
+        used,  # type: ignore[arg-type]
+        None,
+        transform,
+        chunk=1,
+        shift_labels=targets.reshape(labels.shape),
+        num_items_in_batch=divisor,
+    )
     ours = torch.autograd.grad(ours_loss, mine)
-    aux = getattr(out, "aux_loss", None)
     coefficient, ours_total = _aux_coefficient(model, loss.detach(), ours_loss.detach(), aux, hidden.dtype)
-    reference_loss, reference_hidden, by_token, reference_head = _reference(hidden, used, labels, transform)  # type: ignore[arg-type]
+    reference_loss, reference_hidden, by_token, reference_head = _reference(
+        h64,
+        logits64,
+        blocks,
+        hidden,
+        used,
+        targets,
+        divisor,
+        transform,
+    )
     if aux is not None and coefficient is not None:
         reference_loss = reference_loss + operator.attrgetter(coefficient)(model) * aux.detach().double()
     _check("loss", loss.detach(), ours_total, reference_loss, hidden.dtype)
@@ -467,7 +723,27 @@ def _compare_with_vanilla(
             errors = _errors(vanilla[1][block], ours[1][block], reference)
             worst = (max(worst[0], errors[0]), max(worst[1], errors[1]), max(worst[2], errors[2]))
         _judge("head gradient", *worst, hidden.dtype)
-    return coefficient
+    return coefficient, kind
+
+
+def _near(labeled: Any, unlabeled: torch.Tensor) -> bool:
+    """Whether the hidden states of the call with labels are the call without labels' (the first runs
+    under autograd, the second not): within 16 steps of the dtype at their largest value, as a forward
+    that takes another kernel under autograd (doge's) rounds; inputs built from the labels change them
+    by their own size."""
+    if not isinstance(labeled, torch.Tensor) or labeled.shape != unlabeled.shape:
+        return False
+    difference = float((labeled.detach().double() - unlabeled.detach().double()).abs().max())
+    return difference <= 16 * torch.finfo(unlabeled.dtype).eps * float(unlabeled.detach().abs().max())
+
+
+def _labels_change_the_hidden_states(labeled: Any, unlabeled: torch.Tensor) -> str:
+    shape = tuple(labeled.shape) if isinstance(labeled, torch.Tensor) else type(labeled).__name__
+    return (
+        f"the forward computes other hidden states with labels ({shape}) than without ({tuple(unlabeled.shape)}): "
+        "it builds inputs from the labels (an encoder-decoder's decoder inputs), so a step's hidden states, read "
+        "without labels, are not the ones vanilla's loss reads"
+    )
 
 
 class _HeadView:
@@ -492,15 +768,16 @@ def _check(name: str, vanilla: torch.Tensor, ours: torch.Tensor, reference: torc
 
 def _judge(name: str, vanilla_error: float, our_error: float, scale: float, dtype: torch.dtype) -> None:
     eps = torch.finfo(dtype).eps
-    # the float64 reference is ForCausalLMLoss over the transformed head output: a vanilla loss that
-    # misses it by more than rounding (64 steps of the dtype at the loss: a log-sum-exp and a mean over
-    # 4 tokens round by a few) is another loss (bart's decoder-only head: unshifted labels), which would
-    # make the bound below meaningless.  Checked on the loss only, where rounding is a few steps: a
+    # the float64 reference is the nearest token-wise cross-entropy (``LossKind``) over the transformed
+    # head output: a vanilla loss that misses it by more than rounding (64 steps of the dtype at the loss:
+    # a log-sum-exp and a mean over 4 tokens round by a few) is another loss (label smoothing, a z-loss),
+    # which would make the bound below meaningless.  Checked on the loss only, where rounding is a few steps: a
     # gradient's sum over a 152k vocabulary misses float64 by tens of steps at its largest element.
     if name == "loss" and vanilla_error > 64 * eps * (scale or 1.0):
         raise ChunkedLossRefused(
-            f"vanilla's {name} is not ForCausalLMLoss's over the head's output (it misses float64's by "
-            f"{vanilla_error:.3g}): the forward computes another loss"
+            f"vanilla's {name} is not a token-wise cross-entropy over the head's output (shifted or not, a mean "
+            f"or a sum over num_items_in_batch: the nearest misses float64's by {vanilla_error:.3g}): the forward "
+            "computes another loss"
         )
     # calibrated on this probe: vanilla's own distance from float64 (it grows with the vocabulary and
     # the hidden size as the sums do); eight steps of the dtype at the largest value cover a vanilla that
@@ -545,9 +822,22 @@ class _ChunkedForward:
     with it (a cycle the garbage collector breaks).
     """
 
-    def __init__(self, model: nn.Module, decoder: nn.Module, installed: Installed, original: Any) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        decoder: nn.Module,
+        installed: Installed,
+        original: Any,
+        *,
+        at_head: bool = False,
+        linear_subclass: tuple[type, torch.dtype] | None = None,
+    ) -> None:
         self.model = model
         self.decoder = decoder
+        # the hidden states are the head's input (``_detect``): read by a pre-hook on the head, which
+        # hands the head the last position only (what logits_to_keep=1 gives elsewhere)
+        self.at_head = at_head
+        self.linear_subclass = linear_subclass
         self.active = False  # in a call of this forward (the decoder's hook then has nothing to say)
         self.watch: _Watch | None = None
         self.handles: list[Any] = []  # the _Watch's hook on the decoder, removed by uninstall
@@ -555,6 +845,31 @@ class _ChunkedForward:
         # a forward set on the instance before the install (another wrapper): called as the original
         self.original = original
         self.disabled = False
+
+    def read_hidden(self, head: nn.Module, call: Callable[[int], Any]) -> torch.Tensor | None:
+        """The hidden states the chunked loss reads (every position) in ``call(logits_to_keep)``, a forward
+        of the model that computes the last position's logits only; ``None`` when none were read.
+        Called by ``token_log_probs``."""
+        captured: list[torch.Tensor] = []
+
+        def after(module: nn.Module, args: Any, output: Any) -> None:
+            hidden = _last_hidden(output)
+            if not captured and hidden is not None:
+                captured.append(hidden)
+
+        def before(module: nn.Module, args: Any) -> Any:
+            if captured:
+                return None
+            captured.append(args[0])
+            return (args[0][..., -1:, :], *args[1:])
+
+        at_head = self.at_head
+        handle = head.register_forward_pre_hook(before) if at_head else self.decoder.register_forward_hook(after)
+        try:
+            call(0 if at_head else 1)
+        finally:
+            handle.remove()
+        return captured[0] if captured else None
 
     def _target(self) -> Callable[..., Any]:
         if self.original is not None:
@@ -580,10 +895,13 @@ class _ChunkedForward:
         labels = arguments.get("labels")
         extra = dict(arguments.pop("kwargs", {}) or {})
         get_head: Any = model.get_output_embeddings
-        head = _active_head(get_head())
+        head = _active_head(get_head(), self.linear_subclass)
+        loss = installed.loss
         if (
             self.disabled
             or labels is None
+            # loss arguments a forward that does not hand them to its loss ignores, or reads otherwise
+            or (not (loss.loss_kwargs and loss.shift) and ("shift_labels" in extra or "ignore_index" in extra))
             or not model.training
             or not torch.is_grad_enabled()
             or head is None
@@ -594,7 +912,7 @@ class _ChunkedForward:
         ):
             return target(*args, **kwargs)
         want_tuple = _wants_tuple(model, arguments, extra)
-        arguments.update(labels=None, logits_to_keep=1)
+        arguments.update(labels=None, logits_to_keep=0 if self.at_head else 1)
         if "return_dict" in arguments:
             arguments["return_dict"] = True
         elif want_tuple:
@@ -612,7 +930,17 @@ class _ChunkedForward:
                 captured.append(hidden)
                 splits.append(split)
 
-        handle = self.decoder.register_forward_hook(capture)
+        def capture_input(module: nn.Module, args: Any) -> Any:
+            if captured or is_dtensor(head.weight):
+                return None
+            captured.append(args[0])
+            splits.append(None)
+            return (args[0][..., -1:, :], *args[1:])
+
+        if self.at_head:
+            handle = head.register_forward_pre_hook(capture_input)
+        else:
+            handle = self.decoder.register_forward_hook(capture)
         try:
             out = target(**arguments, **extra)
         finally:
@@ -629,23 +957,36 @@ class _ChunkedForward:
             last = getattr(out, "logits", None)
             # the last position's logits the step returns, with what their graph saves, count as a chunk's tokens
             held = last.numel() // int(rows.weight.shape[0]) * per_token if isinstance(last, torch.Tensor) else 0
-            loss = vocab_parallel.causal_lm_loss(
-                captured[0],
-                rows,
-                labels,
-                installed.transform,
-                split=splits[0],
-                chunk=installed.chunk_of(int(rows.weight.shape[0]), held, per_token=per_token),
-                num_items_in_batch=extra.get("num_items_in_batch"),
-                ignore_index=extra.get("ignore_index", -100),
-                shift_labels=extra.get("shift_labels"),
-            )
+            chunk = installed.chunk_of(int(rows.weight.shape[0]), held, per_token=per_token)
+            if loss.loss_kwargs:
+                value = vocab_parallel.causal_lm_loss(
+                    captured[0],
+                    rows,
+                    labels,
+                    installed.transform,
+                    split=splits[0],
+                    chunk=chunk,
+                    num_items_in_batch=extra.get("num_items_in_batch"),
+                    ignore_index=extra.get("ignore_index", -100),
+                    shift_labels=extra.get("shift_labels") if loss.shift else labels,
+                )
+            else:
+                # the mean over the counted tokens, as the forward's own CrossEntropyLoss computes it
+                value = vocab_parallel.causal_lm_loss(
+                    captured[0],
+                    rows,
+                    labels,
+                    installed.transform,
+                    split=splits[0],
+                    chunk=chunk,
+                    shift_labels=None if loss.shift else labels,
+                )
         if aux is not None:
             coefficient = operator.attrgetter(installed.aux_loss_coefficient)(model)  # type: ignore[arg-type]
-            loss = loss + coefficient * aux.to(loss.device)
+            value = value + coefficient * aux.to(value.device)
         if self.watch is not None and model.__dict__.get("forward") is not self:
             self.watch.say(f"chunked-loss (called with labels by {_described(model.__dict__.get('forward'))})")
-        out.loss = loss
+        out.loss = value
         return out.to_tuple() if want_tuple else out
 
 
@@ -700,15 +1041,17 @@ def loss_computed_by(model: nn.Module) -> str | None:
     return "chunked-loss" if wrapper is state else _described(wrapper)
 
 
-def _active_head(current: Any) -> nn.Linear | None:
+def _active_head(current: Any, linear_subclass: tuple[type, torch.dtype] | None = None) -> nn.Linear | None:
     """The plain ``nn.Linear`` a training step's head runs, or ``None`` (vanilla's step then runs).
 
     A head replaced since the install by another plain ``nn.Linear`` (``resize_token_embeddings``) is
     read as it is: the probe found what the forward does after the head, whichever head it is.  PEFT's
     ``ModulesToSaveWrapper`` (``modules_to_save=["lm_head"]``) runs its active adapter's trained copy of
-    the head, or the original one when adapters are disabled: that module is the head.
+    the head, or the original one when adapters are disabled: that module is the head.  A subclass of
+    ``nn.Linear`` the probe found computing nn.Linear's forward (``linear_subclass``: its class and the
+    dtype it was probed in) is the head while its weight keeps that dtype.
     """
-    if plain_linear(current):
+    if _linear(current, linear_subclass):
         return current
     original, copies = getattr(current, "original_module", None), getattr(current, "modules_to_save", None)
     if not isinstance(original, nn.Module) or not isinstance(copies, nn.ModuleDict):
@@ -718,7 +1061,17 @@ def _active_head(current: Any) -> nn.Linear | None:
         chosen = original
     else:
         chosen = copies[active[0]]
-    return chosen if plain_linear(chosen) else None
+    return chosen if _linear(chosen, linear_subclass) else None  # type: ignore[return-value]
+
+
+def _linear(module: Any, linear_subclass: tuple[type, torch.dtype] | None) -> bool:
+    if plain_linear(module):
+        return True
+    return (
+        linear_subclass is not None
+        and type(module) is linear_subclass[0]
+        and getattr(getattr(module, "weight", None), "dtype", None) == linear_subclass[1]
+    )
 
 
 def _wants_tuple(model: nn.Module, arguments: dict[str, Any], extra: dict[str, Any]) -> bool:
@@ -765,9 +1118,11 @@ def install(model: PreTrainedModel, *, chunk: int | None = None, budget: int | N
     if installed(model) is not None:
         raise ValueError(f"{type(model).__name__} already has the chunked loss")
     found = _detect(model)
-    result = Installed(found.transform, chunk, budget, found.aux_loss_coefficient)
+    result = Installed(found.transform, chunk, budget, found.aux_loss_coefficient, found.loss)
     original = model.__dict__.get("forward")
-    forward = _ChunkedForward(model, found.decoder, result, original)
+    forward = _ChunkedForward(
+        model, found.decoder, result, original, at_head=found.at_head, linear_subclass=found.linear_subclass
+    )
     forward.watch = _Watch(forward)
     forward.handles = [found.decoder.register_forward_hook(forward.watch.after)]
     model.__dict__["forward"] = forward

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .install import _active_head, _installed_forward, _last_hidden
+from .install import _active_head, _installed_forward
 from .loss import HeadTransform
 
 __all__ = ["token_log_probs"]
@@ -125,25 +125,18 @@ def token_log_probs(
         )
     if not temperature > 0:
         raise ValueError(f"temperature must be positive, not {temperature}")
-    head = _active_head(model.get_output_embeddings())  # type: ignore[operator]
+    head = _active_head(model.get_output_embeddings(), forward.linear_subclass)  # type: ignore[operator]
     if head is None:
         raise ValueError(
             f"{type(model).__name__}'s head is a {type(model.get_output_embeddings()).__name__}, "  # type: ignore[operator]
             "not a plain nn.Linear the chunked loss reads; compute the log-probabilities from the logits"
         )
-    captured: list[torch.Tensor] = []
-
-    def capture(module: nn.Module, args: Any, output: Any) -> None:
-        hidden = _last_hidden(output)
-        if not captured and hidden is not None:
-            captured.append(hidden)
-
-    handle = forward.decoder.register_forward_hook(capture)
-    try:
-        model(input_ids=input_ids, logits_to_keep=1, use_cache=False, **inputs)
-    finally:
-        handle.remove()
-    hidden = captured[0][:, :-1]
+    read = forward.read_hidden(
+        head, lambda keep: model(input_ids=input_ids, logits_to_keep=keep, use_cache=False, **inputs)
+    )
+    if read is None:
+        raise ValueError(f"{type(model).__name__}'s forward did not run the module the chunked loss reads")
+    hidden = read[:, :-1]
     targets = input_ids[:, 1:].reshape(-1).to(hidden.device)
     flat = hidden.reshape(-1, hidden.shape[-1])
     chunk = forward.installed.chunk_of(int(head.weight.shape[0]))

@@ -32,13 +32,19 @@ class HeadTransform:
             ``1 / logits_scaling``); ``None`` when there is none.
         softcap: logits become ``softcap * tanh(logits / softcap)`` (gemma2's
             ``final_logit_softcapping``); ``None`` when there is none.
+        prescale: logits are multiplied by it before the soft-cap (muse_glimmer's
+            ``output_multiplier``: ``softcap * tanh(logits * prescale / softcap)``); ``None`` when
+            there is none.  Set only with ``softcap`` (a scale alone is ``scale``).
     """
 
     scale: float | None = None
     softcap: float | None = None
+    prescale: float | None = None
 
     def __call__(self, logits: torch.Tensor) -> torch.Tensor:
         """Apply the transform, in the order and with the operations the families use."""
+        if self.prescale is not None:
+            logits = logits * self.prescale
         if self.softcap is not None:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         if self.scale is not None:
@@ -56,6 +62,7 @@ def _hand_written(
         hidden.dtype == weight.dtype == torch.float32
         and (bias is None or bias.dtype == torch.float32)
         and transform.softcap is None
+        and transform.prescale is None
         and not torch.is_autocast_enabled(hidden.device.type)
     )
 

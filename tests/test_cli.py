@@ -250,6 +250,7 @@ def test_check_shows_where_a_pack_only_refuses_and_keeps_its_answers_until_its_s
     assert "it gates" in kept and "its sizes differ" not in kept
 
 
+@pytest.mark.release_independent
 def test_check_help_says_it_checks_the_selection(capsys) -> None:
     from hfpatch_core.cli import main
 
@@ -416,6 +417,7 @@ if sys.argv[2:] == ["spawn"]:
 """
 
 
+@pytest.mark.release_independent
 def test_run_enables_packs_in_the_program_and_its_children(install, llama_checkpoint, tmp_path) -> None:
     site = install(PackSpec("mlp", MLP_PACK))
     program = tmp_path / "train.py"
@@ -447,6 +449,7 @@ if sys.argv[2:] == ["spawn"]:  # a worker process, its stderr the server's
 """
 
 
+@pytest.mark.release_independent
 def test_run_with_hf_patch_log_says_which_packs_each_load_applied(install, llama_checkpoint, tmp_path) -> None:
     """What ``hfpatch run -- transformers serve`` relies on: HF_PATCH_LOG reaches the children, each logs its plan."""
     site = install(PackSpec("mlp", MLP_PACK, version="1.2.0"))
@@ -468,6 +471,7 @@ def test_run_with_hf_patch_log_says_which_packs_each_load_applied(install, llama
     )
 
 
+@pytest.mark.release_independent
 def test_run_checks_the_selection_and_the_command_first(install) -> None:
     site = install(PackSpec("mlp", MLP_PACK))
     bad = run(HFPATCH, "run", "--", sys.executable, "-c", "print(1)", site=site, env={"HF_PATCH_PACKS": "nope"})
@@ -488,6 +492,7 @@ def test_run_checks_the_selection_and_the_command_first(install) -> None:
     )
 
 
+@pytest.mark.release_independent
 def test_run_refuses_when_the_start_up_hook_is_not_on_the_path() -> None:
     code = (
         "import os, sys; from hfpatch_core.cli.console import main; "
@@ -639,6 +644,7 @@ def provide_converters(context):
     assert "converter key 'NoSuchModelForCausalLM' is neither a model type nor a model class" in result.stdout
 
 
+@pytest.mark.release_independent
 def test_new_rejects_a_bad_name_in_one_line(tmp_path: Path) -> None:
     result = run(HFPATCH, "new", "Bad Name!", "--no-input", "-o", str(tmp_path / "out"))
     assert result.returncode == 2 and result.stdout == ""
@@ -647,6 +653,7 @@ def test_new_rejects_a_bad_name_in_one_line(tmp_path: Path) -> None:
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
 
 
+@pytest.mark.release_independent
 def test_output_to_a_reader_that_went_away_ends_quietly(install) -> None:
     site = install(PackSpec("mlp", MLP_PACK))
     environment = environment_with(site)
@@ -660,6 +667,7 @@ def test_output_to_a_reader_that_went_away_ends_quietly(install) -> None:
     assert process.stderr.read() == "" and returncode == 141
 
 
+@pytest.mark.release_independent
 def test_run_python_is_this_environments_interpreter_not_the_first_on_path(tmp_path: Path) -> None:
     # without an activated environment, the first python on PATH is another one
     other = tmp_path / "other-bin"
@@ -683,12 +691,14 @@ def test_run_python_is_this_environments_interpreter_not_the_first_on_path(tmp_p
     assert result.stdout.strip() == sys.prefix
 
 
+@pytest.mark.release_independent
 def test_run_help_says_what_python_means() -> None:
     result = run(HFPATCH, "run", "--help")
     assert result.returncode == 0
     assert "'python' or 'python3' as CMD is this environment's interpreter" in " ".join(result.stdout.split())
 
 
+@pytest.mark.release_independent
 def test_no_command_module_imports_the_cli_package_back() -> None:
     """``hfpatch_core.cli`` dispatches to ``parser`` lazily; a command module taking a name from the
     package ``__init__`` (the exit codes once lived there) closes an import cycle."""
@@ -751,6 +761,7 @@ def test_check_resolves_classes_as_a_load_does(install, capsys, tmp_path) -> Non
     assert {t.class_name for t in targets_of("got_ocr2", ["Qwen2RMSNorm"])} == {"Qwen2RMSNorm"}
 
 
+@pytest.mark.release_independent
 def test_progress_is_one_line_rewritten_in_place_on_a_terminal(monkeypatch) -> None:
     """``check``'s progress over hundreds of model types: one line rewritten in place on a terminal,
     plain lines (at most one every ``every`` seconds) in a log."""

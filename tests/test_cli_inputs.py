@@ -22,6 +22,8 @@ import pytest
 import hfpatch_core
 from packs import MLP_PACK, PackSpec, mlp_pack, write_pack
 
+pytestmark = pytest.mark.release_independent
+
 ROOT = Path(hfpatch_core.__file__).resolve().parents[1]
 CHECKOUT = str(ROOT) if (ROOT / "pyproject.toml").is_file() else ""
 

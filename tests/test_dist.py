@@ -25,6 +25,8 @@ import importlib_metadata
 import pytest
 from packaging.requirements import Requirement
 
+pytestmark = pytest.mark.release_independent
+
 REPOSITORY = Path(__file__).resolve().parent.parent
 PACK = "hfpatch-pack-qwen-moe"
 

@@ -17,6 +17,8 @@ import pytest
 
 from hfpatch_core.testing.zoo import VERDICTS, ZOO_MARKER, ZooRow, coverage, coverage_sentence, update_zoo_markers
 
+pytestmark = pytest.mark.release_independent
+
 ROOT = Path(__file__).resolve().parent.parent
 READMES = [ROOT / "README.md", *sorted(ROOT.glob("plugins/**/README.md"))]
 

@@ -61,6 +61,8 @@ from transformers import AutoConfig, LlamaForCausalLM
 import hfpatch_core
 from hfpatch_core.testing import install_wheel, tiny_checkpoint
 
+pytestmark = pytest.mark.release_independent
+
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
 EXAMPLES = DOCS / "examples"

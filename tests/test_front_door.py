@@ -63,6 +63,7 @@ def test_the_variable_alone_enables_the_packs_in_every_thread(site, llama_checkp
         assert vanilla.stdout.split() == ["LlamaMLP"] * 3, env
 
 
+@pytest.mark.release_independent
 def test_a_lock_alone_enables_hfpatch(site, llama_checkpoint, tmp_path) -> None:
     written = run(HFPATCH, "lock", "-o", str(tmp_path / "hfpatch.lock"), site=site, env={"HF_PATCH_PACKS": "mlp"})
     assert written.returncode == 0, written.stderr
@@ -77,6 +78,7 @@ def test_a_lock_alone_enables_hfpatch(site, llama_checkpoint, tmp_path) -> None:
     assert locked.stdout.split() == ["PackMLP"]  # an unset HF_PATCH_PACKS under a lock is the lock's selection
 
 
+@pytest.mark.release_independent
 @pytest.mark.parametrize("launcher", [(), (HFPATCH, "run", "--")])
 def test_hfpatch_core_imported_first(site, launcher) -> None:
     """Issue 44.2: importing hfpatch_core before transformers crashed with a circular import under autorun."""
@@ -89,6 +91,7 @@ def test_hfpatch_core_imported_first(site, launcher) -> None:
         assert result.stdout.split() == [str(enabled)], (launcher, packs)
 
 
+@pytest.mark.release_independent
 @pytest.mark.parametrize(
     ("before", "expected"),
     [
@@ -105,6 +108,7 @@ def test_the_program_s_own_choice(site, llama_checkpoint, tmp_path, before: str,
     assert result.stdout.split() == [expected]
 
 
+@pytest.mark.release_independent
 def test_a_pack_that_is_not_installed_is_the_first_load_s_error(site, llama_checkpoint, tmp_path) -> None:
     script = program(tmp_path)
     result = run(sys.executable, script, str(llama_checkpoint), site=site, env={"HF_PATCH_PACKS": "mpl"})
@@ -113,6 +117,7 @@ def test_a_pack_that_is_not_installed_is_the_first_load_s_error(site, llama_chec
     assert "Could not import module" not in result.stderr
 
 
+@pytest.mark.release_independent
 def test_the_hfpatch_command_is_not_enabled_by_the_variable(site, llama_checkpoint) -> None:
     """The command compares with vanilla loads of its own: the variable selects what it verifies, and no more."""
     code = (

@@ -12,7 +12,10 @@ from email.parser import Parser
 from pathlib import Path
 from typing import Any
 
+import pytest
 import tomllib
+
+pytestmark = pytest.mark.release_independent
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -20,6 +20,8 @@ from cookiecutter.main import cookiecutter
 from hfpatch_core.cli.scaffold import REPORT_ENV, ScaffoldError, new_pack, template_path, template_variables
 from hfpatch_core.errors import HfPatchError
 
+pytestmark = pytest.mark.release_independent
+
 HFPATCH = str(Path(sys.executable).with_name("hfpatch"))
 REPOSITORY = Path(__file__).resolve().parent.parent
 

@@ -7,6 +7,7 @@ import json
 import subprocess
 from pathlib import Path
 
+import pytest
 import torch
 from test_cli import HFPATCH, run
 
@@ -104,6 +105,7 @@ MLP_PACK = """
 """
 
 
+@pytest.mark.release_independent
 def test_the_sweep_builds_one_checkpoint_per_model_type_for_every_pack(install, tmp_path, monkeypatch) -> None:
     from hfpatch_core.testing import checkpoints
     from hfpatch_core.testing.zoo import ZooRow, sweep
@@ -141,6 +143,7 @@ def test_the_sweep_builds_one_checkpoint_per_model_type_for_every_pack(install, 
     ]
 
 
+@pytest.mark.release_independent
 def test_verify_every_model_type_in_two_workers_caches_by_version_and_keeps_reasons_whole(install, tmp_path) -> None:
     # issue 46.5: a refusal's reason was cut at 200 characters in the table and the JSON;
     # issue 46.7: the sweep runs in worker processes, and a re-run verifies only what changed

@@ -224,6 +224,37 @@ def test_verify_checks_a_steps_training_loss_against_vanilla(
         assert "training loss" in row.detail
 
 
+#: A step that scales the head's gradient (the loss right): what verify must catch in the gradients.
+SKEWED_GRADIENT_PACK = """
+    from hfpatch_core import ModelStep, hookimpl
+
+    HOOKS = {{}}
+
+    def install(model):
+        HOOKS[id(model)] = model.lm_head.weight.register_hook(lambda grad: grad * {factor})
+
+    def uninstall(model):
+        HOOKS.pop(id(model)).remove()
+
+    @hookimpl
+    def provide_model_steps(context):
+        return [ModelStep("causal-lm-loss", install, uninstall)] if context.model_type == "llama" else []
+"""
+
+
+@pytest.mark.parametrize(("factor", "verdict"), [("1.0", "exact"), ("1.001", "failed")])
+def test_verify_checks_a_steps_gradients_against_vanilla(
+    install, llama_checkpoint: Path, tmp_path: Path, factor: str, verdict: str
+) -> None:
+    install(PackSpec("skewed", SKEWED_GRADIENT_PACK.format(factor=factor)))
+    row = verdict_of("skewed", "llama", tmp_path, checkpoint=llama_checkpoint, generate_tokens=2)
+    assert row.verdict == verdict, row.detail
+    if verdict == "failed":
+        # one part in a thousand of the head's gradient is above a float32 reordering's 16 ulps of it
+        assert "gradients differ from vanilla's by" in row.detail and "(lm_head.weight, whose largest" in row.detail
+        assert "training loss" not in row.detail
+
+
 #: A step whose install raises: a pack failure at the load, the model loaded without it.
 RAISING_STEP_PACK = """
     from hfpatch_core import ModelStep, hookimpl

@@ -217,9 +217,13 @@ def _own_rounding(comparison: Comparison, routing: HeldRouting) -> float:
 
 
 #: A training step's loss bound, relative, and gradient bound in float32 (issue 39's exactness):
-#: the same per-token terms summed in another order.
+#: the same per-token terms summed in another order.  A reordered float32 sum errs in proportion to
+#: its magnitude, so each parameter's gradient may also differ by ``STEP_GRAD_RTOL`` of its largest
+#: element (16 float32 ulps: eps is 1.19e-7): rwkv's tiny embedding gradients reach 148, where one
+#: ulp is 1.5e-5, above the absolute bound alone.
 STEP_LOSS_RTOL = 1e-6
 STEP_GRAD_ATOL = 1e-5
+STEP_GRAD_RTOL = 16 * torch.finfo(torch.float32).eps
 #: How a step check's failure starts when vanilla itself cannot run the training step: the tooling's
 #: problem (the zoo's ``no checkpoint``), not the pack's.
 VANILLA_CANNOT_TRAIN = "vanilla transformers cannot run a training step on it"
@@ -266,14 +270,17 @@ def _check_steps(comparison: Comparison) -> None:
     # a pack that also replaces classes renames some parameters: those with vanilla's name and shape compare
     common = [n for n in reference if n in grads and grads[n].shape == reference[n].shape]
     c.report.step_loss_diff = abs(loss - reference_loss) / (abs(reference_loss) or 1.0)
-    c.report.step_grad_diff = max((float((grads[n] - reference[n]).abs().max()) for n in common), default=0.0)
+    diffs = {n: float((grads[n] - reference[n]).abs().max()) for n in common}
+    c.report.step_grad_diff = max(diffs.values(), default=0.0)
     where = ", ".join(c.report.steps)
     if abs(loss - reference_loss) > loss_bound:
         c.fail(f"model step(s) {where}: training loss {loss!r} differs from vanilla's {reference_loss!r}")
-    if c.report.step_grad_diff > grad_bound:
+    bounds = {n: grad_bound + STEP_GRAD_RTOL * float(reference[n].abs().max()) for n in common}
+    over = max(common, key=lambda n: diffs[n] / bounds[n], default=None)
+    if over is not None and diffs[over] > bounds[over]:
         c.fail(
-            f"model step(s) {where}: gradients differ from vanilla's by {c.report.step_grad_diff:.3g} "
-            f"> {grad_bound:.3g}"
+            f"model step(s) {where}: gradients differ from vanilla's by {diffs[over]:.3g} > {bounds[over]:.3g} "
+            f"({over}, whose largest gradient is {float(reference[over].abs().max()):.3g})"
         )
     if not common:
         c.fail(f"model step(s) {where}: no gradient to compare with vanilla's")

@@ -959,28 +959,17 @@ class _ChunkedForward:
             held = last.numel() // int(rows.weight.shape[0]) * per_token if isinstance(last, torch.Tensor) else 0
             chunk = installed.chunk_of(int(rows.weight.shape[0]), held, per_token=per_token)
             if loss.loss_kwargs:
-                value = vocab_parallel.causal_lm_loss(
-                    captured[0],
-                    rows,
-                    labels,
-                    installed.transform,
-                    split=splits[0],
-                    chunk=chunk,
-                    num_items_in_batch=extra.get("num_items_in_batch"),
-                    ignore_index=extra.get("ignore_index", -100),
-                    shift_labels=extra.get("shift_labels") if loss.shift else labels,
-                )
+                loss_arguments = {
+                    "num_items_in_batch": extra.get("num_items_in_batch"),
+                    "ignore_index": extra.get("ignore_index", -100),
+                    "shift_labels": extra.get("shift_labels") if loss.shift else labels,
+                }
             else:
                 # the mean over the counted tokens, as the forward's own CrossEntropyLoss computes it
-                value = vocab_parallel.causal_lm_loss(
-                    captured[0],
-                    rows,
-                    labels,
-                    installed.transform,
-                    split=splits[0],
-                    chunk=chunk,
-                    shift_labels=None if loss.shift else labels,
-                )
+                loss_arguments = {"shift_labels": None if loss.shift else labels}
+            value = vocab_parallel.causal_lm_loss(
+                captured[0], rows, labels, installed.transform, split=splits[0], chunk=chunk, **loss_arguments
+            )
         if aux is not None:
             coefficient = operator.attrgetter(installed.aux_loss_coefficient)(model)  # type: ignore[arg-type]
             value = value + coefficient * aux.to(value.device)

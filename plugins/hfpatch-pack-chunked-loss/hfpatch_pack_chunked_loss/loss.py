@@ -105,6 +105,28 @@ def _check_targets(kept: torch.Tensor, rows: torch.Tensor, vocab: int, ignore_in
         )
 
 
+class WholeRows:
+    """How a chunk's float32 logits become its losses and, in place, their gradient when the head's rows
+    are the whole vocabulary (one process); ``vocab_parallel.SplitRows`` when they are a rank's share.
+    ``_ChunkedLoss`` calls ``agree``, then ``targets``, then ``losses_`` per chunk, then ``hidden_``."""
+
+    def agree(self, rows: int, chunk: int, device: torch.device) -> tuple[int, int]:
+        """The whole vocabulary (for the labels' check) and the chunk to loop with."""
+        return rows, chunk
+
+    def targets(self, kept: torch.Tensor) -> None:
+        """The counted tokens' labels, before the chunks."""
+        self.kept = kept
+
+    def losses_(self, logits: torch.Tensor, part: slice, losses: torch.Tensor) -> None:
+        """``logits`` (the chunk ``part`` of the counted tokens) become ``softmax - one_hot``; the losses go to
+        ``losses``."""
+        _losses_and_logit_gradient_(logits, self.kept[part], losses)
+
+    def hidden_(self, grad: torch.Tensor) -> None:
+        """The hidden states' gradient of the counted tokens, complete here."""
+
+
 class _ChunkedLoss(torch.autograd.Function):
     @staticmethod
     def forward(
@@ -116,17 +138,20 @@ class _ChunkedLoss(torch.autograd.Function):
         divisor: torch.Tensor,
         transform: HeadTransform,
         ignore_index: int,
-        chunk: int,
+        plan: tuple[int, WholeRows],
     ) -> torch.Tensor:
+        chunk, over = plan
         want_hidden = hidden.requires_grad
         want_weight = weight.requires_grad
         want_bias = bias is not None and bias.requires_grad
-        vocab = weight.shape[0]
+        local_vocab = weight.shape[0]
+        vocab, chunk = over.agree(local_vocab, chunk, hidden.device)
         # only the counted tokens are computed: an ignored token adds nothing to the loss or a gradient
         rows = (targets != ignore_index).nonzero().squeeze(1)
         every = rows.shape[0] == targets.shape[0]
         kept = targets if every else targets.index_select(0, rows)
         _check_targets(kept, rows, vocab, ignore_index)
+        over.targets(kept)
         h_kept = hidden.detach() if every else hidden.detach().index_select(0, rows)
         grad_kept = torch.empty_like(h_kept) if want_hidden else None
         # fp32 accumulators: vanilla rounds the weight's gradient once, after one matmul over
@@ -140,7 +165,7 @@ class _ChunkedLoss(torch.autograd.Function):
         w = weight.detach()
         b = None if bias is None else bias.detach()
         if _hand_written(hidden, weight, bias, transform):
-            buffer = torch.empty((min(chunk, rows.shape[0]), vocab), dtype=torch.float32, device=hidden.device)
+            buffer = torch.empty((min(chunk, rows.shape[0]), local_vocab), dtype=torch.float32, device=hidden.device)
             for start in range(0, rows.shape[0], chunk):
                 h = h_kept[start : start + chunk]
                 logits = buffer[: h.shape[0]]
@@ -150,7 +175,7 @@ class _ChunkedLoss(torch.autograd.Function):
                     torch.addmm(b, h, w.t(), out=logits)
                 if transform.scale is not None:
                     logits.mul_(transform.scale)
-                _losses_and_logit_gradient_(logits, kept[start : start + chunk], losses[start : start + chunk])
+                over.losses_(logits, slice(start, start + chunk), losses[start : start + chunk])
                 # the buffer holds softmax - one_hot: the head's backward matmuls, unscaled (below)
                 if grad_kept is not None:
                     torch.mm(logits, w, out=grad_kept[start : start + chunk])
@@ -177,7 +202,7 @@ class _ChunkedLoss(torch.autograd.Function):
                 # vanilla upcasts after the family's transform (ForCausalLMLoss's logits.float());
                 # in float32 this is ``out``'s own buffer, which no backward reads
                 logits = out.detach().float()
-                _losses_and_logit_gradient_(logits, kept[start : start + chunk], losses[start : start + chunk])
+                over.losses_(logits, slice(start, start + chunk), losses[start : start + chunk])
                 # scaled before the cast to the model's dtype, as vanilla's gradient is
                 logits.mul_(inverse)
                 inputs = [x for x in (h, w, b) if x is not None and x.requires_grad]
@@ -189,6 +214,8 @@ class _ChunkedLoss(torch.autograd.Function):
                     grad_weight += grads.pop(0)
                 if grad_bias is not None:
                     grad_bias += grads.pop(0)
+        if grad_kept is not None and rows.shape[0]:
+            over.hidden_(grad_kept)
         grad_hidden = grad_kept
         if grad_kept is not None and not every:
             grad_hidden = torch.zeros_like(hidden).index_copy_(0, rows, grad_kept)
@@ -221,6 +248,7 @@ def chunked_causal_lm_loss(
     num_items_in_batch: torch.Tensor | int | None = None,
     ignore_index: int = -100,
     shift_labels: torch.Tensor | None = None,
+    over: WholeRows | None = None,
 ) -> torch.Tensor:
     """The loss vanilla's ``ForCausalLMLoss`` computes from ``transform(head(hidden))``, in chunks.
 
@@ -235,6 +263,8 @@ def chunked_causal_lm_loss(
         num_items_in_batch: vanilla's: a sum divided by it instead of a mean.
         ignore_index: labels with this value count for nothing.
         shift_labels: labels already shifted, as vanilla accepts them.
+        over: what the head's rows are (``vocab_parallel.SplitRows``: a rank's share of the
+            vocabulary); ``None``: the whole vocabulary.
 
     Returns:
         The scalar float32 loss, differentiable with respect to ``hidden`` and the head.
@@ -253,7 +283,8 @@ def chunked_causal_lm_loss(
         divisor = (targets != ignore_index).sum().to(torch.float32)
     else:
         divisor = torch.as_tensor(num_items_in_batch, device=hidden.device)
+    plan = (chunk, WholeRows() if over is None else over)
     result: torch.Tensor = _ChunkedLoss.apply(
-        flat, head.weight, head.bias, targets, divisor, transform, ignore_index, chunk
+        flat, head.weight, head.bias, targets, divisor, transform, ignore_index, plan
     )
     return result

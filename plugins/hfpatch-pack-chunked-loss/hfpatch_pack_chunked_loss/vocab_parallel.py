@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .loss import HeadTransform, _check_targets, _ChunkedLoss, _hand_written, chunked_causal_lm_loss
+from .loss import HeadTransform, WholeRows, chunked_causal_lm_loss
 from .sharded import fsdp_units_holding, is_dtensor
 
 if TYPE_CHECKING:
@@ -170,103 +170,28 @@ def _chunk_losses_and_gradient_(
     return -((target - largest) - torch.log(total))
 
 
-class _VocabParallelLoss(torch.autograd.Function):
-    @staticmethod
-    def forward(
-        ctx: Any,
-        hidden: torch.Tensor,
-        weight: torch.Tensor,
-        bias: torch.Tensor | None,
-        targets: torch.Tensor,
-        divisor: torch.Tensor,
-        transform: HeadTransform,
-        ignore_index: int,
-        plan: tuple[int, RowSplit],
-    ) -> torch.Tensor:
-        chunk, split = plan
-        want_hidden = hidden.requires_grad
-        want_weight = weight.requires_grad
-        want_bias = bias is not None and bias.requires_grad
-        local_vocab = weight.shape[0]
-        offset, vocab, chunk = _agree(split, local_vocab, chunk, hidden.device)
-        rows = (targets != ignore_index).nonzero().squeeze(1)
-        every = rows.shape[0] == targets.shape[0]
-        kept = targets if every else targets.index_select(0, rows)
-        _check_targets(kept, rows, vocab, ignore_index)
-        local_targets = kept - offset
-        owned_all = (local_targets >= 0) & (local_targets < local_vocab)
-        h_kept = hidden.detach() if every else hidden.detach().index_select(0, rows)
-        grad_kept = torch.empty_like(h_kept) if want_hidden else None
-        # fp32 accumulators, as the single-process loss: the gradient rounded once, at the end
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_weight else None
-        grad_bias = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if want_bias else None  # type: ignore[union-attr]
-        losses = torch.empty(rows.shape[0], dtype=torch.float32, device=hidden.device)
-        inverse = torch.reciprocal(divisor.to(device=hidden.device, dtype=torch.float32))
-        w = weight.detach()
-        b = None if bias is None else bias.detach()
-        if _hand_written(hidden, weight, bias, transform):
-            buffer = torch.empty((min(chunk, rows.shape[0]), local_vocab), dtype=torch.float32, device=hidden.device)
-            for start in range(0, rows.shape[0], chunk):
-                h = h_kept[start : start + chunk]
-                logits = buffer[: h.shape[0]]
-                if b is None:
-                    torch.mm(h, w.t(), out=logits)
-                else:
-                    torch.addmm(b, h, w.t(), out=logits)
-                if transform.scale is not None:
-                    logits.mul_(transform.scale)
-                part = slice(start, start + h.shape[0])
-                losses[part] = _chunk_losses_and_gradient_(logits, local_targets[part], owned_all[part], split)
-                if grad_kept is not None:
-                    torch.mm(logits, w, out=grad_kept[part])
-                if grad_weight is not None:
-                    grad_weight.addmm_(logits.t(), h)
-                if grad_bias is not None:
-                    grad_bias += logits.sum(0)
-            del buffer
-            factor = inverse if transform.scale is None else inverse * transform.scale
-            if rows.shape[0]:
-                for grad in (grad_kept, grad_weight, grad_bias):
-                    if grad is not None:
-                        grad.mul_(factor)
-        else:
-            w.requires_grad_(want_weight)
-            if b is not None:
-                b.requires_grad_(want_bias)
-            for start in range(0, rows.shape[0], chunk):
-                h = h_kept[start : start + chunk].detach().requires_grad_(want_hidden)
-                part = slice(start, start + h.shape[0])
-                with torch.enable_grad():
-                    out = transform(nn.functional.linear(h, w, b))
-                # vanilla upcasts after the transform (ForCausalLMLoss's logits.float())
-                logits = out.detach().float()
-                losses[part] = _chunk_losses_and_gradient_(logits, local_targets[part], owned_all[part], split)
-                logits.mul_(inverse)
-                inputs = [x for x in (h, w, b) if x is not None and x.requires_grad]
-                grads = list(torch.autograd.grad(out, inputs, logits.to(out.dtype))) if inputs else []
-                del out, logits
-                if grad_kept is not None:
-                    grad_kept[part] = grads.pop(0)
-                if grad_weight is not None:
-                    grad_weight += grads.pop(0)
-                if grad_bias is not None:
-                    grad_bias += grads.pop(0)
-        if grad_kept is not None and rows.shape[0]:
-            # each rank's matmul covers its rows of the vocabulary: the gradient is their sum
-            dist.all_reduce(grad_kept, op=dist.ReduceOp.SUM, group=split.group)
-        grad_hidden = grad_kept
-        if grad_kept is not None and not every:
-            grad_hidden = torch.zeros_like(hidden).index_copy_(0, rows, grad_kept)
-        total = losses.sum() / divisor
-        ctx.save_for_backward(*(t if t is not None else torch.empty(0) for t in (grad_hidden, grad_weight, grad_bias)))
-        ctx.present = (grad_hidden is not None, grad_weight is not None, grad_bias is not None)
-        ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
-        return total
+class SplitRows(WholeRows):
+    """A rank's share of the vocabulary for ``loss.chunked_causal_lm_loss``: the chunk agreed over the
+    ranks, each chunk's losses from the ranks' all-reduced log-sum-exp and target logit, and the hidden
+    states' gradient summed over the ranks (each rank's matmul covers its rows)."""
 
-    @staticmethod
-    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[Any, ...]:
-        # the stored gradients scaled by the incoming one: the single-process loss's backward
-        return _ChunkedLoss.backward(ctx, grad_output)
+    def __init__(self, split: RowSplit) -> None:
+        self.split = split
+
+    def agree(self, rows: int, chunk: int, device: torch.device) -> tuple[int, int]:
+        self.offset, vocab, chunk = _agree(self.split, rows, chunk, device)
+        self.rows = rows
+        return vocab, chunk
+
+    def targets(self, kept: torch.Tensor) -> None:
+        self.local = kept - self.offset
+        self.owned = (self.local >= 0) & (self.local < self.rows)
+
+    def losses_(self, logits: torch.Tensor, part: slice, losses: torch.Tensor) -> None:
+        losses.copy_(_chunk_losses_and_gradient_(logits, self.local[part], self.owned[part], self.split))
+
+    def hidden_(self, grad: torch.Tensor) -> None:
+        dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=self.split.group)
 
 
 def causal_lm_loss(
@@ -293,31 +218,17 @@ def causal_lm_loss(
         ValueError: neither ``labels`` nor ``shift_labels`` is given.
         IndexError: a label outside the vocabulary that is not ``ignore_index``.
     """
-    if split is None:
-        return chunked_causal_lm_loss(
-            hidden,
-            head,
-            labels,
-            transform,
-            chunk=chunk,
-            num_items_in_batch=num_items_in_batch,
-            ignore_index=ignore_index,
-            shift_labels=shift_labels,
-        )
-    if shift_labels is None:
-        if labels is None:
-            raise ValueError("causal_lm_loss needs labels or shift_labels")
-        shift_labels = nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
-    targets = shift_labels.reshape(-1).to(hidden.device)
-    flat = hidden.reshape(-1, hidden.shape[-1])
-    if num_items_in_batch is None:
-        divisor = (targets != ignore_index).sum().to(torch.float32)
-    else:
-        divisor = torch.as_tensor(num_items_in_batch, device=hidden.device)
-    result: torch.Tensor = _VocabParallelLoss.apply(
-        flat, head.weight, head.bias, targets, divisor, transform, ignore_index, (chunk, split)
+    return chunked_causal_lm_loss(
+        hidden,
+        head,
+        labels,
+        transform,
+        chunk=chunk,
+        num_items_in_batch=num_items_in_batch,
+        ignore_index=ignore_index,
+        shift_labels=shift_labels,
+        over=None if split is None else SplitRows(split),
     )
-    return result
 
 
 def _max_over(split: RowSplit, values: list[float], device: torch.device) -> list[float]:

@@ -845,6 +845,7 @@ class _ChunkedForward:
         # a forward set on the instance before the install (another wrapper): called as the original
         self.original = original
         self.disabled = False
+        self.fell_back: set[str] = set()  # the kinds of vanilla fallback already warned about
 
     def read_hidden(self, head: nn.Module, call: Callable[[int], Any]) -> torch.Tensor | None:
         """The hidden states the chunked loss reads (every position) in ``call(logits_to_keep)``, a forward
@@ -946,9 +947,19 @@ class _ChunkedForward:
         finally:
             handle.remove()
         aux = getattr(out, "aux_loss", None)
-        if not captured or (aux is not None and installed.aux_loss_coefficient is None):
-            # an auxiliary loss the probe did not see (the config changed since), or a head still sharded
-            # when the decoder returned (sharded otherwise since the install): vanilla's step
+        if not captured:
+            # sharded otherwise since the install (a head made an FSDP2 unit of its own): vanilla's step
+            self._fall_back(
+                sharded_after_decoder(model, head, "the LM head's weight is a DTensor")
+                if is_dtensor(head.weight)
+                else "the step's forward never handed the head the decoder's hidden states"
+            )
+            return target(*args, **kwargs)
+        if aux is not None and installed.aux_loss_coefficient is None:
+            self._fall_back(
+                "the forward returned an auxiliary loss (aux_loss) whose coefficient the install's probe did not "
+                "find, so the chunked loss cannot add it as vanilla's does"
+            )
             return target(*args, **kwargs)
         # a head ZeRO-3 partitions is gathered once for the whole loss (zero3.py)
         with zero3.gathered(head.parameters(recurse=False)):
@@ -977,6 +988,17 @@ class _ChunkedForward:
             self.watch.say(f"chunked-loss (called with labels by {_described(model.__dict__.get('forward'))})")
         out.loss = value
         return out.to_tuple() if want_tuple else out
+
+    def _fall_back(self, reason: str) -> None:
+        # the pack was installed, so its user expects the chunked step: a step that runs vanilla's instead
+        # (its full logits, and this forward twice) is said once per model and reason
+        if reason not in self.fell_back:
+            self.fell_back.add(reason)
+            logger.warning(
+                "hfpatch: chunked-loss on %s: %s; this training step, and each like it, computes vanilla's full logits",
+                type(self.model).__name__,
+                reason,
+            )
 
 
 def _described(function: Any) -> str:

@@ -17,6 +17,7 @@ their gradients too: each is compared with its block of the reference's.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 import weakref
@@ -185,6 +186,28 @@ def head_own_unit(model: Any) -> Any:
     return model
 
 
+def installed_then_head_own_unit(model: Any) -> Any:
+    """Installed, then sharded with the head a unit of its own (as a wrapping policy may shard it): the
+    step finds the head still sharded when the decoder has returned, and runs vanilla's."""
+    chunked.install(model, chunk=CHUNK)
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model.lm_head)
+    fully_shard(model)
+    return model
+
+
+class Warnings(logging.Handler):
+    """The messages of the warnings logged on the ``hfpatch`` logger while it is attached."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
 def transformers_fsdp(path: str, install: bool) -> Any:
     from transformers.distributed import DistributedConfig
 
@@ -267,6 +290,7 @@ CASES: dict[str, Callable[[Any], Any]] = {
     "installed-then-sharded": installed_then_sharded,
     "sharded-then-installed": sharded_then_installed,
     "head-own-unit": head_own_unit,
+    "installed-then-head-own-unit": installed_then_head_own_unit,
     "transformers-fsdp-vanilla": lambda path: transformers_fsdp(path, False),
     "transformers-fsdp": lambda path: transformers_fsdp(path, True),
 }
@@ -382,7 +406,15 @@ def main() -> None:
             continue
         torch.manual_seed(0)
         model = prepare(path) if name.startswith("transformers") else prepare(load(path))
-        result = step(model)
+        said = Warnings()
+        logging.getLogger("hfpatch").addHandler(said)
+        try:
+            result = step(model)
+            ids, labels = batch(RANK, model.config.vocab_size)
+            model(input_ids=ids, labels=labels)  # a second training forward of the same kind: said once
+        finally:
+            logging.getLogger("hfpatch").removeHandler(said)
+        result["warnings"] = said.messages
         grads = result.pop("grads")
         scale = {n: float(g.abs().max()) for n, g in expected.items()}
         result["installed"] = chunked.installed(model) is not None

@@ -113,6 +113,23 @@ def test_a_head_sharded_as_its_own_fsdp2_unit_is_refused_and_trains_vanilla(fsdp
             assert error <= _bound(vanilla["grad_error"][name], case["grad_scale"][name]), name
 
 
+def test_a_head_made_its_own_fsdp2_unit_after_the_install_trains_vanilla_and_says_so_once(
+    fsdp2: list[dict[str, Any]],
+) -> None:
+    for rank in fsdp2:
+        case = rank["cases"]["installed-then-head-own-unit"]
+        assert case["installed"]
+        assert case["logits_shape"] == [2, 12, VOCAB]  # vanilla's step: the whole logits
+        (warning,) = case["warnings"]  # two training forwards, one warning
+        assert warning.startswith("hfpatch: chunked-loss on FSDPLlamaForCausalLM: the LM head's weight is a DTensor")
+        assert "the FSDP2 unit 'lm_head' gathers it only when that module is called" in warning
+        assert warning.endswith("computes vanilla's full logits")
+        vanilla = rank["cases"]["vanilla"]
+        assert not vanilla["warnings"] and not rank["cases"]["installed-then-sharded"]["warnings"]
+        for name, error in case["grad_error"].items():
+            assert error <= _bound(vanilla["grad_error"][name], case["grad_scale"][name]), name
+
+
 @pytest.mark.parametrize(
     ("case", "calibration"),
     [("tp-installed", "tp-vanilla"), ("tp-planned", "tp-vanilla"), ("tp-rows-installed", "tp-rows-vanilla")],

@@ -16,7 +16,9 @@ ZeRO-3 losses are held to, calibrated in the run.  A test::
 To compare the trained weights too: ``Zero3Case(optim="sgd", weights=FILE)`` (rank 0 writes them,
 gathered), ``reference_training`` (the one-process losses and weights) and ``weight_bounds``.
 ``Zero3Case.observe`` records what each rank's steps did (a hook's findings), and the result says
-which model steps the load installed (``Zero3Result.steps``) or refused.
+which model steps the load installed (``Zero3Result.steps``) or refused.  A run sharded otherwise
+(accelerate's FSDP2 plugin) compares with ``reference_training`` by training with the same
+``training_arguments`` (and its own options) and ``in_order_trainer``.
 
 Two load paths (``Zero3Case.init``): ``"zero.Init"`` creates the ``TrainingArguments`` (and so
 transformers' ``HfDeepSpeedConfig``) before ``from_pretrained``, which then builds the model
@@ -293,7 +295,20 @@ def _combine(ranks: list[dict[str, Any]]) -> Zero3Result:
 # --- the training, on one process or on each rank -------------------------------------------
 
 
-def _arguments(output_dir: str, steps: int, deepspeed: Mapping[str, Any] | None, optim: str | None = None) -> Any:
+def training_arguments(output_dir: str, steps: int = DEFAULT_STEPS, *, optim: str | None = None, **options: Any) -> Any:
+    """The ``TrainingArguments`` of ``reference_training`` and of every ``Zero3Case``: a run sharded
+    otherwise (accelerate's FSDP2 plugin) trains with them too, to compare with ``reference_training``.
+
+    Args:
+        output_dir: ``Trainer``'s output directory.
+        steps: training steps (``max_steps``).
+        optim: ``TrainingArguments(optim=...)``; ``None``: ``Trainer``'s default.
+        **options: further ``TrainingArguments`` (``deepspeed=``, ``fsdp=``, ``fsdp_config=``).
+
+    Returns:
+        ``transformers.TrainingArguments``: batches of 3, ``LEARNING_RATE``, a loss logged at every
+        step, no checkpoint, on the CPU.
+    """
     from transformers import TrainingArguments
 
     chosen: dict[str, Any] = {} if optim is None else {"optim": optim}
@@ -308,13 +323,23 @@ def _arguments(output_dir: str, steps: int, deepspeed: Mapping[str, Any] | None,
         seed=0,
         disable_tqdm=True,
         use_cpu=True,  # with DeepSpeed too: else accelerate, finding no GPU, counts one process of one
-        deepspeed=dict(deepspeed) if deepspeed is not None else None,
         **chosen,
+        **options,
     )
 
 
-def _trainer(model: Any, arguments: Any, steps: int) -> Any:
-    """A ``Trainer`` whose every rank gets the three rows of ``padded_batch``, in order, at every step."""
+def in_order_trainer(model: Any, arguments: Any, steps: int = DEFAULT_STEPS) -> Any:
+    """A ``Trainer`` of ``model`` whose every rank gets the three rows of ``padded_batch``, in order, at
+    every step (``reference_training``'s, and every ``Zero3Case``'s).
+
+    Args:
+        model: the model to train.
+        arguments: its ``TrainingArguments`` (``training_arguments``).
+        steps: training steps: the dataset holds the three rows twice per step.
+
+    Returns:
+        ``transformers.Trainer``.
+    """
     import torch
     from transformers import Trainer
 
@@ -376,7 +401,7 @@ def reference_training(
     with hfpatch_core.enabled(packs=packs):
         model = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32)
     with tempfile.TemporaryDirectory(prefix="hfpatch-reference-") as out:
-        trainer = _trainer(model, _arguments(out, steps, None, optim), steps)
+        trainer = in_order_trainer(model, training_arguments(out, steps, optim=optim), steps)
         trainer.train()
     weights = {key: value.detach().clone() for key, value in original_state_dict(model).items()}
     return _losses(trainer), weights
@@ -422,19 +447,23 @@ def _run_case(case: Zero3Case, out: Path) -> dict[str, Any]:
         try:
             arguments = None
             if case.init == "zero.Init":  # alive while the model is built: from_pretrained uses zero.Init
-                arguments = _arguments(str(directory), case.steps, ZERO3_CONFIG, case.optim)
+                arguments = training_arguments(
+                    str(directory), case.steps, optim=case.optim, deepspeed=dict(ZERO3_CONFIG)
+                )
                 with hfpatch_core.enabled(packs=case.packs):
                     model = AutoModelForCausalLM.from_pretrained(case.checkpoint, dtype=torch.float32)
             else:
                 with _no_deepspeed_config(), hfpatch_core.enabled(packs=case.packs):
                     model = AutoModelForCausalLM.from_pretrained(case.checkpoint, dtype=torch.float32)
-                arguments = _arguments(str(directory), case.steps, ZERO3_CONFIG, case.optim)
+                arguments = training_arguments(
+                    str(directory), case.steps, optim=case.optim, deepspeed=dict(ZERO3_CONFIG)
+                )
             plan = plan_of(model)
             result["replaced"] = {c.target: c.patch.replacement.__name__ for c in plan.entries} if plan else {}
             result["steps"] = [f"{c.target} [{c.pack}]" for c in plan.installed_steps] if plan else []
             result["refused"] = {r.target: r.reason for r in plan.refused} if plan else {}
             observer = _observer(case.observe, model)
-            trainer = _trainer(model, arguments, case.steps)
+            trainer = in_order_trainer(model, arguments, case.steps)
             trainer.train()
             result["losses"] = _losses(trainer)
             if observer is not None:

@@ -30,33 +30,14 @@ from accelerate.state import PartialState
 from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 from safetensors.torch import save_file
 from torch.distributed.fsdp import FSDPModule
-from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
+from transformers import AutoModelForCausalLM, TrainingArguments
 from zero3_worker import head_inputs
 
 import hfpatch_core
 from hfpatch_core.plan import plan_of
-from hfpatch_core.testing.trainer import TrainerBatches
+from hfpatch_core.testing.deepspeed import DEFAULT_STEPS, in_order_trainer, training_arguments
 
-STEPS = 2
-LEARNING_RATE = 1e-2  # as hfpatch_core.testing.deepspeed's reference_training
-
-
-def arguments(out: str) -> TrainingArguments:
-    return TrainingArguments(
-        out,
-        max_steps=STEPS,
-        per_device_train_batch_size=3,
-        learning_rate=LEARNING_RATE,
-        logging_steps=1,
-        save_strategy="no",
-        report_to=[],
-        seed=0,
-        disable_tqdm=True,
-        use_cpu=True,
-        optim="sgd",
-        fsdp="full_shard",
-        fsdp_config={"fsdp_version": 2},
-    )
+STEPS = DEFAULT_STEPS
 
 
 def fsdp_on_cpu(args: TrainingArguments) -> None:
@@ -69,19 +50,14 @@ def fsdp_on_cpu(args: TrainingArguments) -> None:
 
 
 def run_case(name: str, checkpoint: str, packs: str, out: Path) -> dict[str, Any]:
-    args = arguments(str(out / name))
+    # reference_training's arguments, sharded by accelerate's FSDP2 plugin
+    args = training_arguments(str(out / name), STEPS, optim="sgd", fsdp="full_shard", fsdp_config={"fsdp_version": 2})
     fsdp_on_cpu(args)
     with hfpatch_core.enabled(packs=packs):
         model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
     plan = plan_of(model)
     observed = head_inputs(model)
-    dataset = TrainerBatches(int(model.config.vocab_size), pad_token_id=0, repeats=2 * STEPS)
-
-    class InOrder(Trainer):
-        def _get_train_sampler(self, *args: Any, **kwargs: Any) -> Any:
-            return torch.utils.data.SequentialSampler(dataset)
-
-    trainer = InOrder(model=model, args=args, train_dataset=dataset)
+    trainer = in_order_trainer(model, args, STEPS)
     trainer.train()
     wrapped = trainer.model_wrapped
     units = [n for n, m in wrapped.named_modules() if isinstance(m, FSDPModule)]

@@ -7,6 +7,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import hfpatch_pack_chunked_loss as chunked
 import pytest
 import torch
 from transformers import (
@@ -64,6 +65,15 @@ def load(path: Path, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="eager")
     model.train()
     return model
+
+
+def refused(model: PreTrainedModel) -> str:
+    """Why ``install`` refuses ``model``, which it must leave as it was."""
+    forward = model.forward
+    with pytest.raises(chunked.ChunkedLossRefused) as refusal:
+        chunked.install(model)
+    assert chunked.installed(model) is None and model.forward == forward
+    return str(refusal.value)
 
 
 @pytest.fixture(params=list(CASES))

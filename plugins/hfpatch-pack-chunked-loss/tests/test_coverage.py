@@ -15,11 +15,11 @@ from typing import Any
 import hfpatch_pack_chunked_loss as chunked
 import pytest
 import torch
-from hfpatch_pack_chunked_loss import ChunkedLossRefused, HeadTransform, LossKind
+from hfpatch_pack_chunked_loss import HeadTransform, LossKind
 from transformers import AutoModelForCausalLM, BartConfig, BertConfig, LlamaForCausalLM
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 
-from conftest import VOCAB, load
+from conftest import VOCAB, load, refused
 from hfpatch_core.testing import tiny_checkpoint
 from hfpatch_core.testing.zoo import verdict_of
 
@@ -266,20 +266,12 @@ def test_an_nn_linear_subclass_computing_nn_linears_forward(checkpoints: dict[st
     assert _step(model, input_ids=input_ids, labels=labels)[2].shape == (BATCH, SEQUENCE, VOCAB)
 
 
-def _refusal(model: Any) -> str:
-    forward = model.forward
-    with pytest.raises(ChunkedLossRefused) as refusal:
-        chunked.install(model)
-    assert chunked.installed(model) is None and model.forward == forward
-    return str(refusal.value)
-
-
 def test_an_nn_linear_subclass_that_computes_otherwise_is_refused(checkpoints: dict[str, Path]) -> None:
-    reason = _refusal(_with_head(load(checkpoints["llama"]), _OtherHead))
+    reason = refused(_with_head(load(checkpoints["llama"]), _OtherHead))
     assert reason.startswith("the LM head is a _OtherHead, an nn.Linear subclass whose forward does not compute")
     model = load(checkpoints["llama"])
     model.lm_head = _ScaledHead(model.lm_head)
-    assert _refusal(model) == (
+    assert refused(model) == (
         "the LM head is a _ScaledHead, an nn.Linear with parameters of its own (logit_scale) that its forward "
         "applies to the logits: the chunked loss computes a plain linear head"
     )

@@ -8,12 +8,11 @@ from typing import Any
 import hfpatch_pack_chunked_loss as chunked
 import pytest
 import torch
-from hfpatch_pack_chunked_loss import ChunkedLossRefused
 from torch import nn
 from transformers import LlamaForCausalLM
 from transformers.loss.loss_utils import ForCausalLMLoss
 
-from conftest import load
+from conftest import load, refused
 
 
 class _ClampedLlama(LlamaForCausalLM):
@@ -29,18 +28,10 @@ class _ClampedLlama(LlamaForCausalLM):
         return out
 
 
-def _refused(model: Any) -> str:
-    forward = model.forward
-    with pytest.raises(ChunkedLossRefused) as refusal:
-        chunked.install(model)
-    assert chunked.installed(model) is None and model.forward == forward
-    return str(refusal.value)
-
-
 def test_a_head_that_is_not_a_plain_linear(checkpoints: dict[str, Path]) -> None:
     model = load(checkpoints["llama"])
     model.lm_head = nn.Sequential(model.lm_head)
-    assert "the LM head is a Sequential, not a plain nn.Linear" in _refused(model)
+    assert "the LM head is a Sequential, not a plain nn.Linear" in refused(model)
 
 
 def test_a_loss_of_the_callers(checkpoints: dict[str, Path]) -> None:
@@ -51,7 +42,7 @@ def test_a_loss_of_the_callers(checkpoints: dict[str, Path]) -> None:
         return nn.functional.cross_entropy(shifted, labels[..., 1:].reshape(-1), label_smoothing=0.1)
 
     model.loss_function = label_smoothed
-    assert "vanilla's loss is not a token-wise cross-entropy over the head's output" in _refused(model)
+    assert "vanilla's loss is not a token-wise cross-entropy over the head's output" in refused(model)
 
 
 def test_a_loss_of_the_callers_that_computes_the_causal_lms_is_claimed(checkpoints: dict[str, Path]) -> None:
@@ -68,7 +59,7 @@ def test_a_loss_of_the_callers_that_computes_the_causal_lms_is_claimed(checkpoin
 
 def test_a_transform_that_is_neither_a_scale_nor_a_soft_cap(checkpoints: dict[str, Path]) -> None:
     model = _ClampedLlama.from_pretrained(checkpoints["llama"], attn_implementation="eager")
-    assert "neither the identity, a scale, a soft-cap nor a scale then a soft-cap" in _refused(model)
+    assert "neither the identity, a scale, a soft-cap nor a scale then a soft-cap" in refused(model)
     # the same checkpoint in vanilla's class is claimed: the refusal is the clamp's
     assert chunked.install(load(checkpoints["llama"])).transform == chunked.HeadTransform()
 
@@ -94,6 +85,6 @@ def test_a_sharded_head(checkpoints: dict[str, Path], tmp_path: Path) -> None:
         model = load(checkpoints["llama"])
         mesh = init_device_mesh("cpu", (1,))
         model.lm_head.weight = nn.Parameter(distribute_tensor(model.lm_head.weight.detach(), mesh, [Replicate()]))
-        assert "the LM head's weight is a DTensor (FSDP2 or tensor parallelism)" in _refused(model)
+        assert "the LM head's weight is a DTensor (FSDP2 or tensor parallelism)" in refused(model)
     finally:
         torch.distributed.destroy_process_group()

@@ -50,7 +50,7 @@ TEST_JOBS ?= 2
 # Subprocesses (the CLI, torchrun, docs commands) inherit it.
 SUITE_ENV := OMP_NUM_THREADS=1
 
-.PHONY: all help venv venv-oldest demo dist release-dist release-check test checks lint typecheck docs unit unit-oldest core core-oldest pack-suites pack-suites-oldest zoo compat interop clean bench-libraries
+.PHONY: all help venv venv-oldest venv-interop demo dist release-dist release-check test checks lint typecheck docs unit unit-oldest core core-oldest pack-suites pack-suites-oldest zoo compat interop clean bench-libraries
 
 all: test
 
@@ -64,7 +64,7 @@ help:
 	@echo "dist                the wheels of hfpatch-core and of every first-party pack, in dist/"
 	@echo "release-dist        the sdists and wheels a release uploads (hfpatch-core and every first-party pack), in dist/"
 	@echo "release-check       release-dist, twine check, then the wheels installed in a fresh venv: hfpatch list and verify"
-	@echo "test                everything CI runs (.ci/run): checks, the core and pack suites on both venvs"
+	@echo "test                everything CI runs (.ci/run): checks, the core and pack suites on both venvs, the interop suite"
 	@echo "checks              lint, typecheck and docs"
 	@echo "lint                ruff check, ruff format --check and import-linter"
 	@echo "typecheck           mypy"
@@ -77,7 +77,8 @@ help:
 	@echo "pack-suites-oldest  the same on .venv-oldest"
 	@echo "zoo                 every first-party pack on every causal-LM model type, written to docs/zoo.md (tens of minutes)"
 	@echo "compat              every transformers release in range and Python 3.10 / 3.13, written to docs/compatibility.md"
-	@echo "interop             the llm-compressor interop suite, in .venv-interop"
+	@echo "venv-interop        .venv-interop: llm-compressor 0.14 and the transformers it pins (5.17.0), the first-party packs"
+	@echo "interop             the llm-compressor interop suite (interop/), in .venv-interop"
 	@echo "clean               remove the venvs and the build and tool caches"
 	@echo "bench-libraries     .venv/bench-libraries: Cut Cross-Entropy for bench/chunked_loss.py (not a test dependency)"
 
@@ -243,10 +244,10 @@ checks: lint typecheck docs
 # Every check, two jobs at a time (TEST_JOBS): the venvs, then lint, mypy and the docs, then
 # each core suite (two workers of its own), then the eight pack suites.
 test:
-	$(MAKE) --no-print-directory -j$(TEST_JOBS) -Otarget venv venv-oldest
+	$(MAKE) --no-print-directory -j$(TEST_JOBS) -Otarget venv venv-oldest venv-interop
 	$(MAKE) --no-print-directory -j$(TEST_JOBS) -Otarget checks
 	$(MAKE) --no-print-directory core core-oldest
-	$(MAKE) --no-print-directory -j$(TEST_JOBS) -Otarget pack-suites pack-suites-oldest
+	$(MAKE) --no-print-directory -j$(TEST_JOBS) -Otarget pack-suites pack-suites-oldest interop
 
 # The zoo table: every first-party pack against every causal-LM and image-text-to-text model type of the newest
 # supported transformers (one `hfpatch verify PACK... --all-model-types`: a checkpoint per model type
@@ -276,9 +277,10 @@ COMPAT_PYTHONS ?= python3.10 python3.13
 compat: $(VENV_COMPAT)/.installed
 	$(PYTHON) .ci/compat.py --venv $(VENV_COMPAT) --packs-site $(VENV_COMPAT)/first-party-packs --pythons $(COMPAT_PYTHONS) --write docs/compatibility.md
 
-# llm-compressor interop (not part of `make test` / .ci/run): llmcompressor 0.14.0.1 pins
-# transformers 5.17.0, so it gets a venv of its own, torch pinned to the CPU wheel
-# (constraints-interop.txt). The suite is interop/, outside the default testpaths.
+# llm-compressor interop (part of `make test`): llmcompressor 0.14.0.1 pins transformers
+# 5.17.0, so it gets a venv of its own, torch pinned to the CPU wheel (constraints-interop.txt).
+# The suite is interop/, outside the default testpaths: the packs' conversions of quantized
+# checkpoints, their experts under llm-compressor's calibration, the saves and reloads.
 VENV_INTEROP ?= .venv-interop
 BIN_INTEROP := $(VENV_INTEROP)/bin
 PACKS_SITE_INTEROP := $(VENV_INTEROP)/first-party-packs
@@ -293,8 +295,11 @@ $(PACKS_SITE_INTEROP)/.installed: $(VENV_INTEROP)/.installed $(PLUGIN_SOURCES)
 	$(BIN_INTEROP)/python -m pip install $(PIP_FLAGS) --no-deps --no-build-isolation --target $(PACKS_SITE_INTEROP) $(PLUGINS)
 	touch $@
 
-interop: $(VENV_INTEROP)/.installed $(PACKS_SITE_INTEROP)/.installed
-	cd interop && USE_HUB_KERNELS=0 PYTHONPATH=$(CURDIR)/$(PACKS_SITE_INTEROP) $(CURDIR)/$(BIN_INTEROP)/python -m pytest $(PYTEST_FLAGS) -p no:cacheprovider test_llmcompressor.py
+venv-interop: $(VENV_INTEROP)/.installed $(PACKS_SITE_INTEROP)/.installed
+
+interop: venv-interop
+	@echo "== interop (llm-compressor)"
+	cd interop && $(SUITE_ENV) PYTHONPATH=$(CURDIR)/$(PACKS_SITE_INTEROP) $(CURDIR)/$(BIN_INTEROP)/python -m pytest $(PYTEST_FLAGS) -p no:cacheprovider .
 
 clean:
 	rm -rf $(VENV) $(VENV_OLDEST) $(VENV_COMPAT) $(VENV_INTEROP) $(RELEASE_VENV) .site .pytest_cache .mypy_cache .ruff_cache

@@ -29,8 +29,6 @@ suite tests (5.24.0, 5.3.0), so it gets a venv of its own. What these tests pin:
 from __future__ import annotations
 
 import importlib.util
-import sys
-import types
 from pathlib import Path
 
 import pytest
@@ -40,6 +38,7 @@ from transformers import AutoModelForCausalLM, monkey_patching
 from transformers.models.qwen2_moe import modeling_qwen2_moe
 
 import hfpatch_core
+from conftest import broken_alias_modules
 from hfpatch_core import PackWarning
 from hfpatch_core._runtime.snapshot import GlobalState
 from hfpatch_core.testing import tiny_checkpoint
@@ -48,27 +47,9 @@ transformers.utils.logging.disable_progress_bar()
 HAS_TORCHVISION = importlib.util.find_spec("torchvision") is not None
 
 
-def broken_alias_modules() -> list[str]:
-    """transformers 5.17's alias modules whose ``dir()`` raises (torchvision missing)."""
-    broken = []
-    for name, module in list(sys.modules.items()):
-        if type(module) is types.ModuleType and "__dir__" in vars(module) and name.startswith("transformers"):
-            try:
-                dir(module)
-            except ImportError:
-                broken.append(name)
-    return broken
-
-
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tiny_checkpoint("qwen2_moe", tmp_path_factory.mktemp("qwen2-moe"))
-
-
-@pytest.fixture
-def defused() -> None:
-    for name in broken_alias_modules():
-        sys.modules[name].__dir__ = list  # type: ignore[method-assign]
 
 
 @pytest.fixture(autouse=True)

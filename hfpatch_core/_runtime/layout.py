@@ -28,7 +28,9 @@ from ..authoring.sized import PartNotInCheckpoint, parts_not_in_checkpoint
 from ..conversion import pattern_regex, source_patterns_of, target_patterns_of
 from ..errors import PackWarning, WeightLayoutError
 from ..plan import BUILTIN, Plan, plan_of
+from ..settings import strict_from_env
 from . import provenance
+from .saving import staged_save
 from .state_dicts import full_shapes, guard_loading, refuse_partitioned_save, reversible_conversions
 
 logger = logging.getLogger("hfpatch")
@@ -331,18 +333,25 @@ def _quantized(model: nn.Module) -> bool:
     return any(tensor.dtype in _QUANTIZED_DTYPES for tensor in model.state_dict().values())
 
 
-def verify_save_layout(model: nn.Module, plan: Plan) -> None:
-    """Raise ``WeightLayoutError`` if saving ``model`` would not write the original layout."""
+def verify_save_layout(model: nn.Module, plan: Plan, *, strict: bool = False) -> None:
+    """Raise ``WeightLayoutError`` if saving ``model`` would not write the original layout.
+
+    A conversion that refuses (a ``WeightLayoutError``: a quantized tensor a pack cannot
+    split back) is raised as it is; one that cannot run on meta tensors at all is a
+    ``PackWarning`` and the save goes on unchecked, unless ``strict``.
+    """
     try:
         written = planned_save_layout(model)
         expected = vanilla_layout(model, plan)
+    except WeightLayoutError:
+        raise
     except Exception as exc:  # an operation that cannot run on meta tensors
-        warnings.warn(
-            f"hfpatch could not check the layout {type(model).__name__} will be saved in "
-            f"({type(exc).__name__}: {exc}); saving without the check.",
-            PackWarning,
-            stacklevel=3,
+        message = (
+            f"hfpatch could not check the layout {type(model).__name__} will be saved in ({type(exc).__name__}: {exc})"
         )
+        if strict:
+            raise WeightLayoutError(f"{message}; strict mode (HF_PATCH_STRICT=1) refuses to save unchecked.") from exc
+        warnings.warn(f"{message}; saving without the check.", PackWarning, stacklevel=3)
         return
     problems = layout_differences(written, expected, quantized=_quantized(model))
     if problems:
@@ -378,11 +387,16 @@ def _guarded_save_pretrained(self: Any, *args: Any, **kwargs: Any) -> Any:
     refuse_partitioned_save(self, kwargs.get("state_dict", args[2] if len(args) > 2 else None))
     # with PEFT adapters loaded (add_adapter), transformers writes the adapter alone, as it is
     peft = getattr(self, "_hf_peft_config_loaded", False)
+    strict = getattr(self, _SAVE_GUARD, None) == "strict" or strict_from_env()
     if plan is not None and kwargs.get("save_original_format", True) and not peft:
-        verify_save_layout(self, plan)
-    result = type(self).save_pretrained(self, *args, **kwargs)
+        verify_save_layout(self, plan, strict=strict)
     directory = args[0] if args else kwargs.get("save_directory")
-    if plan is not None and directory is not None and kwargs.get("is_main_process", True):
+    if directory is None:
+        return type(self).save_pretrained(self, *args, **kwargs)
+    result = staged_save(
+        self, directory, args[1:] if args else (), {k: v for k, v in kwargs.items() if k != "save_directory"}
+    )
+    if plan is not None and kwargs.get("is_main_process", True):
         provenance.write(directory, plan)
     return result
 
@@ -409,12 +423,13 @@ class SaveGuard:
         return (SaveGuard, (self.__self__,))
 
 
-def guard_saving(model: nn.Module, plan: Plan) -> None:
-    """Make ``model.save_pretrained`` check the layout first (this instance only)."""
+def guard_saving(model: nn.Module, plan: Plan, *, strict: bool = False) -> None:
+    """Make ``model.save_pretrained`` check the layout first (this instance only); ``strict``: a
+    layout it cannot check is an error, not a warning."""
     if not plan.touches_weights:
         return
     object.__setattr__(model, "save_pretrained", SaveGuard(model))
-    object.__setattr__(model, _SAVE_GUARD, True)
+    object.__setattr__(model, _SAVE_GUARD, "strict" if strict else True)
 
 
 def _signature(transform: Any) -> tuple[str, tuple[str, ...], tuple[str, ...]]:
@@ -455,7 +470,7 @@ def secure(model: nn.Module, plan: Plan, loading_info: Mapping[str, Any] | None,
     if loading_info is not None and plan.touches_weights:
         # after the conversions are settled: its messages spell keys as the checkpoint does, through them
         check_loading_info(model, plan, loading_info, strict=strict)
-    guard_saving(model, plan)
+    guard_saving(model, plan, strict=strict)
     # Trainer's resume loads the original layout (hfpatch_core._runtime.state_dicts): a model a pack
     # touched needs it, and so does one whose load ran transformers' own conversions (5.25
     # stacks Qwen2-MoE's experts), which vanilla load_state_dict drops

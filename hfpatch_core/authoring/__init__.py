@@ -5,7 +5,11 @@ errors) and this package; nothing under a leading underscore.  What is here is s
 within a minor release:
 
 * ``sized``: ``SizedConcatenate`` / ``SizedSplit``, exactly reversible fusing of tensors of
-  different sizes, with each rank's cut under transformers' sharded loads;
+  different sizes, with each rank's cut under transformers' sharded loads, and
+  ``fused_linear_converters``, the converters of fused linears' whole tensor families;
+* ``families``: how each tensor of a quantized linear (compressed-tensors' ``weight_packed``,
+  ``weight_scale``, ``weight_shape``, ``input_scale``, ...) fuses and splits (``fuse_member``,
+  ``split_member``, ``describe_scheme``);
 * ``packing``: packed modules, which original projections a fused one stands for
   (``PACKED_MODULES``, ``packed_outputs``, ``expose_parts``);
 * ``fusion``: fusing ``nn.Linear`` projections that read the same input
@@ -35,7 +39,7 @@ within a minor release:
 from __future__ import annotations
 
 from ..conversion import source_patterns_of, target_patterns_of
-from . import calls, classes, experts, fusion, lists, meta, packing, peft, probes, shrink, sized, views
+from . import calls, classes, experts, families, fusion, lists, meta, packing, peft, probes, shrink, sized, views
 from ._pages import release as release_pages
 from .calls import same_input
 from .classes import RuntimeClassMeta, runtime_class
@@ -47,6 +51,7 @@ from .experts import (
     StackExperts,
     split_converters,
 )
+from .families import describe_scheme, fuse_member, member_of, split_member
 from .fusion import QKV_PROJECTIONS, FusedQKVAttentionBase, forward_for, fuse_projections, linear_like, local_sizes
 from .lists import conversion_key, conversion_lists
 from .meta import build_on_meta, nested_loads
@@ -54,7 +59,7 @@ from .packing import PACKED_MODULES, PACKED_SIZES, PackedLinear, PackedPart, pac
 from .peft import HIDDEN_FROM_ADAPTERS
 from .probes import class_keys_supported, parallel_modes
 from .shrink import SHRUNK_SIZES, shrunk_config, shrunk_instance
-from .sized import SizedConcatenate, SizedSplit
+from .sized import SizedConcatenate, SizedSplit, fused_linear_converters
 from .views import FusedViewsMixin, ProjectionView, SharedProjection, fusable_parts, fuse_as_views, fused_views_class
 
 __all__ = [
@@ -83,16 +88,21 @@ __all__ = [
     "classes",
     "conversion_key",
     "conversion_lists",
+    "describe_scheme",
     "experts",
+    "families",
     "forward_for",
     "fusable_parts",
     "fuse_as_views",
+    "fuse_member",
     "fuse_projections",
+    "fused_linear_converters",
     "fused_views_class",
     "fusion",
     "linear_like",
     "lists",
     "local_sizes",
+    "member_of",
     "meta",
     "nested_loads",
     "packed_modules",
@@ -110,6 +120,7 @@ __all__ = [
     "sized",
     "source_patterns_of",
     "split_converters",
+    "split_member",
     "target_patterns_of",
     "views",
 ]

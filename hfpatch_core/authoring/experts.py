@@ -31,6 +31,10 @@ from typing import Any
 import torch
 from transformers.core_model_loading import ConversionOps, WeightConverter, WeightRenaming
 
+from ..errors import WeightLayoutError
+from .families import describe_scheme
+from .sized import pattern_name
+
 __all__ = [
     "ExpertsSlicing",
     "LoadOnlySplitConverter",
@@ -148,6 +152,29 @@ class SplitExperts(ConversionOps):
         return StackExperts(self.slicing)
 
 
+def _refuse_quantized(kwargs: dict[str, Any], target_pattern: str) -> None:
+    """Refuse to stack a quantized linear's tensors (``weight_packed``, ``weight_scale``, ...) into one 3-D tensor.
+
+    transformers matches ``experts.*.gate_proj.weight`` by prefix, so a quantized model's
+    ``weight_packed`` reaches this reverse too; stacked, it would be saved under a name
+    (``gate_up_proj_packed``) that neither transformers nor vLLM reads.  Raised while the
+    save guard runs the conversions on meta tensors, before anything is written.
+    """
+    full = kwargs.get("full_layer_name")
+    if not isinstance(full, str):
+        return
+    stem = pattern_name(target_pattern).rsplit(".", 1)[-1]
+    last = full.rsplit(".", 1)[-1]
+    if last == stem or not last.startswith(stem):
+        return
+    raise WeightLayoutError(
+        f"{full}: the per-expert linears are quantized ({describe_scheme(kwargs.get('model'), kwargs.get('config'))}), "
+        f"and the checkpoint of this family stores its experts 3-D ({pattern_name(target_pattern)}), which holds no "
+        "quantized tensors. Nothing was written; save the per-expert layout with "
+        "save_pretrained(..., save_original_format=False), which transformers loads with the pack."
+    )
+
+
 class StackExperts(ConversionOps):
     """Per-expert tensors (the sources, ``*`` the expert, in expert order) back into the 3-D tensor.
 
@@ -167,6 +194,7 @@ class StackExperts(ConversionOps):
     ) -> dict[str, Any]:
         if len(target_patterns) != 1:
             raise ValueError(f"StackExperts writes one 3-D tensor, got targets {target_patterns}")
+        _refuse_quantized(kwargs, target_patterns[0])
         # the parts in the converter's order (gate, then up), whatever order the dict holds them in
         lists = [input_dict.pop(pattern) for pattern in source_patterns if pattern in input_dict]
         lists = [value if isinstance(value, list) else [value] for value in lists]

@@ -29,6 +29,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..errors import AdapterError
+
 __all__ = [
     "PACKED_MODULES",
     "PACKED_SIZES",
@@ -187,6 +189,26 @@ class PackedPart(nn.Linear):
             )
         with torch.no_grad():
             current.copy_(value)
+
+    def register_parameter(self, name: str, param: nn.Parameter | None) -> None:
+        """Refuse a tensor of its own: a part is rows of the fused weight and owns none.
+
+        A tool that quantizes ``nn.Linear`` modules by adding tensors to them
+        (compressed-tensors' ``weight_scale`` under llm-compressor's ``oneshot``) would act on
+        a view whose forward reads the fused weight: it would calibrate and save scales of
+        weights the model never quantizes.  ``weight`` / ``bias`` assigned as parameters are
+        copied into the part's rows, as a tensor assigned to them is.
+        """
+        if name in ("weight", "bias") and param is not None:
+            setattr(self, name, param.data)
+            return
+        raise AdapterError(
+            f"{type(self).__name__} (rows [{self.start}, {self.stop}) of a fused projection) owns no tensor, so "
+            f"{name!r} cannot be added to it: a tool that adds tensors to nn.Linear modules (a quantizer's scales: "
+            "llm-compressor, compressed-tensors) would act on a view of the fused weight, not on what the forward "
+            "computes. Quantize the model loaded without the pack that fused it (HF_PATCH_PACKS=all,-PACK); "
+            "vLLM fuses a quantized checkpoint's projections itself."
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)

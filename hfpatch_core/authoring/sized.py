@@ -4,7 +4,10 @@ transformers' ``Concatenate`` cannot be reversed without the sizes of its parts,
 that fuses tensors of different sizes (q and a smaller k/v) uses these: each records the
 sizes and splits back exactly on save.  Under transformers' sharded loads (tensor
 parallelism, FSDP2) they cut each rank's share of the fused tensor from the checkpoint's
-parts, and release the checkpoint pages they read (``_pages``).
+parts, and release the checkpoint pages they read (``_pages``).  A quantized checkpoint's
+tensors (compressed-tensors' ``weight_packed``, ``weight_scale``, ``weight_shape``,
+``input_scale``, ...) fuse and split member by member (``families``);
+``fused_linear_converters`` builds the converters of a whole family.
 """
 
 from __future__ import annotations
@@ -15,12 +18,13 @@ import weakref
 from collections.abc import Sequence
 from typing import Any
 
-from transformers.core_model_loading import ConversionOps
+from transformers.core_model_loading import ConversionOps, WeightConverter
 
 from ..errors import InvalidPatchError
 from ._pages import release, trim_heap
+from .families import ACTIVATIONS, PLAIN, fuse_member, member_of, split_member
 
-__all__ = ["SizedConcatenate", "SizedSplit"]
+__all__ = ["SizedConcatenate", "SizedSplit", "fused_linear_converters"]
 
 
 #: model being loaded -> the parts of fused tensors a ``SizedConcatenate`` did not find in the
@@ -35,7 +39,7 @@ _NOT_IN_CHECKPOINT: weakref.WeakKeyDictionary[Any, list[PartNotInCheckpoint]] = 
 _NOT_A_NAME = re.compile(r"\(\?<?[!=][^)]*\)|^\^|\$$")
 
 
-def _pattern_name(pattern: str) -> str:
+def pattern_name(pattern: str) -> str:
     """The name a converter's source or target ``pattern`` matches, as a checkpoint spells it:
     look-arounds and anchors dropped, escaped dots plain (``self_attn.k_proj.weight(?!@llama)``
     -> ``self_attn.k_proj.weight``)."""
@@ -47,7 +51,7 @@ def _checkpoint_key(full_target: str | None, target_pattern: str, source_pattern
     name the target pattern matches): ``model.layers.0.self_attn.k_proj.weight`` for
     ``model.layers.0.self_attn.qkv_proj.weight``; the source's name alone where the target
     is not in it."""
-    target, source = _pattern_name(target_pattern), _pattern_name(source_pattern)
+    target, source = pattern_name(target_pattern), pattern_name(source_pattern)
     if not full_target or target not in full_target:
         return source
     prefix, _, suffix = full_target.partition(target)
@@ -320,8 +324,22 @@ class SizedConcatenate(ConversionOps):
                 continue
             value = input_dict.pop(pattern)
             tensors.extend(value if isinstance(value, list) else [value])
-        found = tuple(int(tensor.shape[self.dim]) for tensor in tensors)
         keys = [_checkpoint_key(target, target_patterns[0], pattern) for pattern in source_patterns]
+        member = member_of(target)
+        if member not in PLAIN:  # a quantized linear's scale, packed weight, shape record, ...
+            fused_member = fuse_member(
+                member,
+                tensors,
+                self.sizes,
+                self.dim,
+                keys,
+                model=kwargs.get("model"),
+                config=kwargs.get("config"),
+                target=str(target or ""),
+            )
+            release(tensors)
+            return {target_patterns[0]: fused_member}
+        found = tuple(int(tensor.shape[self.dim]) for tensor in tensors)
         if len(present) == len(self.sizes) and not all(present) and tensors:
             return {target_patterns[0]: self._with_parts_missing(tensors, present, keys, kwargs)}
         fully_sharded = _fully_sharded_target(kwargs.get("model"), target, self.dim)
@@ -403,6 +421,21 @@ class SizedSplit(ConversionOps):
             raise ValueError(f"{self!r} splits one tensor into {len(self.sizes)}, got targets {target_patterns}")
         value = next(iter(input_dict.values()))
         tensor = value[0] if isinstance(value, list) else value
+        key = kwargs.get("full_layer_name")
+        member = member_of(key)
+        if member not in PLAIN:  # a quantized linear's scale, packed weight, shape record, ...
+            fused = str(key).replace(pattern_name(target_patterns[0]), pattern_name(source_patterns[0]))
+            members = split_member(
+                member,
+                tensor,
+                self.sizes,
+                self.dim,
+                str(key),
+                model=kwargs.get("model"),
+                config=kwargs.get("config"),
+                fused=fused,
+            )
+            return dict(zip(target_patterns, members, strict=True))
         if int(tensor.shape[self.dim]) != sum(self.sizes):
             raise ValueError(
                 f"{self!r}: tensor of shape {tuple(tensor.shape)} has {tensor.shape[self.dim]} along dim {self.dim}, "
@@ -414,3 +447,36 @@ class SizedSplit(ConversionOps):
     @property
     def reverse_op(self) -> ConversionOps:
         return SizedConcatenate(self.dim, self.sizes)
+
+
+def fused_linear_converters(
+    path: str, parts: Sequence[str], fused: str, sizes: Sequence[int], *, bias: bool = False
+) -> list[WeightConverter]:
+    """The converters that fuse the ``nn.Linear`` children ``parts`` of the modules at ``path`` into ``fused``.
+
+    One ``SizedConcatenate`` converter for the weights (their quantized tensors too:
+    transformers matches the pattern ``q_proj.weight`` by prefix, so ``weight_packed``,
+    ``weight_scale``, ``weight_shape``, ... reach it one at a time), one for the biases
+    when ``bias``, and one for a quantized linear's static activation parameters
+    (``input_scale``, ``input_zero_point``, ``input_global_scale``); ``save_pretrained``
+    reverses each to an exact ``SizedSplit``.  A pattern no checkpoint tensor matches
+    converts nothing.
+
+    Args:
+        path: the parent modules' attribute path as the checkpoint's keys spell it (``"self_attn"``).
+        parts: the linears fused, in order (``("q_proj", "k_proj", "v_proj")``).
+        fused: the fused linear's name (``"qkv_proj"``).
+        sizes: each part's output rows, in order.
+        bias: the parts have biases.
+    """
+    prefix = f"{path}." if path else ""
+    suffixes = ("weight", "bias", ACTIVATIONS) if bias else ("weight", ACTIVATIONS)
+    # operations= by keyword: the third positional field differs between 5.3 and later
+    return [
+        WeightConverter(
+            source_patterns=[f"{prefix}{part}.{suffix}" for part in parts],
+            target_patterns=f"{prefix}{fused}.{suffix}",
+            operations=[SizedConcatenate(dim=0, sizes=sizes)],
+        )
+        for suffix in suffixes
+    ]

@@ -24,11 +24,9 @@ import dataclasses
 from collections.abc import Iterable
 from typing import Any
 
-from transformers.core_model_loading import WeightConverter
-
 import hfpatch_core
 from hfpatch_core import Converter, LoadContext, Patch, Refusal
-from hfpatch_core.authoring import SizedConcatenate, conversion_key, conversion_lists
+from hfpatch_core.authoring import conversion_key, conversion_lists, fused_linear_converters
 
 from .detection import Detection, Site, builds_reason, built_part, builtin_converters, detect, model_class_for
 from .modules import FusedDense, fused_class
@@ -80,19 +78,13 @@ class Fusion:
         return Patch(self.original.__name__, self.replacement, priority=PRIORITY)
 
     def converter(self, model_type: str) -> Converter:
-        """``SizedConcatenate`` of the parts into the fused tensor, per site, for weights and biases."""
-        transforms = []
-        for site in self.sites:
-            fused, parts = site.fused, site.parts
-            for suffix in ("weight", "bias") if site.bias else ("weight",):
-                # operations= by keyword: the third positional field differs between 5.3 and later
-                transforms.append(
-                    WeightConverter(
-                        source_patterns=[f"{site.path}.{part}.{suffix}" for part in parts],
-                        target_patterns=f"{site.path}.{fused}.{suffix}",
-                        operations=[SizedConcatenate(dim=0, sizes=site.sizes)],
-                    )
-                )
+        """``SizedConcatenate`` of the parts into the fused tensor, per site, for weights and biases (and a
+        quantized checkpoint's tensors: ``fused_linear_converters``)."""
+        transforms = [
+            converter
+            for site in self.sites
+            for converter in fused_linear_converters(site.path, site.parts, site.fused, site.sizes, bias=site.bias)
+        ]
         return Converter(model_type, tuple(transforms), priority=PRIORITY, patch_targets=(self.original.__name__,))
 
 
@@ -154,11 +146,25 @@ def refusals(config: Any, model_class_name: str | None = None) -> dict[str, str]
         if _composite(config) and not SCOPED_SUB_MODELS
         else {}
     )
+    quantized = {name: QUANTIZED for name in detection.originals} if _quantized(config) else {}
     return {
         **detection.rejected,
         **_builtin_conversion_problems([getattr(config, "model_type", None), model_class_name], detection),
         **composite,
+        **quantized,
     }
+
+
+#: Why a quantized checkpoint's classes are left alone.
+QUANTIZED = (
+    "a quantized checkpoint: its projections load as the quantizer's own modules, one per projection, whose "
+    "tensors the fused projection's views cannot hold (vLLM fuses a quantized checkpoint's projections itself)"
+)
+
+
+def _quantized(config: Any) -> bool:
+    """Whether ``config`` is a quantized checkpoint's (``quantization_config``: compressed-tensors, GPTQ, ...)."""
+    return getattr(config, "quantization_config", None) is not None
 
 
 def _scoped_sub_models() -> bool:
@@ -235,6 +241,8 @@ def fusions_for(context: LoadContext) -> list[Fusion]:
         else set(detection.originals)
     )
     refused = _builtin_conversion_problems(conversion_lists(context), detection)
+    if _quantized(context.config):
+        return []
     fusions = [
         Fusion(original, fused_class(original, detection.groups(name)), detection.classes()[name])
         for name, original in detection.originals.items()

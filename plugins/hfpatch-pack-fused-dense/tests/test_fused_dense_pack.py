@@ -384,7 +384,8 @@ def test_converters_follow_the_detected_sizes(case: Case) -> None:
     expected = set()
     for _, path, sizes, bias in expected_sites(config):
         parts = ("q_proj", "k_proj", "v_proj") if path == "self_attn" else ("gate_proj", "up_proj")
-        for suffix in ("weight", "bias") if bias else ("weight",):
+        # the weights (and a quantized checkpoint's weight_* tensors), the biases, the static activation parameters
+        for suffix in ("weight", "bias", "input_") if bias else ("weight", "input_"):
             expected.add((tuple(f"{path}.{part}.{suffix}" for part in parts), sizes))
     assert transforms == expected
 

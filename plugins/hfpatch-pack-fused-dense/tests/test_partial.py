@@ -196,5 +196,6 @@ def test_the_fused_pair_declares_its_sharding_and_converter(biogpt: Path) -> Non
     patterns = sorted(tuple(transform.source_patterns) for transform in converter.transforms)
     assert patterns == [
         ("self_attn.k_proj.bias", "self_attn.v_proj.bias"),
+        ("self_attn.k_proj.input_", "self_attn.v_proj.input_"),  # a quantized checkpoint's activation scales
         ("self_attn.k_proj.weight", "self_attn.v_proj.weight"),
     ]

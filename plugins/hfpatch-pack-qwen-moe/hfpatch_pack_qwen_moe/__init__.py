@@ -24,11 +24,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from transformers.core_model_loading import WeightConverter
-
 import hfpatch_core
 from hfpatch_core import Converter, LoadContext, Patch
-from hfpatch_core.authoring import ExpertsSlicing, SizedConcatenate, split_converters
+from hfpatch_core.authoring import ExpertsSlicing, fused_linear_converters, split_converters
 
 from .attention import FusedQKVAttention, Qwen2MoeFusedQKVAttention, Qwen3MoeFusedQKVAttention
 from .experts import ExpertMLP, PerExpertExperts
@@ -53,7 +51,7 @@ __all__ = [
 #: WeightConverter of qwen2_moe / qwen3_moe), as written in ``conversion_mapping.py``.
 BUILTIN_EXPERT_FUSION = ("mlp.experts.*.gate_proj.weight", "mlp.experts.*.down_proj.weight")
 
-_QKV_PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
+_QKV_PROJECTIONS = ("q_proj", "k_proj", "v_proj")
 
 #: transformers' own layout of the experts (its experts class's, what an unpatched model's
 #: ``state_dict()`` and ``save_pretrained(save_original_format=False)`` hold): ``gate_up_proj``
@@ -101,15 +99,6 @@ def qkv_sizes(config: Any) -> tuple[int, int, int]:
     return heads * head_dim, kv_heads * head_dim, kv_heads * head_dim
 
 
-def _fuse(suffix: str, sizes: tuple[int, int, int]) -> WeightConverter:
-    # operations= by keyword: the third positional field differs between 5.3 and later.
-    return WeightConverter(
-        source_patterns=[f"{projection}.{suffix}" for projection in _QKV_PROJECTIONS],
-        target_patterns=f"self_attn.qkv_proj.{suffix}",
-        operations=[SizedConcatenate(dim=0, sizes=sizes)],
-    )
-
-
 @hfpatch_core.hookimpl
 def provide_patches(context: LoadContext) -> list[Patch]:
     """The experts patch for a qwen2_moe / qwen3_moe load, and the attention patch when the config is known.
@@ -138,7 +127,9 @@ def provide_converters(context: LoadContext) -> list[Converter]:
     * attention (only with a config, which gives the sizes): q/k/v weights, and biases
       where the config gives them, concatenated into ``qkv_proj`` by
       ``SizedConcatenate``, which ``save_pretrained``
-      reverses to an exact split.
+      reverses to an exact split; a quantized checkpoint's tensors (compressed-tensors'
+      ``weight_packed``, ``weight_scale``, ``input_scale``, ...) likewise
+      (``fused_linear_converters``).
     """
     model_type = context.model_type or ""
     family = FAMILIES.get(model_type)
@@ -148,9 +139,7 @@ def provide_converters(context: LoadContext) -> list[Converter]:
     converters = [Converter(model_type, stacked, replaces=BUILTIN_EXPERT_FUSION)]
     config = context.config
     if config is not None:
-        sizes = qkv_sizes(config)
-        fusions = [_fuse("weight", sizes)]
-        if getattr(config, family.bias_attribute, False):
-            fusions.append(_fuse("bias", sizes))
+        bias = bool(getattr(config, family.bias_attribute, False))
+        fusions = fused_linear_converters("self_attn", _QKV_PROJECTIONS, "qkv_proj", qkv_sizes(config), bias=bias)
         converters.append(Converter(model_type, tuple(fusions)))
     return converters

@@ -116,7 +116,8 @@ def test_qkv_converter_sizes_follow_the_config(name: str) -> None:
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     expected = (4 * head_dim, 2 * head_dim, 2 * head_dim)
     assert qkv_sizes(config) == expected
-    suffixes = ["weight", "bias"] if getattr(config, family.bias_attribute) else ["weight"]
+    # the weights (and a quantized checkpoint's weight_* tensors), the biases, the static activation parameters
+    suffixes = ["weight", "bias", "input_"] if getattr(config, family.bias_attribute) else ["weight", "input_"]
     assert [t.operations[0].sizes for t in fused] == [expected] * len(suffixes)
     assert all(isinstance(t.operations[0], SizedConcatenate) for t in fused)
     assert [source_patterns_of(t) for t in fused] == [

@@ -1,0 +1,192 @@
+"""A quantized linear's tensor families through the sized operations, and a save that fails writing nothing.
+
+The families are compressed-tensors' (llm-compressor's checkpoints): the real tool runs in
+``interop/test_schemes.py`` (``make interop``); here the operations meet tensors of the
+shapes and dtypes it writes, so that the rules hold on every release of the core suite.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors import safe_open
+from transformers import AutoModelForCausalLM
+
+import hfpatch_core
+from hfpatch_core import WeightLayoutError
+from hfpatch_core.authoring import SizedConcatenate, describe_scheme, fused_linear_converters
+from packs import PackSpec, fused_qkv_pack
+
+SIZES = (32, 16, 16)
+SOURCES, TARGET = ["q_proj.weight", "k_proj.weight", "v_proj.weight"], ["qkv_proj.weight"]
+W4A16 = {
+    "quant_method": "compressed-tensors",
+    "format": "pack-quantized",
+    "config_groups": {"group_0": {"weights": {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 8}}},
+}
+
+
+def family(rows: int, seed: int) -> dict[str, torch.Tensor]:
+    """One part's W4A16 asymmetric family, group 8 over 16 inputs: the shapes compressed-tensors writes."""
+    generator = torch.Generator().manual_seed(seed)
+    return {
+        "weight_packed": torch.randint(-(2**31), 2**31 - 1, (rows, 2), generator=generator, dtype=torch.int32),
+        "weight_scale": torch.rand(rows, 2, generator=generator),
+        "weight_zero_point": torch.randint(0, 2**31 - 1, (rows // 8, 2), generator=generator, dtype=torch.int32),
+        "weight_shape": torch.tensor([rows, 16]),
+        "weight_g_idx": torch.arange(16) // 8,
+        "input_scale": torch.tensor([0.25]),
+    }
+
+
+def fuse(member: str, parts: list[torch.Tensor], **kwargs) -> torch.Tensor:
+    full = f"model.layers.0.self_attn.qkv_proj.{member}"
+    return SizedConcatenate(0, SIZES).convert(
+        dict(zip(SOURCES, parts, strict=True)), SOURCES, TARGET, full_layer_name=full, **kwargs
+    )[TARGET[0]]
+
+
+def split(member: str, fused: torch.Tensor, **kwargs) -> list[torch.Tensor]:
+    full = f"model.layers.0.self_attn.q_proj.{member}"
+    out = SizedConcatenate(0, SIZES).reverse_op.convert(
+        {TARGET[0]: fused}, TARGET, SOURCES, full_layer_name=full, **kwargs
+    )
+    return [out[source] for source in SOURCES]
+
+
+@pytest.mark.parametrize("member", ["weight_packed", "weight_scale", "weight_zero_point", "weight_shape"])
+def test_each_member_of_a_quantized_family_fuses_and_splits_back_exactly(member) -> None:
+    parts = [family(rows, seed)[member] for seed, rows in enumerate(SIZES)]
+    fused = fuse(member, parts)
+    if member == "weight_shape":
+        assert fused.tolist() == [64, 16] and fused.dtype == torch.int64
+    else:
+        assert fused.shape[0] == sum(part.shape[0] for part in parts)
+    for back, part in zip(split(member, fused), parts, strict=True):
+        assert back.dtype == part.dtype and torch.equal(back, part)
+
+
+@pytest.mark.parametrize("member", ["weight_g_idx", "input_scale"])
+def test_what_is_one_per_input_is_held_once_and_given_back_to_every_part(member) -> None:
+    parts = [family(rows, 0)[member] for rows in SIZES]
+    fused = fuse(member, parts)
+    assert torch.equal(fused, parts[0])
+    assert all(torch.equal(back, fused) for back in split(member, fused))
+
+
+def test_per_tensor_scales_that_differ_are_refused_naming_tensors_and_scheme() -> None:
+    fp8 = {
+        "quant_method": "compressed-tensors",
+        "format": "float-quantized",
+        "config_groups": {
+            "group_0": {
+                "weights": {"num_bits": 8, "type": "float", "strategy": "tensor"},
+                "input_activations": {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False},
+            }
+        },
+    }
+    config = type("Config", (), {"quantization_config": fp8})()
+    same = [torch.tensor([0.5])] * 3
+    assert torch.equal(fuse("weight_scale", same, config=config), same[0])  # one scale: held once
+    with pytest.raises(WeightLayoutError) as raised:
+        fuse("weight_scale", [torch.tensor([0.5]), torch.tensor([0.25]), torch.tensor([0.5])], config=config)
+    message = str(raised.value)
+    assert "model.layers.0.self_attn.k_proj.weight_scale" in message and "differs between the parts" in message
+    assert "float-quantized: weights 8-bit float per tensor, activations 8-bit float per tensor (static)" in message
+
+
+def test_rows_that_do_not_fit_the_sizes_and_unknown_members_are_refused() -> None:
+    with pytest.raises(WeightLayoutError, match=r"weight_zero_point has 7 rows, which do not split into the parts"):
+        split("weight_zero_point", torch.zeros(7, 2, dtype=torch.int32))
+    with pytest.raises(WeightLayoutError, match=r"weight_scale has \[32, 16, 8\] rows"):
+        fuse("weight_scale", [torch.ones(32, 1), torch.ones(16, 1), torch.ones(8, 1)])
+    with pytest.raises(WeightLayoutError, match=r"does not know how to fuse the quantized tensor 'weight_mystery'"):
+        fuse("weight_mystery", [torch.ones(rows, 1) for rows in SIZES])
+    with pytest.raises(WeightLayoutError, match=r"records \[\[32, 16\], \[16, 8\], \[16, 16\]\]"):
+        fuse("weight_shape", [torch.tensor([32, 16]), torch.tensor([16, 8]), torch.tensor([16, 16])])
+
+
+def test_on_meta_tensors_the_members_keep_their_shapes() -> None:
+    parts = [torch.empty(rows, 2, device="meta") for rows in SIZES]
+    assert fuse("weight_scale", parts).shape == (64, 2)
+    assert [tuple(part.shape) for part in split("weight_shape", torch.empty(2, device="meta"))] == [(2,)] * 3
+    assert [tuple(part.shape) for part in split("input_scale", torch.empty(1, device="meta"))] == [(1,)] * 3
+
+
+def test_the_scheme_reads_as_a_user_names_it() -> None:
+    config = type("Config", (), {"quantization_config": W4A16})()
+    assert describe_scheme(config=config) == (
+        "compressed-tensors pack-quantized: weights 4-bit int per group of 8, activations unquantized"
+    )
+
+
+def test_fused_linear_converters_cover_weights_biases_and_activations() -> None:
+    converters = fused_linear_converters("self_attn", ("q_proj", "k_proj", "v_proj"), "qkv_proj", SIZES, bias=True)
+    assert [list(converter.source_patterns) for converter in converters] == [
+        [f"self_attn.{part}.{suffix}" for part in ("q_proj", "k_proj", "v_proj")]
+        for suffix in ("weight", "bias", "input_")
+    ]
+    assert [converter.target_patterns for converter in converters] == [
+        ["self_attn.qkv_proj.weight"],
+        ["self_attn.qkv_proj.bias"],
+        ["self_attn.qkv_proj.input_"],
+    ]
+
+
+# --- a save that fails writes nothing ----------------------------------------------------------------
+
+
+@pytest.fixture
+def patched(install, llama_checkpoint):
+    install(PackSpec("qkv", fused_qkv_pack()))
+    hfpatch_core.enable()
+    yield AutoModelForCausalLM.from_pretrained(llama_checkpoint)
+    hfpatch_core.disable()
+
+
+@pytest.fixture
+def saves(tmp_path):
+    """A directory of its own (the ``install`` fixture keeps its site in ``tmp_path``)."""
+    (tmp_path / "saves").mkdir()
+    return tmp_path / "saves"
+
+
+def test_a_save_refused_on_the_meta_run_creates_no_directory(patched, saves) -> None:
+    """A quantized tensor whose rows do not split into the parts is refused before any file."""
+    attention = patched.model.layers[0].self_attn
+    rows = attention.qkv_proj.weight.shape[0]
+    attention.qkv_proj.register_buffer("weight_zero_point", torch.zeros(rows - 1, 1, dtype=torch.int8))
+    with pytest.raises(WeightLayoutError, match="weight_zero_point has 63 rows"):
+        patched.save_pretrained(saves / "out")
+    assert list(saves.iterdir()) == []
+
+
+def test_a_save_that_fails_half_way_leaves_the_directory_as_it_was(patched, saves) -> None:
+    """A record that is wrong only in its values passes the meta run and fails while the weights are
+    written, after transformers wrote the config: neither the new directory nor an earlier save's
+    files are touched, and the model saves once the record is mended."""
+    attention = patched.model.layers[0].self_attn
+    rows, columns = attention.qkv_proj.weight.shape
+    # a quantizer's tensors: a packed zero point (eight rows to one) and the record
+    attention.qkv_proj.register_buffer("weight_zero_point", torch.zeros(rows // 8, 1, dtype=torch.int8))
+    attention.qkv_proj.register_buffer("weight_shape", torch.tensor([rows + 1, columns]))
+    with pytest.raises(WeightLayoutError, match=f"weight_shape records {rows + 1} rows, not {rows}"):
+        patched.save_pretrained(saves / "new")
+    assert list(saves.iterdir()) == []
+
+    earlier = saves / "earlier"
+    earlier.mkdir()
+    (earlier / "model-00001-of-00002.safetensors").write_bytes(b"an earlier save's shard")
+    (earlier / "notes.txt").write_text("kept")
+    with pytest.raises(WeightLayoutError):
+        patched.save_pretrained(earlier)
+    assert sorted(path.name for path in earlier.iterdir()) == ["model-00001-of-00002.safetensors", "notes.txt"]
+    assert sorted(path.name for path in saves.iterdir()) == ["earlier"]
+
+    attention.qkv_proj.weight_shape.copy_(torch.tensor([rows, columns]))
+    patched.save_pretrained(earlier)
+    names = sorted(path.name for path in earlier.iterdir())
+    # transformers' own clean-up of an earlier save's shards, the rest of the directory kept
+    assert "model-00001-of-00002.safetensors" not in names and "notes.txt" in names and "model.safetensors" in names
+    with safe_open(str(earlier / "model.safetensors"), "pt") as saved:
+        assert saved.get_tensor("model.layers.0.self_attn.k_proj.weight_shape").tolist() == [16, columns]

@@ -16,6 +16,8 @@ within a minor release:
 * ``experts``: loading experts stored 3-D (``[experts, ...]``, transformers' own layout) into
   one module per expert and saving them back (``split_converters``, ``ExpertsSlicing``,
   ``SplitExpertsConverter``, ``LoadOnlySplitConverter``, ``SplitExperts`` / ``StackExperts``);
+* ``calibration``: what routed experts owe a quantizer's calibration: every expert sees every
+  token (``calibrating_all_experts``, ``observed``, ``unrouted``, ``report_unrouted``);
 * ``classes``: replacement classes built at runtime that pickle as the call that builds
   them (``runtime_class``);
 * ``calls``: proving from a forward's source that it gives several children the same
@@ -35,8 +37,9 @@ within a minor release:
 from __future__ import annotations
 
 from ..conversion import source_patterns_of, target_patterns_of
-from . import calls, classes, experts, fusion, lists, meta, packing, peft, probes, shrink, sized, views
+from . import calibration, calls, classes, experts, fusion, lists, meta, packing, peft, probes, shrink, sized, views
 from ._pages import release as release_pages
+from .calibration import calibrating_all_experts, observed, report_unrouted, unrouted
 from .calls import same_input
 from .classes import RuntimeClassMeta, runtime_class
 from .experts import (
@@ -78,6 +81,8 @@ __all__ = [
     "SplitExpertsConverter",
     "StackExperts",
     "build_on_meta",
+    "calibrating_all_experts",
+    "calibration",
     "calls",
     "class_keys_supported",
     "classes",
@@ -95,6 +100,7 @@ __all__ = [
     "local_sizes",
     "meta",
     "nested_loads",
+    "observed",
     "packed_modules",
     "packed_outputs",
     "packing",
@@ -102,6 +108,7 @@ __all__ = [
     "peft",
     "probes",
     "release_pages",
+    "report_unrouted",
     "runtime_class",
     "same_input",
     "shrink",
@@ -111,5 +118,6 @@ __all__ = [
     "source_patterns_of",
     "split_converters",
     "target_patterns_of",
+    "unrouted",
     "views",
 ]

@@ -345,7 +345,9 @@ class LinearExperts(nn.Module):
         unseen: list[int] = []
         end = 0
         for expert, count in enumerate(counts[: self.num_experts]):
-            module = modules[str(expert)]
+            module = modules.get(str(expert))
+            if module is None:  # not held here (the routing's count is larger; a probe holds a few)
+                continue
             if count == 0:
                 if calibrating:
                     self._expert(module, hidden_states)  # observed on every token; routed nothing

@@ -161,7 +161,7 @@ class PerExpertExperts(nn.ModuleList):
         watched: bool | None = None
         unseen: list[int] = []
         end = 0
-        for expert_idx, count in enumerate(counts[: self.num_experts]):
+        for expert_idx, count in enumerate(counts[: min(self.num_experts, len(experts))]):
             expert = experts[expert_idx]
             if count == 0:
                 if calibrating:

@@ -70,17 +70,14 @@ def observed(module: nn.Module) -> bool:
     Costs a few dictionary checks per module under ``module``; ask for one expert, not for
     every expert of every forward.
     """
-    stack = [module]
-    while stack:
-        current = stack.pop()
-        if (
-            current._forward_hooks
-            or current._forward_pre_hooks
-            or current._forward_hooks_with_kwargs
-            or current._forward_pre_hooks_with_kwargs
+    # ``_forward_hooks_with_kwargs`` / ``_forward_pre_hooks_with_kwargs`` only flag hooks these hold
+    if module._forward_hooks or module._forward_pre_hooks:
+        return True
+    for child in module._modules.values():
+        if child is not None and (
+            child._forward_hooks or child._forward_pre_hooks or (child._modules and observed(child))
         ):
             return True
-        stack.extend(child for child in current._modules.values() if child is not None)
     return False
 
 

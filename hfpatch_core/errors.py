@@ -66,11 +66,13 @@ class PackError(HfPatchError):
         pack: the pack's name.
         stage: where it failed: ``"import"`` (its module could not be imported or
             registered), ``"hook"`` (a hook raised or returned something wrong),
-            ``"selection"`` (incompatible or ambiguous) or ``"load"`` (its code failed
-            while the model was built or loaded).
+            ``"selection"`` (incompatible or ambiguous), ``"load"`` (its code failed
+            while the model was built or loaded) or ``"calibration"`` (in strict mode: a
+            quantizer's calibration would have missed a module it holds, see
+            ``authoring.calibration.report_unrouted``).
     """
 
-    STAGES = ("import", "hook", "selection", "load")
+    STAGES = ("import", "hook", "selection", "load", "calibration")
 
     def __init__(self, pack: str, message: str, *, stage: str = "hook") -> None:
         if stage not in self.STAGES:

@@ -20,6 +20,8 @@ within a minor release:
 * ``experts``: loading experts stored 3-D (``[experts, ...]``, transformers' own layout) into
   one module per expert and saving them back (``split_converters``, ``ExpertsSlicing``,
   ``SplitExpertsConverter``, ``LoadOnlySplitConverter``, ``SplitExperts`` / ``StackExperts``);
+* ``calibration``: what routed experts owe a quantizer's calibration: every expert sees every
+  token (``calibrating_all_experts``, ``observed``, ``report_unrouted``);
 * ``classes``: replacement classes built at runtime that pickle as the call that builds
   them (``runtime_class``);
 * ``calls``: proving from a forward's source that it gives several children the same
@@ -39,8 +41,24 @@ within a minor release:
 from __future__ import annotations
 
 from ..conversion import source_patterns_of, target_patterns_of
-from . import calls, classes, experts, families, fusion, lists, meta, packing, peft, probes, shrink, sized, views
+from . import (
+    calibration,
+    calls,
+    classes,
+    experts,
+    families,
+    fusion,
+    lists,
+    meta,
+    packing,
+    peft,
+    probes,
+    shrink,
+    sized,
+    views,
+)
 from ._pages import release as release_pages
+from .calibration import calibrating_all_experts, observed, report_unrouted
 from .calls import same_input
 from .classes import RuntimeClassMeta, runtime_class
 from .experts import (
@@ -83,6 +101,8 @@ __all__ = [
     "SplitExpertsConverter",
     "StackExperts",
     "build_on_meta",
+    "calibrating_all_experts",
+    "calibration",
     "calls",
     "class_keys_supported",
     "classes",
@@ -105,6 +125,7 @@ __all__ = [
     "member_of",
     "meta",
     "nested_loads",
+    "observed",
     "packed_modules",
     "packed_outputs",
     "packing",
@@ -112,6 +133,7 @@ __all__ = [
     "peft",
     "probes",
     "release_pages",
+    "report_unrouted",
     "runtime_class",
     "same_input",
     "shrink",

@@ -24,6 +24,10 @@ import torch.nn as nn
 from transformers.integrations import moe
 
 from hfpatch_core.authoring import runtime_class
+from hfpatch_core.authoring.calibration import calibrating_all_experts, observed, report_unrouted
+
+#: The pack's name, as its warnings name it.
+PACK = "linear-experts"
 
 __all__ = [
     "DEFAULT_NAMES",
@@ -260,6 +264,15 @@ class LinearExperts(nn.Module):
         single token (a decode step) no gather or scatter at all: ``index_add_`` is a
         multi-threaded scatter on CPU, slow for one row, and on a busy machine each
         multi-threaded call can wait for a thread to be scheduled.
+
+        Under a quantizer's calibration every expert sees every token: inside llm-compressor's
+        ``moe_calibration_context`` (``calibrating_all_experts()``) each expert runs once on
+        every row and keeps its routed rows, as llm-compressor's own ``LinearExperts2D`` does,
+        so that its observers see what they see on an unpatched model (the routed rows may
+        then differ in the last bits, during calibration only); outside it, an expert that
+        got no token but is observed (``observed``: a calibration's hooks) runs on every
+        row, output discarded, and is named in a ``PackWarning`` (``report_unrouted``; an
+        error with ``HF_PATCH_STRICT=1``) rather than left uncalibrated.
         """
         index = top_k_index if top_k_index is not None else kwargs.get("router_indices")
         weights = top_k_weights if top_k_weights is not None else kwargs.get("routing_weights")
@@ -267,11 +280,12 @@ class LinearExperts(nn.Module):
             raise TypeError(
                 f"{type(self).__name__}.forward needs the routing: (hidden_states, top_k_index, top_k_weights)"
             )
-        if index.shape[0] == 1:
+        calibrating = calibrating_all_experts()
+        if index.shape[0] == 1 and not calibrating:
             single = self._one_token(hidden_states, index, weights)
             if single is not None:
                 return single
-        return self._tokens(hidden_states, index, weights)
+        return self._tokens(hidden_states, index, weights, calibrating)
 
     def _one_token(
         self, hidden_states: torch.Tensor, index: torch.Tensor, weights: torch.Tensor
@@ -280,18 +294,22 @@ class LinearExperts(nn.Module):
 
         ``final.index_add_(0, [0], output)`` on one row is ``final += output``, so no
         mask, gather or scatter is needed.  Returns ``None`` (``_tokens`` then runs) when
-        the router picked one expert twice for the token: the reference runs such an
-        expert once, on both rows.
+        the router picked one expert twice for the token (the reference runs such an
+        expert once, on both rows), or when a calibration observes the experts it skips.
         """
         hits = sorted((expert, position) for position, expert in enumerate(index[0].tolist()))
-        if len({expert for expert, _ in hits}) < len(hits):
+        picked = {expert for expert, _ in hits}
+        if len(picked) < len(hits):
             return None
+        modules = self._experts_by_number()
+        idle = next((number for number in range(self.num_experts) if number not in picked), None)
+        if idle is not None and str(idle) in modules and observed(modules[str(idle)]):
+            return None  # a calibration observes the experts this token skips: _tokens runs them
         dtype = torch.float32 if self.layout.accumulate_fp32 else hidden_states.dtype
         # each position's weight as a [1, 1] column, all from one op: ``weights[:, position, None]``
         # is three view ops per expert
         columns = weights.unsqueeze(-1).unbind(1)
         final: torch.Tensor | None = None
-        modules = self._experts_by_number()
         for expert, position in hits:
             if expert == self.num_experts:
                 continue
@@ -303,8 +321,13 @@ class LinearExperts(nn.Module):
             return torch.zeros_like(hidden_states)
         return final.to(hidden_states.dtype)
 
-    def _tokens(self, hidden_states: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """``forward`` for any number of tokens: each expert's rows from one stable sort of the routing."""
+    def _tokens(
+        self, hidden_states: torch.Tensor, index: torch.Tensor, weights: torch.Tensor, calibrating: bool = False
+    ) -> torch.Tensor:
+        """``forward`` for any number of tokens: each expert's rows from one stable sort of the routing.
+
+        ``calibrating``: every expert runs on every row, its routed rows kept (``forward`` says why).
+        """
         tokens = index.shape[0]
         dtype = torch.float32 if self.layout.accumulate_fp32 else hidden_states.dtype
         final = torch.zeros_like(hidden_states, dtype=dtype)
@@ -317,15 +340,35 @@ class LinearExperts(nn.Module):
             token_order = order % tokens
         sorted_weights = weights.t().reshape(-1)[order]
         modules = self._experts_by_number()
+        # whether the first expert routed no token is observed decides, for this forward, whether
+        # the others are asked (one check per forward outside calibration, not one per expert)
+        watched: bool | None = None
+        unseen: list[int] = []
         end = 0
         for expert, count in enumerate(counts[: self.num_experts]):
+            module = modules.get(str(expert))
+            if module is None:  # not held here (the routing's count is larger; a probe holds a few)
+                continue
             if count == 0:
+                if calibrating:
+                    self._expert(module, hidden_states)  # observed on every token; routed nothing
+                elif watched is not False and observed(module):
+                    watched = True
+                    self._expert(module, hidden_states)
+                    unseen.append(expert)
+                elif watched is None:
+                    watched = False
                 continue
             start, end = end, end + count
             token_index = token_order[start:end]
-            output = self._expert(modules[str(expert)], hidden_states[token_index])
+            if calibrating:  # one call on every token, its routed rows kept: llm-compressor's own experts
+                output = self._expert(module, hidden_states)[token_index]
+            else:
+                output = self._expert(module, hidden_states[token_index])
             output = output * sorted_weights[start:end, None]
             final.index_add_(0, token_index, output.to(dtype))
+        if unseen:
+            report_unrouted(self, unseen, tokens, pack=PACK)
         return final.to(hidden_states.dtype)
 
 

@@ -18,6 +18,11 @@ import torch
 import torch.nn as nn
 from transformers.activations import ACT2FN
 
+from hfpatch_core.authoring.calibration import calibrating_all_experts, observed, report_unrouted
+
+#: The pack's name, as its warnings name it.
+PACK = "qwen-moe"
+
 
 class ExpertMLP(nn.Module):
     """One routed expert: the gated MLP ``down(act(gate(x)) * up(x))``, without bias.
@@ -125,8 +130,18 @@ class PerExpertExperts(nn.ModuleList):
         a one-hot mask and one ``torch.where`` per expert, and for a single token (a decode
         step) no gather or scatter at all (``index_add_`` is a multi-threaded scatter on
         CPU, slow for one row).
+
+        Under a quantizer's calibration every expert sees every token: inside llm-compressor's
+        ``moe_calibration_context`` (``calibrating_all_experts()``) each expert runs once on
+        every row and keeps its routed rows, as llm-compressor's own ``LinearExperts2D`` does,
+        so that its observers see what they see on an unpatched model (the routed rows may
+        then differ in the last bits, during calibration only); outside it, an expert that
+        got no token but is observed (``observed``: a calibration's hooks) runs on every
+        row, output discarded, and is named in a ``PackWarning`` (``report_unrouted``; an
+        error with ``HF_PATCH_STRICT=1``) rather than left uncalibrated.
         """
-        if top_k_index.shape[0] == 1:
+        calibrating = calibrating_all_experts()
+        if top_k_index.shape[0] == 1 and not calibrating:
             single = self._one_token(hidden_states, top_k_index, top_k_weights)
             if single is not None:
                 return single
@@ -142,17 +157,33 @@ class PerExpertExperts(nn.ModuleList):
         weights = top_k_weights.t().reshape(-1)[order]
 
         experts = self._held()
+        # whether the first expert routed no token is observed decides, for this forward, whether
+        # the others are asked (one check per forward outside calibration, not one per expert)
+        watched: bool | None = None
+        unseen: list[int] = []
         end = 0
-        for expert_idx, count in enumerate(counts[: self.num_experts]):
+        for expert_idx, count in enumerate(counts[: min(self.num_experts, len(experts))]):
+            expert = experts[expert_idx]
             if count == 0:
+                if calibrating:
+                    expert(hidden_states)  # observed on every token; routed nothing
+                elif watched is not False and observed(expert):
+                    watched = True
+                    expert(hidden_states)
+                    unseen.append(expert_idx)
+                elif watched is None:
+                    watched = False
                 continue
             start, end = end, end + count
             token_idx = token_order[start:end]
-            expert = experts[expert_idx]
-            current_hidden_states = expert(hidden_states[token_idx])
+            if calibrating:  # one call on every token, its routed rows kept: llm-compressor's own experts
+                current_hidden_states = expert(hidden_states)[token_idx]
+            else:
+                current_hidden_states = expert(hidden_states[token_idx])
             current_hidden_states = current_hidden_states * weights[start:end, None]
             final_hidden_states.index_add_(0, token_idx, current_hidden_states.to(final_hidden_states.dtype))
-
+        if unseen:
+            report_unrouted(self, unseen, tokens, pack=PACK)
         return final_hidden_states
 
     def _held(self) -> list[nn.Module]:
@@ -168,14 +199,18 @@ class PerExpertExperts(nn.ModuleList):
 
         ``final.index_add_(0, [0], output)`` on one row is ``final += output``, so no
         gather, mask or scatter is needed.  Returns ``None`` (the general path then runs)
-        when the router picked one expert twice for the token: the original runs such an
-        expert once, on both rows.
+        when the router picked one expert twice for the token (the original runs such an
+        expert once, on both rows), or when a calibration observes the experts it skips.
         """
         hits = sorted((expert_idx, position) for position, expert_idx in enumerate(top_k_index[0].tolist()))
-        if len({expert_idx for expert_idx, _ in hits}) < len(hits):
+        picked = {expert_idx for expert_idx, _ in hits}
+        if len(picked) < len(hits):
             return None
-        final_hidden_states = torch.zeros_like(hidden_states)
         experts = self._held()
+        idle = next((expert_idx for expert_idx in range(len(experts)) if expert_idx not in picked), None)
+        if idle is not None and observed(experts[idle]):
+            return None  # a calibration observes the experts this token skips: the general path runs them
+        final_hidden_states = torch.zeros_like(hidden_states)
         for expert_idx, position in hits:
             if expert_idx == self.num_experts:
                 continue

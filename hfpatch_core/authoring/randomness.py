@@ -43,8 +43,9 @@ def _accelerator() -> Any:
     return module
 
 
-class _State:
-    """Every global generator as it was when captured."""
+class RandomState:
+    """Every global generator ``isolated_rng`` puts back, as it was when this was made; ``restore()``
+    puts them back (core's loaders use it where a block's draws are kept unless it fails)."""
 
     def __init__(self) -> None:
         self.cpu = torch.get_rng_state()
@@ -71,6 +72,7 @@ class _State:
             self.accelerator.manual_seed_all(seed)  # started: seeds now, queues nothing
 
     def restore(self) -> None:
+        """Put every generator back as captured."""
         torch.set_rng_state(self.cpu)
         random.setstate(self.python)
         numpy = sys.modules.get("numpy")
@@ -116,7 +118,7 @@ def isolated_rng(seed: int | None = 0) -> Iterator[torch.Generator]:
         A CPU ``torch.Generator`` of the block's own, seeded with ``seed`` (``None``: torch's
         default seed).
     """
-    state = _State()
+    state = RandomState()
     try:
         if seed is not None:
             state.seed(seed)

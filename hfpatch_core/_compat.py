@@ -181,3 +181,14 @@ def _world_size() -> int:
         return int(os.environ.get("WORLD_SIZE", "1"))
     except ValueError:
         return 1
+
+
+def no_init_weights() -> Any:
+    """transformers' ``no_init_weights()`` context (the models built in it draw no initial values:
+    torch's init functions and ``PreTrainedModel.init_weights``, ties included, do nothing), or
+    ``None`` where this release has none (the model is then initialised as usual)."""
+    for name in ("initialization", "modeling_utils"):
+        found = getattr(module(name), "no_init_weights", None)
+        if found is not None:
+            return found()
+    return None

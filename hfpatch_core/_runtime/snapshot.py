@@ -443,8 +443,8 @@ class Registries:
 
 
 class _HookGuard:
-    """The ``HookGuard`` gathering calls packs' hooks under: the load lock, a plain torch state,
-    and ``Registries``."""
+    """The ``HookGuard`` gathering calls packs' hooks under: the load lock, a plain torch state
+    (random generators of its own included), and ``Registries``."""
 
     def hold(self) -> AbstractContextManager[Any]:
         return _plain_torch_state()
@@ -464,18 +464,22 @@ def _plain_torch_state() -> Iterator[None]:
     ``from_pretrained`` often under ``torch.inference_mode()``.  A probe that saw those
     would refuse, or fail, and its cached verdict would hold for every later load.  A probe
     that builds a composite model (its ``__init__`` calls ``from_config`` for the text model)
-    must not start a load of hfpatch's inside the one being planned.
+    must not start a load of hfpatch's inside the one being planned.  A probe draws from the
+    global random generators (a module built on the CPU draws its initial weights): the hooks
+    run under ``isolated_rng``, so a seeded program draws after the load what it draws without
+    packs, and a probe's draws do not depend on the caller's seed.
     """
     import torch
 
     from .._scope import vanilla
+    from ..authoring.randomness import isolated_rng
 
     # under the lock (vanilla() holds it): the default dtype is process-wide, and only hfpatch's loads change it here
     with vanilla():
         dtype = torch.get_default_dtype()
         torch.set_default_dtype(torch.float32)
         try:
-            with torch.device("cpu"), torch.inference_mode(False), torch.enable_grad():
+            with torch.device("cpu"), torch.inference_mode(False), torch.enable_grad(), isolated_rng():
                 yield
         finally:
             torch.set_default_dtype(dtype)

@@ -18,6 +18,7 @@ from contextlib import contextmanager
 import torch
 import torch.nn as nn
 
+from ..authoring.randomness import isolated_rng
 from ..errors import HfPatchError, PackError
 from ..patches import Refusal
 from ..plan import Plan, Refused, StepClaim
@@ -66,8 +67,9 @@ def install_steps(model: nn.Module, plan: Plan, report: Callable[[Iterable[HfPat
         where = f"pack {claim.pack!r}: model step {claim.target!r} ({claim.step.install_name})"
         try:
             # apply() works under no_grad, a user may load under inference_mode: a step probing its
-            # model's gradients (a loss) gets autograd whatever the caller's mode
-            with torch.inference_mode(False), torch.enable_grad():
+            # model's gradients (a loss) gets autograd whatever the caller's mode; a probe's draws
+            # (a forward in training mode) are its own, not the seeded stream of the caller
+            with torch.inference_mode(False), torch.enable_grad(), isolated_rng():
                 result = claim.step.install(model)
         except Exception as exc:  # a pack's step may raise anything: the model stays loaded
             failures.append(PackError(claim.pack, f"{where} raised {type(exc).__name__}: {exc}", stage="load"))
@@ -78,7 +80,8 @@ def install_steps(model: nn.Module, plan: Plan, report: Callable[[Iterable[HfPat
         elif isinstance(result, Refusal):
             refused.append(Refused(claim.pack, claim.version, claim.target, result.reason))
         else:
-            claim.step.uninstall(model)  # it may have changed the model before returning the wrong thing
+            with isolated_rng(None):
+                claim.step.uninstall(model)  # it may have changed the model before returning the wrong thing
             failures.append(
                 PackError(
                     claim.pack,
@@ -99,7 +102,8 @@ def install_steps(model: nn.Module, plan: Plan, report: Callable[[Iterable[HfPat
 def uninstall_steps(model: nn.Module) -> tuple[StepClaim, ...]:
     """Uninstall every step installed on ``model``, the last installed first; the claims uninstalled."""
     claims = installed_on(model)
-    for claim in reversed(claims):
-        claim.step.uninstall(model)
+    with isolated_rng(None):
+        for claim in reversed(claims):
+            claim.step.uninstall(model)
     model.__dict__.pop(STEPS_ATTRIBUTE, None)
     return claims

@@ -40,6 +40,7 @@ from .._runtime.layout import secure
 from .._runtime.peft_layers import base_model_of, plain_state, refuse_adapters
 from .._runtime.steps import deferred, install_steps, installed_on, uninstall_steps
 from .._scope import LOAD_LOCK, vanilla
+from ..authoring.randomness import isolated_rng
 from ..errors import ApplyError, HfPatchError
 from ..plan import PLAN_ATTRIBUTE, Claim, Plan, plan_of
 from .loaders import attach, disable, install
@@ -159,7 +160,8 @@ def apply(model: nn.Module, packs: str | Iterable[str] | None = None, strict: bo
     _refuse_model(model)
     _device_of(model)
     session = _session_for(packs, strict)
-    with LOAD_LOCK, _no_autograd(), _in_force(session):
+    # patching in place draws nothing a seeded program sees: what the packs' code draws is undone
+    with LOAD_LOCK, _no_autograd(), _in_force(session), isolated_rng(None):
         config = copy.deepcopy(model.config)
         with patched(config, model_class=type(model)) as planned, torch.device("meta"):
             try:
@@ -249,7 +251,7 @@ def revert(model: nn.Module) -> None:
                 f"cannot revert {type(model).__name__}: {swap.path} holds {found}, not the "
                 f"{swap.replacement.__name__} pack {swap.pack!r} put there"
             )
-    with LOAD_LOCK, _no_autograd():
+    with LOAD_LOCK, _no_autograd(), isolated_rng(None):
         state = _checkpoint_state(model)
         with vanilla():
             temporary, info = _from_state_dict(model, state)

@@ -22,9 +22,11 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
+import torch
 import torch.nn as nn
 from transformers import PreTrainedModel, modeling_utils
 
+from .. import _compat
 from .._pipeline.selection import Selection
 from .._runtime import application, provenance, recorders, steps
 from .._runtime.built import replaced_as_built
@@ -32,7 +34,8 @@ from .._runtime.frames import Loader, blame, unwind_entered_contexts
 from .._runtime.layout import secure
 from .._runtime.parallel_plans import add_declared_plans
 from .._scope import LOAD_LOCK, in_vanilla_block, vanilla
-from ..errors import HfPatchError
+from ..authoring.randomness import isolated_rng
+from ..errors import HfPatchError, PackError
 from ..plan import PLAN_ATTRIBUTE, Plan
 from ..settings import AUTORUN_MODULE, log_level_from_env
 from .session import LockChoice, Session, activate, active_session, current_session, live_session, new_session, scoped
@@ -228,9 +231,91 @@ def _wrap_from_config(original: classmethod) -> classmethod:
             # of the head) it is a nested load, patched with the head.
             with vanilla():
                 return function(cls, config, **kwargs)
-        return _managed(cls, lambda: function(cls, config, **kwargs), function.__code__)
+        build = functools.partial(function, cls, config, **kwargs)
+        if session is not None and not session.frames() and _initialises():
+            return _initialised_as_vanilla(cls, build, function.__code__, session)
+        return _managed(cls, build, function.__code__)
 
     return classmethod(_from_config)
+
+
+def _initialises() -> bool:
+    """Whether a ``from_config`` here gives its model initial values (not on the meta device,
+    where nothing is initialised; not partitioned by DeepSpeed ZeRO-3, whose own initialisation
+    runs after the build, on the partitions)."""
+    from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
+
+    return torch.get_default_device().type != "meta" and not is_deepspeed_zero3_enabled()
+
+
+def _initialised_as_vanilla(cls: type, build: Callable[[], Any], code: types.CodeType, session: Session) -> Any:
+    """A root ``from_config`` load with packs, starting where vanilla's starts.
+
+    Vanilla transformers builds and initialises the model first (it draws from the global
+    generators exactly what a ``from_config`` without hfpatch draws); its weights are taken in
+    the original layout (``original_state_dict``: what its checkpoint would hold).  Then the
+    load runs as any other (``_managed``: the packs' hooks once, with the config the model is
+    built with, the plan, the guards, the steps), its model built without initial values
+    (``no_init_weights``) and given vanilla's weights through the packs' converters, as a
+    checkpoint load maps them (``load_original_layout``).  Everything after vanilla's build runs
+    under ``isolated_rng``: the random streams are left where vanilla's ``from_config`` leaves
+    them.  A model the packs' converters cannot fill keeps an initialisation of its own, with a
+    ``PackWarning`` saying so (``_initial_weights``).  Costs a second model in memory while
+    the weights are copied.
+    """
+    from .._runtime.state_dicts import original_state_dict
+
+    with LOAD_LOCK:
+        with vanilla():
+            reference = build()
+        if not isinstance(reference, PreTrainedModel):
+            return reference  # pragma: no cover - a from_config returns a model
+        weights = {key: value.detach() for key, value in original_state_dict(reference).items()}
+        buffers = dict(reference.named_buffers())
+        with isolated_rng(None):
+            return _managed(cls, lambda: _initial_weights(cls, build, weights, buffers, session), code)
+
+
+def _initial_weights(
+    cls: type,
+    build: Callable[[], Any],
+    weights: Mapping[str, torch.Tensor],
+    buffers: Mapping[str, torch.Tensor],
+    session: Session,
+) -> Any:
+    """The patched model built without initial values, given ``weights`` (vanilla's, original
+    layout) through the load's conversions, and vanilla's non-persistent ``buffers``."""
+    from .._runtime.state_dicts import load_original_layout
+
+    uninitialised = _compat.no_init_weights()
+    with uninitialised if uninitialised is not None else contextlib.nullcontext():
+        model = build()
+    if uninitialised is None or not isinstance(model, PreTrainedModel):
+        return model
+    model.tie_weights()  # what init_weights, skipped, would have done
+    try:
+        with torch.no_grad():
+            load_original_layout(model, weights, strict=True)
+            for name, buffer in model.named_buffers():
+                found = buffers.get(name)
+                if found is not None and found.shape == buffer.shape and found is not buffer:
+                    buffer.copy_(found)
+    except (RuntimeError, HfPatchError) as exc:
+        plan = session.current_plan()
+        packs = sorted({claim.pack for claim in plan.entries}) if plan is not None else []
+        session.report(
+            [
+                PackError(
+                    ", ".join(packs) or "?",
+                    f"{cls.__name__}.from_config: the packs' layout cannot take vanilla's initial weights "
+                    f"({type(exc).__name__}: {exc}); the model is initialised by its own classes instead, so its "
+                    "initial weights differ from vanilla's for the same seed",
+                    stage="load",
+                )
+            ]
+        )
+        model.init_weights()
+    return model
 
 
 def _in_a_model_constructor(frame: types.FrameType | None) -> bool:

@@ -32,6 +32,8 @@ within a minor release:
 * ``shrink``: one instance of a real module class built with the load's config scaled down, to
   probe what it computes without its real sizes (``shrunk_instance``, ``shrunk_config``);
 * ``probes``: questions about the installed transformers (``class_keys_supported``, ...);
+* ``randomness``: ``isolated_rng``, a probe run on random generators of its own: the caller's
+  seeded stream (torch's CPU and accelerator generators, ``random``, NumPy) is left as it was;
 * ``lists``: which of transformers' conversion lists a load reads (``conversion_key``,
   ``conversion_lists``);
 * ``source_patterns_of`` / ``target_patterns_of``: a transform's patterns as written;
@@ -53,6 +55,7 @@ from . import (
     packing,
     peft,
     probes,
+    randomness,
     shrink,
     sized,
     views,
@@ -76,6 +79,7 @@ from .meta import build_on_meta, nested_loads
 from .packing import PACKED_MODULES, PACKED_SIZES, PackedLinear, PackedPart, packed_modules, packed_outputs
 from .peft import HIDDEN_FROM_ADAPTERS
 from .probes import class_keys_supported, parallel_modes
+from .randomness import isolated_rng
 from .shrink import SHRUNK_SIZES, shrunk_config, shrunk_instance
 from .sized import SizedConcatenate, SizedSplit, fused_linear_converters
 from .views import FusedViewsMixin, ProjectionView, SharedProjection, fusable_parts, fuse_as_views, fused_views_class
@@ -119,6 +123,7 @@ __all__ = [
     "fused_linear_converters",
     "fused_views_class",
     "fusion",
+    "isolated_rng",
     "linear_like",
     "lists",
     "local_sizes",
@@ -132,6 +137,7 @@ __all__ = [
     "parallel_modes",
     "peft",
     "probes",
+    "randomness",
     "release_pages",
     "report_unrouted",
     "runtime_class",

@@ -21,6 +21,7 @@ import torch.nn as nn
 
 from .._scope import vanilla
 from ..context import LoadContext
+from .randomness import isolated_rng
 
 __all__ = ["SHRUNK_SIZES", "shrunk_config", "shrunk_instance"]
 
@@ -103,7 +104,8 @@ def shrunk_instance(
     """The first ``module_class`` module of ``model_class(shrunk_config(config))``, built on the CPU.
 
     The model is built as vanilla transformers builds it (no pack applies, hfpatch's loader
-    wrappers skip it: safe from inside a hook, as ``build_on_meta``), with its sizes scaled
+    wrappers skip it: safe from inside a hook, as ``build_on_meta``; under ``isolated_rng``, so
+    the caller's random stream is left as it was), with its sizes scaled
     down (``shrunk_config``), so that its buffers are computed as the model computes them; then
     every parameter of the module is drawn from a standard normal distribution seeded by
     ``seed`` (a probe compares computations, and transformers' initial values, ones and zeros,
@@ -137,7 +139,8 @@ def shrunk_instance(
         raise ValueError(f"shrunk_instance({model_class.__name__}, ...): pass the config to shrink")
     small = shrunk_config(config, sizes)
     # hooks of a nested load run under transformers' meta default device: the probe is built on the CPU
-    with vanilla(), torch.device("cpu"), warnings.catch_warnings():
+    # building draws initial weights: from generators of the probe's own, not the caller's stream
+    with vanilla(), torch.device("cpu"), warnings.catch_warnings(), isolated_rng(seed):
         warnings.simplefilter("ignore")  # what building a small model says is not the load's business
         model = model_class(small)
     module = next((module for module in model.modules() if type(module) is module_class), None)

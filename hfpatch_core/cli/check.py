@@ -33,6 +33,7 @@ from .._pipeline.selection import Selection
 from .._pipeline.settling import Problem, selection_text, settle
 from .._runtime.snapshot import HOOK_GUARD
 from .._session.session import Session
+from ..authoring.randomness import isolated_rng
 from ..context import LoadContext
 from ..errors import ConverterConflictError, HfPatchError, PatchConflictError
 from ..plan import Plan
@@ -112,7 +113,8 @@ def declared_model_types(info: PackInfo) -> tuple[tuple[str, ...], list[str]]:
     declared: list[str] = []
     problems: list[str] = []
     try:
-        results = manager.hook.provide_model_types()
+        with isolated_rng():  # a pack may probe each model type to answer (moe-replay does)
+            results = manager.hook.provide_model_types()
     except Exception as exc:
         return (), [f"pack {info.name!r}: provide_model_types() raised {type(exc).__name__}: {exc}"]
     for result in results:

@@ -42,6 +42,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from hfpatch_core.authoring import isolated_rng
+
 from .scope import _LayerReplay
 from .selection import _TOPK, Selection, SelectionMode, _topk_arguments
 
@@ -137,7 +139,10 @@ def discover(model_type: str, config: Any = None) -> Discovery:
     with _lock:
         found = _cache.get(key)
         if found is None:
-            found = _cache[key] = _discover(model_type, config)
+            # probes build and run modules on the CPU: on generators of their own, never the caller's
+            # (discover also runs outside hooks: routers_of at a rollout's first record)
+            with isolated_rng():
+                found = _cache[key] = _discover(model_type, config)
         return found
 
 
@@ -528,10 +533,11 @@ def _probe(cls: type[nn.Module], config: Any, sites: _Sites | None = None) -> tu
         if all(torch.equal(a, b) for a, b in zip(live, forced, strict=True)):
             raise _Refused("its outputs do not depend on the selected experts")
         instance.train()
-        torch.manual_seed(1)
-        first = _run(instance, hidden, None, extra)
-        torch.manual_seed(2)
-        second = _run(instance, hidden, None, extra)
+        # two seeds of the probe's own (torch.manual_seed would also queue them for a CUDA not started yet)
+        with isolated_rng(1):
+            first = _run(instance, hidden, None, extra)
+        with isolated_rng(2):
+            second = _run(instance, hidden, None, extra)
         instance.eval()
         if not all(torch.equal(a, b) for a, b in zip(first, second, strict=True)):
             raise _Refused("its forward is random in training mode (jitter or sampling), so no selection is replayable")

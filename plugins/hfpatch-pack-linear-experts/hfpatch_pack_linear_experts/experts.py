@@ -265,14 +265,9 @@ class LinearExperts(nn.Module):
         multi-threaded scatter on CPU, slow for one row, and on a busy machine each
         multi-threaded call can wait for a thread to be scheduled.
 
-        Under a quantizer's calibration every expert sees every token: inside llm-compressor's
-        ``moe_calibration_context`` (``calibrating_all_experts()``) each expert runs once on
-        every row and keeps its routed rows, as llm-compressor's own ``LinearExperts2D`` does,
-        so that its observers see what they see on an unpatched model (the routed rows may
-        then differ in the last bits, during calibration only); outside it, an expert that
-        got no token but is observed (``observed``: a calibration's hooks) runs on every
-        row, output discarded, and is named in a ``PackWarning`` (``report_unrouted``; an
-        error with ``HF_PATCH_STRICT=1``) rather than left uncalibrated.
+        Under a quantizer's calibration every expert sees every token, as
+        ``hfpatch_core.authoring.calibration`` describes (llm-compressor's
+        ``moe_calibrate_all_experts``, and an observed expert the router left idle).
         """
         index = top_k_index if top_k_index is not None else kwargs.get("router_indices")
         weights = top_k_weights if top_k_weights is not None else kwargs.get("routing_weights")

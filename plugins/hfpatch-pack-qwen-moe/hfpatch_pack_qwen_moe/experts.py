@@ -131,14 +131,9 @@ class PerExpertExperts(nn.ModuleList):
         step) no gather or scatter at all (``index_add_`` is a multi-threaded scatter on
         CPU, slow for one row).
 
-        Under a quantizer's calibration every expert sees every token: inside llm-compressor's
-        ``moe_calibration_context`` (``calibrating_all_experts()``) each expert runs once on
-        every row and keeps its routed rows, as llm-compressor's own ``LinearExperts2D`` does,
-        so that its observers see what they see on an unpatched model (the routed rows may
-        then differ in the last bits, during calibration only); outside it, an expert that
-        got no token but is observed (``observed``: a calibration's hooks) runs on every
-        row, output discarded, and is named in a ``PackWarning`` (``report_unrouted``; an
-        error with ``HF_PATCH_STRICT=1``) rather than left uncalibrated.
+        A calibrating quantizer sees every expert on every token
+        (``hfpatch_core.authoring.calibration``: llm-compressor's ``moe_calibrate_all_experts``,
+        and an observed expert the router left idle, named in a ``PackWarning``).
         """
         calibrating = calibrating_all_experts()
         if top_k_index.shape[0] == 1 and not calibrating:

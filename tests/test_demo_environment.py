@@ -62,7 +62,12 @@ def test_the_readme_commands_after_the_demo_work_as_printed(tmp_path: Path) -> N
         f"import site; site.addsitedir({sysconfig.get_path('purelib')!r})\n", encoding="utf-8"
     )
     (venv / ".installed").touch()  # what the recipe of $(VENV_DEMO)/.installed would have made
-    env = {key: value for key, value in os.environ.items() if not key.startswith(("HF_PATCH", "HFPATCH", "PYTHON"))}
+    # a newcomer's shell: no hfpatch variable, no PYTHONPATH, and not inside `make core` (its job server)
+    env = {
+        key: value
+        for key, value in os.environ.items()
+        if not key.startswith(("HF_PATCH", "HFPATCH", "PYTHON")) and key not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL")
+    }
     env["HF_PATCH_CACHE"] = str(tmp_path / "cache")
     made = subprocess.run(
         ["make", "--no-print-directory", f"VENV_DEMO={venv}", f"{venv}/.packs"],

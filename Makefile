@@ -14,9 +14,10 @@ PYTEST_FLAGS ?= -q
 # the core suite is mostly subprocesses and tiny models: two workers use both CI cores
 PYTEST_WORKERS ?= -n 2
 # The first-party packs are installed (as wheels) on a path entry of their own, not in
-# site-packages: the core suite sees only the packs each test installs, and the demo,
-# the docs and each pack's suite put PACKS_SITE on PYTHONPATH, as a user's
-# `pip install hfpatch-pack-...` would make them visible.
+# site-packages: the core suite sees only the packs each test installs, and the docs
+# and each pack's suite put PACKS_SITE on PYTHONPATH, as a user's
+# `pip install hfpatch-pack-...` would make them visible.  The demo has a venv of its own
+# (VENV_DEMO), with the packs in its site-packages.
 PACKS_SITE := $(VENV)/first-party-packs
 PACKS_SITE_OLDEST := $(VENV_OLDEST)/first-party-packs
 # Test-only libraries the pack suites use (torchao, pinned in the constraints files), on a
@@ -60,7 +61,7 @@ help:
 	@echo "help                this list"
 	@echo "venv                .venv: the newest supported transformers, hfpatch-core editable, the first-party packs as wheels"
 	@echo "venv-oldest         .venv-oldest: the same on the oldest supported transformers (5.3.0)"
-	@echo "demo                load a tiny Qwen2-MoE with and without the qwen-moe pack and compare (the main job)"
+	@echo "demo                .venv-demo (transformers, hfpatch-core, the first-party packs), then a tiny Qwen2-MoE with and without qwen-moe (the main job)"
 	@echo "dist                the wheels of hfpatch-core and of every first-party pack, in dist/"
 	@echo "release-dist        the sdists and wheels a release uploads (hfpatch-core and every first-party pack), in dist/"
 	@echo "release-check       release-dist, twine check, then the wheels installed in a fresh venv: hfpatch list and verify"
@@ -173,9 +174,31 @@ $(DS_EXTENSIONS_OLDEST)/.built: $(VENV_OLDEST)/.installed constraints-oldest.txt
 
 venv-oldest: $(VENV_OLDEST)/.installed $(PACKS_SITE_OLDEST)/.installed $(PACK_TEST_SITE_OLDEST)/.installed $(DS_EXTENSIONS_OLDEST)/.built $(TF_TESTS_OLDEST)/.installed
 
-# the packs' test-only libraries (torchao, trl, datasets) are not the demo's: only the venv and the packs
-demo: $(VENV)/.installed $(PACKS_SITE)/.installed
-	PYTHONPATH=$(PACKS_SITE) $(BIN)/hfpatch demo
+# The demo's own environment, what a user of the packs installs and nothing of the dev stack (no test,
+# lint or docs tools, no DeepSpeed, no transformers test sources): transformers and its requirements and
+# torch, pinned by constraints.txt as in .venv, then hfpatch-core and the first-party packs installed into
+# its site-packages as the README's `pip install . ./plugins/hfpatch-pack-...` installs them (again when
+# their sources change; the venv's hatchling builds them, so nothing more is fetched). So after `make demo`,
+# `$(BIN_DEMO)/hfpatch list` lists them and `HF_PATCH_PACKS=qwen-moe $(BIN_DEMO)/python train.py` applies
+# qwen-moe, as the demo's last lines say. The test venvs are not touched: the core suite still sees only
+# the packs each test installs. tests/test_demo_environment.py runs the README's commands after the demo
+# in an environment made by the recipe of $(VENV_DEMO)/.packs.
+VENV_DEMO ?= .venv-demo
+BIN_DEMO := $(VENV_DEMO)/bin
+
+$(VENV_DEMO)/.installed: pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV_DEMO)
+	$(BIN_DEMO)/python -m pip install $(PIP_FLAGS) -c constraints.txt --no-deps transformers
+	$(BIN_DEMO)/python -m pip install $(PIP_FLAGS) -c constraints.txt $(TRANSFORMERS_REQUIREMENTS) $(CORE_REQUIREMENTS) hatchling
+	touch $@
+
+CORE_SOURCES := $(shell find hfpatch_core cookiecutter-template -type f -not -path '*/__pycache__/*') _hfpatch_autorun.py README.md
+$(VENV_DEMO)/.packs: $(VENV_DEMO)/.installed $(CORE_SOURCES) $(PLUGIN_SOURCES)
+	$(BIN_DEMO)/python -m pip install $(PIP_FLAGS) --no-deps --no-build-isolation --force-reinstall . $(PLUGINS)
+	touch $@
+
+demo: $(VENV_DEMO)/.packs
+	$(BIN_DEMO)/hfpatch demo
 
 # The wheels of hfpatch-core and of every first-party pack, in DIST: nothing is published
 # on the package index, so `pip install --find-links dist hfpatch-core hfpatch-pack-...`
@@ -302,4 +325,4 @@ interop: venv-interop
 	cd interop && $(SUITE_ENV) PYTHONPATH=$(CURDIR)/$(PACKS_SITE_INTEROP) $(CURDIR)/$(BIN_INTEROP)/python -m pytest $(PYTEST_FLAGS) -p no:cacheprovider .
 
 clean:
-	rm -rf $(VENV) $(VENV_OLDEST) $(VENV_COMPAT) $(VENV_INTEROP) $(RELEASE_VENV) .site .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(VENV_OLDEST) $(VENV_DEMO) $(VENV_COMPAT) $(VENV_INTEROP) $(RELEASE_VENV) .site .pytest_cache .mypy_cache .ruff_cache

@@ -67,6 +67,11 @@ def test_list_shows_every_pack_and_why(install) -> None:
     text = run(HFPATCH, "list", site=site).stdout
     assert "mlp" in text and "Faster MLP" in text and "skipped: needs transformers>=6" in text
     assert "'enabled' packs are selected; hfpatch check imports them" in text
+    # issue 52.8: with HF_PATCH_PACKS unset the commands show every pack enabled, as enable() selects,
+    # while a program that does not enable hfpatch loads vanilla: the listing says so
+    assert "HF_PATCH_PACKS is unset: they run under enable() or hfpatch run; a program that does neither" in text
+    named = run(HFPATCH, "list", "--no-conflicts", site=site, env={"HF_PATCH_PACKS": "all,-exploding"}).stdout
+    assert "'enabled' packs are selected" in named and "is unset" not in named  # a set selection runs anywhere
 
 
 def test_bad_selection_is_one_line_and_exit_2(install) -> None:

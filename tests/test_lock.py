@@ -463,3 +463,71 @@ def test_a_fleet_lock_holds_every_model_type_its_packs_apply_to(tmp_path) -> Non
     changed = load_under_lock()
     assert changed.startswith("LockError:")
     assert "edited since installed: hfpatch_pack_fused_dense/__init__.py" in changed
+
+
+#: A pack project a pack author works on: ``pip install -e`` of it (hatchling, as ``hfpatch new``'s projects).
+EDITABLE_PYPROJECT = """
+[build-system]
+requires = ["hatchling>=1.21"]
+build-backend = "hatchling.build"
+
+[project]
+name = "hfpatch-pack-editable"
+version = "1.0.0"
+dependencies = ["hfpatch-core"]
+
+[project.entry-points."hfpatch.packs"]
+editable = "hfpatch_test_pack_editable"
+
+[tool.hatch.build.targets.wheel]
+packages = ["hfpatch_test_pack_editable"]
+# what hatchling's default editable build writes for a package at the project's root (a .pth naming
+# the project's directory), without the `editables` library a --no-build-isolation build would need
+dev-mode-dirs = ["."]
+"""
+
+
+def test_an_editable_packs_sources_are_locked(monkeypatch, tmp_path, capsys) -> None:
+    """Issue 52.8: ``hfpatch lock --check`` said ``matches`` after an editable pack's ``forward``
+    changed (its ``RECORD`` lists the ``.pth`` only); the lock hashes the package's files."""
+    import subprocess
+    import textwrap
+
+    project, site = tmp_path / "project", tmp_path / "site"
+    package = project / "hfpatch_test_pack_editable"
+    package.mkdir(parents=True)
+    (project / "pyproject.toml").write_text(EDITABLE_PYPROJECT)
+    (package / "__init__.py").write_text(textwrap.dedent(MLP_PACK))
+    pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "install", "--quiet", "--no-deps"]
+    subprocess.run([*pip, "--no-build-isolation", "--target", str(site), "-e", str(project)], check=True, timeout=120)
+    assert json.loads(next(site.glob("*.dist-info")).joinpath("direct_url.json").read_text())["dir_info"] == {
+        "editable": True
+    }
+    # a --target directory's .pth is not read at start-up: the source directory goes on the path as it would
+    sys.path[:0] = [str(site), str(project)]
+    monkeypatch.setenv("HF_PATCH_PACKS", "editable")
+    lock = tmp_path / "hfpatch.lock"
+    write_lock(lock)
+    capsys.readouterr()
+    assert main(["lock", "--check", str(lock)]) == 0
+
+    source = (package / "__init__.py").read_text()
+    edited = source.replace("    pass\n", "    def forward(self, x):\n        return 2 * super().forward(x)\n", 1)
+    assert edited != source
+    (package / "__init__.py").write_text(edited)
+    assert main(["lock", "--check", str(lock)]) == 1
+    shown = capsys.readouterr().out
+    assert "pack 'editable' (hfpatch-pack-editable 1.0.0) has files that differ from the locked ones" in shown
+    assert f"installed in editable mode: its sources in {package} differ from the locked ones" in shown, shown
+    with hfpatch_core.enabled(lock=lock), pytest.raises(hfpatch_core.LockError, match="installed in editable mode"):
+        load()
+
+    # a file added to the package is a change too; put back as locked, the check passes again
+    (package / "__init__.py").write_text(source)
+    assert main(["lock", "--check", str(lock)]) == 0
+    (package / "kernels.py").write_text("BLOCK = 64\n")
+    assert main(["lock", "--check", str(lock)]) == 1
+    (package / "kernels.py").unlink()
+    (package / "__pycache__").mkdir(exist_ok=True)
+    (package / "__pycache__" / "kernels.cpython-311.pyc").write_bytes(b"compiled")  # not the pack's content
+    assert main(["lock", "--check", str(lock)]) == 0

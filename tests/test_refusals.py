@@ -141,8 +141,12 @@ def test_verify_of_one_model_type_gives_the_zoo_verdict_with_the_reason(install)
     site = install(PackSpec("refusing", REFUSING_PACK), PackSpec("careful", CAREFUL_PACK))
     result = run(HFPATCH, "verify", "refusing", "--model-type", "llama", site=site, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr[-2000:]
-    assert result.stdout.splitlines()[2].split()[-1] == "refused"
-    assert "refusing on llama: refused: LlamaAttention: no fused kernel for this head size" in result.stdout
+    # issue 52.8: the row read "-  0.00e+00  match  ok  ok  refused", a pass to the eye; it says refused
+    # and why, with no measurement (the pack replaced nothing, so nothing was compared)
+    row = result.stdout.splitlines()[2]
+    reason = "LlamaAttention: no fused kernel for this head size"
+    assert row.split() == ["refusing", "llama", *["-"] * 5, "refused:", *reason.split()], result.stdout
+    assert result.stdout.count("no fused kernel for this head size") == 1  # in the row, not again under the table
     # bf16, as people run: exact within a bound calibrated in the run (above fp32's 1e-5)
     bf16 = run(HFPATCH, "verify", "careful", "--model-type", "llama", "--dtype", "bfloat16", "--json", site=site)
     assert bf16.returncode == 0, bf16.stderr[-2000:]

@@ -10,6 +10,7 @@ else a tiny llama.
 
 from __future__ import annotations
 
+import os
 import sys
 import tempfile
 from pathlib import Path
@@ -57,6 +58,57 @@ def _default_pack(model_dir: str | None) -> str:
             return ",".join(applying)
         return "none"
     return FIRST_PARTY_PACK if FIRST_PARTY_PACK in installed else EXAMPLE_PACK
+
+
+def _in_site_packages(info: Any) -> bool:
+    """Whether pack ``info`` is installed in this interpreter's site-packages (as ``pip install`` puts it),
+    not only on ``PYTHONPATH``: then the next steps work in a new shell as printed."""
+    import site
+
+    location = getattr(getattr(info.entry_point, "dist", None), "_path", None)
+    if location is None:
+        return False
+    sites = [*site.getsitepackages(), site.getusersitepackages()]
+    return any(os.path.abspath(Path(location).parent) == os.path.abspath(directory) for directory in sites)
+
+
+def _scripts_prefix(bin_dir: Path, cwd: Path) -> str:
+    """How a shell in ``cwd`` names the programs of ``bin_dir``: nothing when ``hfpatch`` and ``python``
+    on ``PATH`` are that directory's (an activated environment), else its path, relative when it is
+    under ``cwd`` (``.venv-demo/bin/``)."""
+    import shutil
+
+    def ours(program: str) -> bool:
+        found = shutil.which(program)
+        try:
+            return found is not None and os.path.samefile(found, bin_dir / program)
+        except OSError:
+            return False
+
+    if ours("hfpatch") and ours("python"):
+        return ""
+    directory = Path(os.path.abspath(bin_dir))
+    try:
+        return f"{directory.relative_to(Path(os.path.abspath(cwd))).as_posix()}/"
+    except ValueError:
+        return f"{directory.as_posix()}/"
+
+
+def next_steps(pack: str = FIRST_PARTY_PACK, model_type: str = "qwen2_moe", *, bin_dir: Path | None = None) -> str:
+    """What the demo prints last: the commands a newcomer runs next, written as they work here, with
+    this environment's ``hfpatch`` and ``python`` (``bin_dir``, default the running interpreter's
+    directory, named as ``_scripts_prefix`` says), for ``pack`` and a model type it patches."""
+    prefix = _scripts_prefix(bin_dir if bin_dir is not None else Path(sys.executable).parent, Path.cwd())
+    commands = [
+        (f"{prefix}hfpatch list", "every installed pack, enabled or not, and why"),
+        (f"HF_PATCH_PACKS={pack} {prefix}hfpatch explain {model_type}", f"what {pack} replaces, on the meta device"),
+        (f"HF_PATCH_PACKS={pack} HF_PATCH_LOG=info {prefix}python train.py", f"your program, unchanged, with {pack}"),
+    ]
+    width = max(len(command) for command, _ in commands)
+    where = f" ({prefix.rstrip('/').removesuffix('/bin') or 'the active environment'})" if prefix else ""
+    lines = [f"Next, with the packs installed in this environment{where}:"]
+    lines += [f"  {command:<{width}}  # {why}" for command, why in commands]
+    return "\n".join(lines)
 
 
 def checkpoint_problem(model_dir: str) -> str | None:
@@ -137,8 +189,11 @@ def run_demo(model_dir: str | None = None, packs: str | None = None, *, out: Tex
         if not selection.packs and not selection.problems:
             write(f"No pack to demonstrate: {PACKS_ENV}={choice!r} selects none.")
             return None
+        shown_pack = None
         if model_dir is None:
             model_type = "qwen2_moe" if FIRST_PARTY_PACK in selection.packs else "llama"
+            if list(selection.packs) == [FIRST_PARTY_PACK] and _in_site_packages(selection.packs[FIRST_PARTY_PACK]):
+                shown_pack = FIRST_PARTY_PACK
             model_dir = str(tiny_checkpoint(model_type, Path(tmp) / f"tiny-{model_type}"))
             write(f"Built a tiny random {model_type} checkpoint in {model_dir}")
         registry_before = monkey_patching.get_patch_mapping()
@@ -198,4 +253,7 @@ def run_demo(model_dir: str | None = None, packs: str | None = None, *, out: Tex
             write(f"  - {failure}")
         if not all(ok for _, ok, _ in checks):
             report.failures.append("demo check failed")
+        elif shown_pack is not None:  # what to do next, where the pack is installed (not the example pack's site)
+            write("")
+            write(next_steps(shown_pack, model_type))
     return report

@@ -110,6 +110,13 @@ def cmd_list(args: argparse.Namespace) -> int:
         print(f"\nNo conflict on {checked} (the model types two or more enabled packs target).")
     if any(r["enabled"] for r in rows):
         print("\n'enabled' packs are selected; hfpatch check imports them and calls their hooks.")
+        if selection.spec.text is None and selection.spec.mode == "all":
+            # the commands read an unset variable as enable() does, but nothing enables hfpatch in a program
+            # run without it: the start-up hook waits for a selection
+            print(
+                f"{PACKS_ENV} is unset: they run under enable() or hfpatch run; a program that does neither loads "
+                f"vanilla until {PACKS_ENV} names them (or all)."
+            )
     return EXIT_OK
 
 

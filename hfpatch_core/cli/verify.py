@@ -213,11 +213,13 @@ def _diff(value: float | None) -> str:
 
 
 def _verdict_outcome(rows: Sequence[Any], unverified: Mapping[str, str], train_steps: int) -> Outcome:
-    """The table of verdicts: the checks' measurements where they ran, the verdict, and under the
-    table each failure, refusal and missing checkpoint with its reason."""
+    """The table of verdicts: the checks' measurements where the pack changed the model, the verdict (a
+    refusal with its reasons), and under the table each failure and missing checkpoint with its reason."""
     table_rows = []
     for row in rows:
-        r = row.report
+        # measurements only where the pack changed the model: a refused (or not applicable) pack replaced
+        # nothing, so its load equals vanilla's trivially and "0.00e+00 match ok ok" would read as a pass
+        r = row.report if row.verdict in _MEASURED else None
         cells = (
             (
                 ", ".join([*(f"{a}->{b}" for a, b in sorted(r.replaced.items())), *(f"step {s}" for s in r.steps)])
@@ -233,7 +235,10 @@ def _verdict_outcome(rows: Sequence[Any], unverified: Mapping[str, str], train_s
         )
         verified = row.verified if row.verified and not row.verified.endswith(f"({row.model_type})") else ""
         label = f"{row.model_type} as {verified}" if verified else row.model_type
-        table_rows.append((row.pack, label, *cells, _VERDICT[row.verdict]))
+        verdict = _VERDICT[row.verdict]
+        table_rows.append(
+            (row.pack, label, *cells, f"{verdict}: {row.detail}" if row.verdict == "refused" else verdict)
+        )
     header = (
         "pack",
         "model type",
@@ -248,12 +253,15 @@ def _verdict_outcome(rows: Sequence[Any], unverified: Mapping[str, str], train_s
     details: list[str] = []
     for row in rows:
         failures = row.report.failures if row.verdict == "failed" and row.report is not None else [row.detail]
-        if row.verdict in ("failed", "refused", "no checkpoint"):
+        if row.verdict in ("failed", "no checkpoint"):
             details += [f"{row.pack} on {row.model_type}: {row.verdict}: {failure}" for failure in failures]
     return Outcome.of("rows", rows, header, tuple(table_rows), tuple(details), unverified)
 
 
-#: How the table writes each verdict: a failure stands out.
+#: The verdicts whose rows show the checks' measurements: the pack replaced something (or its load failed).
+_MEASURED = frozenset({"exact", "failed"})
+
+#: How the table writes each verdict: a failure stands out; a refusal is followed by its reasons.
 _VERDICT = {
     "exact": "exact",
     "failed": "FAILED",

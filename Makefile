@@ -27,6 +27,14 @@ PACK_TEST_SITE := $(VENV)/pack-test-libraries
 # what only the pack suites import (on a path entry of their own), pinned in the constraints files
 PACK_TEST_LIBRARIES := torchao trl datasets dill multiprocess pandas pyarrow xxhash
 PACK_TEST_SITE_OLDEST := $(VENV_OLDEST)/pack-test-libraries
+# Libraries that patch transformers outside hfpatch, which the core suite's foreign-patch tests run for
+# real (tests/test_foreign_libraries.py): Liger-Kernel and the Triton it imports at load (about 1 GB;
+# no CUDA needed to import it), pinned in the constraints files and installed --no-deps like peft and
+# accelerate's pins, but on a path entry of their own that only the `liger` fixture puts on sys.path:
+# with Triton importable, torch and transformers take other paths, which no other test may see.
+FOREIGN_SITE := $(VENV)/foreign-libraries
+FOREIGN_SITE_OLDEST := $(VENV_OLDEST)/foreign-libraries
+FOREIGN_LIBRARIES := liger-kernel triton
 # What only bench/chunked_loss.py imports (Cut Cross-Entropy and the Triton it imports at load on
 # Linux, about 1 GB), pinned in constraints.txt, on a path entry no suite puts on its path
 BENCH_SITE := $(VENV)/bench-libraries
@@ -123,6 +131,16 @@ $(PACK_TEST_SITE_OLDEST)/.installed: $(VENV_OLDEST)/.installed constraints-oldes
 	$(BIN_OLDEST)/python -m pip install $(PIP_FLAGS) --no-deps -c constraints-oldest.txt --target $(PACK_TEST_SITE_OLDEST) $(PACK_TEST_LIBRARIES)
 	touch $@
 
+$(FOREIGN_SITE)/.installed: $(VENV)/.installed constraints.txt
+	rm -rf $(FOREIGN_SITE)
+	$(BIN)/python -m pip install $(PIP_FLAGS) --no-deps -c constraints.txt --target $(FOREIGN_SITE) $(FOREIGN_LIBRARIES)
+	touch $@
+
+$(FOREIGN_SITE_OLDEST)/.installed: $(VENV_OLDEST)/.installed constraints-oldest.txt
+	rm -rf $(FOREIGN_SITE_OLDEST)
+	$(BIN_OLDEST)/python -m pip install $(PIP_FLAGS) --no-deps -c constraints-oldest.txt --target $(FOREIGN_SITE_OLDEST) $(FOREIGN_LIBRARIES)
+	touch $@
+
 # transformers' own model tests for tests/test_transformers_own_tests.py: its wheel has none, its
 # sdist has tests/test_modeling_common.py (ModelTesterMixin) and the other tests/*.py (not
 # tests/models/). pip downloads the pinned release's sdist (its cache serves a rebuild), only
@@ -164,7 +182,7 @@ $(DS_EXTENSIONS)/.built: $(VENV)/.installed constraints.txt
 	TORCH_EXTENSIONS_DIR=$(CURDIR)/$(DS_EXTENSIONS) DS_ACCELERATOR=cpu $(BIN)/python -c "from deepspeed.accelerator import get_accelerator; get_accelerator().create_op_builder('ShareMemCommBuilder').load()"
 	touch $@
 
-venv: $(VENV)/.installed $(PACKS_SITE)/.installed $(PACK_TEST_SITE)/.installed $(DS_EXTENSIONS)/.built $(TF_TESTS)/.installed
+venv: $(VENV)/.installed $(PACKS_SITE)/.installed $(PACK_TEST_SITE)/.installed $(FOREIGN_SITE)/.installed $(DS_EXTENSIONS)/.built $(TF_TESTS)/.installed
 
 DS_EXTENSIONS_OLDEST := $(VENV_OLDEST)/torch-extensions
 $(DS_EXTENSIONS_OLDEST)/.built: $(VENV_OLDEST)/.installed constraints-oldest.txt
@@ -172,7 +190,7 @@ $(DS_EXTENSIONS_OLDEST)/.built: $(VENV_OLDEST)/.installed constraints-oldest.txt
 	TORCH_EXTENSIONS_DIR=$(CURDIR)/$(DS_EXTENSIONS_OLDEST) DS_ACCELERATOR=cpu $(BIN_OLDEST)/python -c "from deepspeed.accelerator import get_accelerator; get_accelerator().create_op_builder('ShareMemCommBuilder').load()"
 	touch $@
 
-venv-oldest: $(VENV_OLDEST)/.installed $(PACKS_SITE_OLDEST)/.installed $(PACK_TEST_SITE_OLDEST)/.installed $(DS_EXTENSIONS_OLDEST)/.built $(TF_TESTS_OLDEST)/.installed
+venv-oldest: $(VENV_OLDEST)/.installed $(PACKS_SITE_OLDEST)/.installed $(PACK_TEST_SITE_OLDEST)/.installed $(FOREIGN_SITE_OLDEST)/.installed $(DS_EXTENSIONS_OLDEST)/.built $(TF_TESTS_OLDEST)/.installed
 
 # The demo's own environment, what a user of the packs installs and nothing of the dev stack (no test,
 # lint or docs tools, no DeepSpeed, no transformers test sources): transformers and its requirements and

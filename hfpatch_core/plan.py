@@ -216,6 +216,9 @@ class Foreign:
         module: the modeling module, for ``"module"``.
         overridden_by: the pack whose claim replaces the class for this load instead; the
             foreign class is put back when the load ends.
+        displaced: the selected packs (comma-separated) that do not replace the class because
+            of it: a claim that lost to the foreign registry entry, or a class the pack found
+            and refused (``Refusal``); the foreign class is used for the load.
     """
 
     name: str
@@ -223,6 +226,7 @@ class Foreign:
     source: Literal["module", "registry", "changed during the load"]
     module: str = ""
     overridden_by: str | None = None
+    displaced: str | None = None
 
     @property
     def situation(self) -> str:
@@ -237,7 +241,14 @@ class Foreign:
 
     def describe(self) -> str:
         overridden = f"; pack {self.overridden_by!r} replaces it for this load" if self.overridden_by else ""
-        return self.situation + overridden
+        displaced = f"; it is used instead of pack {self.displaced!r}'s class" if self.displaced else ""
+        return self.situation + overridden + displaced
+
+    @property
+    def short(self) -> str:
+        """The replacement as the summary line shows it: ``LlamaMLP <- lib.LibMLP [module]``."""
+        overridden = f", overridden by {self.overridden_by}" if self.overridden_by else ""
+        return f"{self.name} <- {self.replacement} [{self.source}{overridden}]"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -340,7 +351,7 @@ class Plan:
         inner = "".join(
             f"; inside, {plan.summary().removeprefix('hfpatch: ').rsplit(' (plan', 1)[0]}"
             for plan in self.nested
-            if plan.replaced or plan.conversions or plan.refused
+            if plan.replaced or plan.conversions or plan.refused or plan.foreign
         )
         # only what replaced a class of the model: a registered target that matched none is no patch
         parts = ", ".join(
@@ -350,8 +361,10 @@ class Plan:
         steps = "".join(f"; step {claim.target} [{claim.label}]" for claim in self.installed_steps)
         # a refusal is why a pack that was asked for changed nothing: the log line says so
         refused = "".join(f"; {refusal.target} refused by {refusal.pack}: {refusal.reason}" for refusal in self.refused)
+        # classes another library replaced: the model is not what the packs alone make of it
+        foreign = "; outside hfpatch: " + ", ".join(found.short for found in self.foreign) if self.foreign else ""
         return (
-            f"hfpatch: {where}: {parts or 'no patch applied'}{converted}{steps}{refused}{inner} "
+            f"hfpatch: {where}: {parts or 'no patch applied'}{converted}{steps}{refused}{foreign}{inner} "
             f"(plan {self.fingerprint})"
         )
 

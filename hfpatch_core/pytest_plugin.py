@@ -140,6 +140,14 @@ def _isolate(item: pytest.Item) -> _Isolation:
     return isolation
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    # the line a process prints at its first patched load would land in whichever test loads
+    # first, where a test reading stderr gets it: pytest's header names the plugins instead
+    from ._session.announcement import silence
+
+    silence()
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_setup(item: pytest.Item) -> Iterator[None]:
     # Recorded before any fixture is set up, and compared after every fixture is torn

@@ -21,7 +21,9 @@ STRICT_ENV = "HF_PATCH_STRICT"
 
 #: ``debug``, ``info``, ``warning`` or ``error``: the level of the ``hfpatch`` logger, with a
 #: stderr handler when the program configured none, so that ``info`` logs each patched
-#: load's plan (which packs replaced what).  Unset: logging is left to the program.
+#: load's plan (which packs replaced what).  Unset: logging is left to the program, and the
+#: first load in a process that packs change prints its plan's summary to stderr, once (as
+#: pytest names its plugins); set to any level (``warning`` says nothing more), no such line.
 LOG_ENV = "HF_PATCH_LOG"
 
 #: ``0``/``false``/``no``/``off`` makes an unset ``HF_PATCH_PACKS`` mean no pack (as pytest's

@@ -148,6 +148,39 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
         terminalreporter.write_line(f"fault matrix: {cases} cases ({faults} bad inputs x {modes} modes)")
 
 
+#: Libraries that patch transformers outside hfpatch (Liger-Kernel, and the Triton it imports), installed
+#: by ``make venv`` on a path entry of their own: only the tests that request ``liger`` import them.
+FOREIGN_SITE = Path(sys.prefix) / "foreign-libraries"
+
+
+@pytest.fixture
+def liger() -> Iterator[Callable[..., None]]:
+    """The real ``liger_kernel.transformers.apply_liger_kernel_to_llama``; what it swaps in transformers
+    (modeling_llama's classes and functions, ``LlamaForCausalLM.forward``) is put back after the test."""
+    assert (FOREIGN_SITE / "liger_kernel").is_dir(), f"no Liger-Kernel in {FOREIGN_SITE}: run make venv"
+    from transformers.models.llama import modeling_llama
+
+    namespace = dict(vars(modeling_llama))
+    forward = modeling_llama.LlamaForCausalLM.__dict__["forward"]
+    sys.path.insert(0, str(FOREIGN_SITE))  # _isolation restores sys.path; the modules stay imported (7 s)
+    importlib.invalidate_caches()
+    from liger_kernel.transformers import apply_liger_kernel_to_llama
+
+    try:
+        yield apply_liger_kernel_to_llama
+    finally:
+        for name, value in vars(modeling_llama).copy().items():
+            if namespace.get(name, _ABSENT) is not value:
+                if name in namespace:
+                    setattr(modeling_llama, name, namespace[name])
+                else:
+                    delattr(modeling_llama, name)
+        modeling_llama.LlamaForCausalLM.forward = forward
+
+
+_ABSENT = object()
+
+
 @pytest.fixture
 def first_party() -> Iterator[None]:
     """The first-party packs installed (``_isolation`` restores sys.path; their modules are dropped after)."""

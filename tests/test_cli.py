@@ -466,7 +466,12 @@ def test_run_with_hf_patch_log_says_which_packs_each_load_applied(install, llama
     plans = [line for line in logged.stderr.splitlines() if line.startswith("hfpatch: LlamaForCausalLM:")]
     assert len(plans) == 2, logged.stderr  # the program's load and its child's
     assert all("LlamaMLP <- PackMLP [mlp==1.2.0] (plan " in plan for plan in plans), plans
-    quiet = run(*command, site=site)
+    # without HF_PATCH_LOG each process says once that packs applied, at its first patched load
+    once = run(*command, site=site)
+    assert once.returncode == 0, once.stderr
+    said = [line for line in once.stderr.splitlines() if line.startswith("hfpatch: ")]
+    assert said == plans, once.stderr
+    quiet = run(*command, site=site, env={"HF_PATCH_LOG": "warning"})
     assert quiet.returncode == 0 and "hfpatch:" not in quiet.stderr, quiet.stderr
     bad = run(*command, site=site, env={"HF_PATCH_LOG": "loud"})
     assert bad.returncode == 2 and bad.stdout == ""

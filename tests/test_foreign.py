@@ -90,18 +90,41 @@ def test_a_foreign_class_no_pack_claims_is_listed_and_kept(install, llama_checkp
     assert found.overridden_by is None and "set outside hfpatch" in found.describe()
 
 
-def test_a_registry_entry_no_pack_made_is_listed(install, llama_checkpoint) -> None:
+def test_a_registry_entry_that_displaces_a_pack_is_listed_and_warned(install, llama_checkpoint) -> None:
     install(PackSpec("mlp", MLP_PACK))
     monkey_patching.register_patch_mapping({"LlamaMLP": ForeignMLP})
     try:
         hfpatch_core.enable()
-        model = AutoModelForCausalLM.from_pretrained(llama_checkpoint)
+        with pytest.warns(PackWarning, match=rf"pack 'mlp' does not replace LlamaMLP .*{__name__}.ForeignMLP"):
+            model = AutoModelForCausalLM.from_pretrained(llama_checkpoint)
     finally:
         monkey_patching.unregister_patch_mapping(["LlamaMLP"])
     # the direct registration outranks a pack without overwrite=True: the foreign class is used
     assert mlp_classes(model) == {"ForeignMLP"}
     (found,) = plan_of(model).foreign
-    assert (found.name, found.source, found.overridden_by) == ("LlamaMLP", "registry", None)
+    assert (found.name, found.source, found.overridden_by, found.displaced) == ("LlamaMLP", "registry", None, "mlp")
+    summary = plan_of(model).summary()
+    assert f"no patch applied; outside hfpatch: LlamaMLP <- {__name__}.ForeignMLP [registry] (plan " in summary
+
+
+def test_a_registry_entry_of_a_transformers_class_is_foreign_too(install, llama_checkpoint) -> None:
+    """Only transformers' fusion_config classes are its own: a modeling class registered by other
+    code (here Mistral's MLP for Llama's) is another library's patch."""
+    from transformers.models.mistral.modeling_mistral import MistralMLP
+
+    install(PackSpec("norm", NORM_PACK))
+    monkey_patching.register_patch_mapping({"LlamaMLP": MistralMLP})
+    try:
+        hfpatch_core.enable()
+        model = AutoModelForCausalLM.from_pretrained(llama_checkpoint)
+    finally:
+        monkey_patching.unregister_patch_mapping(["LlamaMLP"])
+    (found,) = plan_of(model).foreign
+    assert (found.name, found.replacement, found.displaced) == (
+        "LlamaMLP",
+        "transformers.models.mistral.modeling_mistral.MistralMLP",
+        None,  # the pack claims no MLP: listed, not warned
+    )
 
 
 CLEARING_PACK = """
@@ -144,6 +167,7 @@ def test_explain_lists_foreign_replacements(install, llama_checkpoint, liger_sty
                 "source": "module",
                 "module": "transformers.models.llama.modeling_llama",
                 "overridden_by": "mlp",
+                "displaced": None,
             }
         ]
         # the swapped class counts under the name transformers' registry resolves it by

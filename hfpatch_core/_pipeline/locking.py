@@ -340,6 +340,10 @@ class LockedPlan:
         converters: for each conversion key registered, its composed list, one line each, by
             kind (``converter_kind``: no sizes).
         steps: the winning model steps, one line each (target, install function, pack, priority).
+        foreign: the classes replaced outside hfpatch where the lock was written, one line each
+            (``LlamaMLP <- liger_kernel...LigerSwiGLUMLP [module]``; ``Foreign``): a load whose
+            other libraries' patches differ is not the locked one.  ``hfpatch lock`` run as a
+            command sees none, so a locked load refuses any.
     """
 
     model_type: str
@@ -349,6 +353,7 @@ class LockedPlan:
     replaced: Mapping[str, str] = dataclasses.field(default_factory=dict)
     converters: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
     steps: tuple[str, ...] = ()
+    foreign: tuple[str, ...] = ()
 
     @property
     def decision(self) -> str:
@@ -364,6 +369,8 @@ class LockedPlan:
                 digest.update(f"convert {key} {line}\n".encode())
         for line in self.steps:
             digest.update(f"step {line}\n".encode())
+        for line in self.foreign:  # none for a lock written before foreign patches were locked: its hash holds
+            digest.update(f"foreign {line}\n".encode())
         return digest.hexdigest()[:12]
 
     @classmethod
@@ -384,6 +391,7 @@ class LockedPlan:
                 for key, entries in sorted(plan.conversions.lists.items())
             },
             steps=tuple(_step_line(claim) for claim in plan.steps),
+            foreign=foreign_lines(plan),
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -396,6 +404,7 @@ class LockedPlan:
             "converters": {key: list(lines) for key, lines in self.converters.items()},
             # only when there are: a lock without steps reads as before model steps existed
             **({"steps": list(self.steps)} if self.steps else {}),
+            **({"foreign": list(self.foreign)} if self.foreign else {}),
         }
 
     def differences(self, now: LockedPlan) -> list[str]:
@@ -414,6 +423,8 @@ class LockedPlan:
         if self.steps != now.steps:
             now_steps, was_steps = list(now.steps) or "none", list(self.steps) or "none"
             found.append(f"{where}: the model steps are {now_steps} (locked: {was_steps})")
+        if self.foreign != now.foreign:
+            found.append(f"{where}: {_foreign_phrase(now.foreign, self.foreign)}")
         if not found:
             added = [claim for claim in now.claims if claim not in self.claims]
             removed = [claim for claim in self.claims if claim not in now.claims]
@@ -435,7 +446,19 @@ class LockedPlan:
             {str(k): str(v) for k, v in dict(plan.get("replaced", {})).items()},
             {str(k): tuple(map(str, v)) for k, v in dict(plan.get("converters", {})).items()},
             tuple(map(str, plan.get("steps", ()))),
+            tuple(map(str, plan.get("foreign", ()))),
         )
+
+
+def foreign_lines(plan: Plan) -> tuple[str, ...]:
+    """The classes of ``plan`` replaced outside hfpatch before the load, as the lock holds them
+    (sorted; what the load's own code changes in the registry is found after planning)."""
+    return tuple(sorted(found.short for found in plan.foreign if found.source != "changed during the load"))
+
+
+def _foreign_phrase(now: Iterable[str], locked: Iterable[str]) -> str:
+    now_list, locked_list = list(now) or "none", list(locked) or "none"
+    return f"the classes replaced outside hfpatch are {now_list} (locked: {locked_list})"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -583,7 +606,7 @@ class Lock:
         type the lock has no plan for differs only when the plan replaces or converts anything
         and transformers is not the locked version (``decision_changes``)."""
         now = LockedPlan.of(plan, source)
-        if now.model_type not in self.plans and not plan.entries and not plan.conversions and not plan.steps:
+        if now.model_type not in self.plans and not (plan.entries or plan.conversions or plan.steps or now.foreign):
             return []
         return self.decision_changes(now)
 
@@ -598,6 +621,10 @@ class Lock:
         replace, convert or install anything in it.
         """
         locked = self.plans.get(now.model_type)
+        if locked is None and now.foreign:
+            # what another library replaced is no pack's decision: the lock holds it only where it has a plan
+            where = f"model type {now.model_type or '?'!r} has no plan in the lock"
+            return [f"{where}, and {_foreign_phrase(now.foreign, ())}"]
         if locked is None:
             if not now.claims and not now.converters and not now.steps:
                 return []
@@ -630,13 +657,21 @@ class Lock:
         missing = [f"--model-type {t}" for t in model_types if t and t not in self.plans]
         again = f"hfpatch lock -o {self.path}" + "".join(f" {option}" for option in missing)
         selection = f"{PACKS_ENV}={self.selection!r}"
+        foreign = (
+            " Classes replaced outside hfpatch (another library's patch, Liger-Kernel's or a KernelConfig's) are "
+            "locked as found where the lock was written, and `hfpatch lock` run as a command finds none: apply that "
+            "library's patch after loading, or write the lock in the process that applies it "
+            "(`hfpatch_core.cli.main(['--no-cache', 'lock', ...])` after the patch)."
+            if any("replaced outside hfpatch" in change for change in changes)
+            else ""
+        )
         return LockError(
             f"the packs or plan of this load differ from the lock {self.path!r}: "
             + "; ".join(changes)
             + f". If the change is meant, write the lock again (`{again}`, with {selection} as it was written) and "
             "ship it; otherwise restore the locked environment (pip install the locked versions, uninstall or "
             f"leave out with {PACKS_ENV} the packs not locked). `hfpatch lock --check {self.path}` lists every "
-            "difference.",
+            "difference." + foreign,
             lock=self.path,
             changes=changes,
         )

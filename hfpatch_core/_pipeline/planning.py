@@ -23,10 +23,10 @@ import torch.nn as nn
 from .. import _compat
 from ..context import LoadContext
 from ..conversion import source_patterns_of
-from ..errors import ConverterConflictError, ForeignPatchError, HfPatchError, PackError, PatchConflictError
-from ..plan import Conversions, Foreign, Plan
+from ..errors import ConverterConflictError, HfPatchError, PackError, PatchConflictError
+from ..plan import Conversions, Plan
 from .composition import compose, scope_for
-from .foreign import foreign_replacements
+from .foreign import displacements, foreign_replacements, overrides
 from .gathering import Gathered, PackSet
 from .parallel import refuse_unsharded
 from .resolution import PatchDecision, matches, resolve_converters, resolve_patches, resolve_steps, unused_converters
@@ -342,8 +342,11 @@ def plan_load(
         registered=registered or {},
         overridable=overridable,
         replaced=decision.replaced,
+        lost=decision.lost,
+        refused=gathered.refused,
     )
-    report(_overridden(found) for found in foreign if found.overridden_by)
+    report(overrides(found) for found in foreign if found.overridden_by)
+    report(displacements(foreign))
     steps = resolve_steps(gathered.steps)
     return Plan(
         context=context,
@@ -356,16 +359,4 @@ def plan_load(
         foreign=foreign,
         steps=steps.winners,
         lost_steps=steps.lost,
-    )
-
-
-def _overridden(found: Foreign) -> ForeignPatchError:
-    pack = found.overridden_by or "?"
-    return ForeignPatchError(
-        f"pack {pack!r} replaces {found.name} for this load, but {found.situation}: the pack's "
-        "class is used instead, and the other one is put back when the load ends.",
-        f"To keep the other library's class, leave {pack!r} out of HF_PATCH_PACKS for this load, or apply "
-        "that library's patch after loading.",
-        packs=(pack,),
-        target=found.name,
     )

@@ -43,6 +43,7 @@ from .._scope import LOAD_LOCK, vanilla
 from ..authoring.randomness import isolated_rng
 from ..errors import ApplyError, HfPatchError
 from ..plan import PLAN_ATTRIBUTE, Claim, Plan, plan_of
+from .announcement import announce
 from .loaders import attach, disable, install
 from .manual import patched
 from .session import Session, activate, active_session, new_session
@@ -183,6 +184,7 @@ def apply(model: nn.Module, packs: str | Iterable[str] | None = None, strict: bo
             attributes = {name: model.__dict__.get(name, _MISSING) for name in _MODEL_ATTRIBUTES}
             plan = install_steps(model, planned, session.report)
             attach(model, plan)
+            announce(plan)
             object.__setattr__(model, APPLIED_ATTRIBUTE, Applied(plan=plan, swaps=(), attributes=attributes))
             return plan
         for path, claim, replacement in swaps:
@@ -206,6 +208,7 @@ def apply(model: nn.Module, packs: str | Iterable[str] | None = None, strict: bo
             # the steps run on the user's model, once its modules are the packs'
             plan = install_steps(model, plan, session.report)
             attach(model, plan)
+            announce(plan)
         except BaseException:
             _undo_attributes(model, record)
             undo()

@@ -38,6 +38,7 @@ from ..authoring.randomness import isolated_rng
 from ..errors import HfPatchError, PackError
 from ..plan import PLAN_ATTRIBUTE, Plan
 from ..settings import AUTORUN_MODULE, log_level_from_env
+from .announcement import announce
 from .session import LockChoice, Session, activate, active_session, current_session, live_session, new_session, scoped
 
 logger = logging.getLogger("hfpatch")
@@ -133,6 +134,7 @@ def _managed(cls: type, load: Callable[[], Any], code: types.CodeType, *, loadin
     attach(model, plan)
     if all(outer.loader is None for outer in session.frames()):  # a root load (its frame is gone)
         _compare_provenance(model, plan)
+        announce(plan)
     return result
 
 

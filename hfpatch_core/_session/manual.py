@@ -23,6 +23,7 @@ from .._runtime import recorders
 from .._runtime.application import apply_mapping
 from .._runtime.layout import secure
 from ..plan import Plan, plan_of
+from .announcement import announce
 from .loaders import attach
 from .session import Session, current_session, new_session
 
@@ -90,6 +91,7 @@ def patched(config_or_model_type: Any, *, model_class: type | None = None) -> It
                 continue  # a sub-model, or loaded by a managed loader inside the block
             secure(model, plan, None)
             attach(model, plan)
+            announce(plan)
 
 
 @contextmanager

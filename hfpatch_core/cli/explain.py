@@ -18,12 +18,12 @@ from .._pipeline.model_types import (
     model_class_for,
 )
 from .._pipeline.planning import module_classes, plan_load
-from .._pipeline.resolution import find_replacement
+from .._pipeline.resolution import find_replacement, matches
 from .._runtime import provenance
 from .._session.session import Session
 from ..context import LoadContext
 from ..conversion import describe_transform
-from ..plan import Claim, Plan, StepClaim
+from ..plan import Claim, Foreign, Plan, StepClaim
 from .exit_codes import EXIT_OK
 from .output import print_json, table
 
@@ -78,6 +78,7 @@ class Explanation:
                     "source": found.source,
                     "module": found.module or None,
                     "overridden_by": found.overridden_by,
+                    "displaced": found.displaced,
                 }
                 for found in self.plan.foreign
             ],
@@ -221,6 +222,16 @@ def _read_as_directory(model: str) -> bool:
     return given_as_path(model) or model not in CONFIG_MAPPING_NAMES
 
 
+def _outside(plan: Plan, name: str) -> Foreign | None:
+    """What replaces the class ``name`` outside hfpatch, if anything does."""
+    for found in plan.foreign:
+        if (found.source == "module" and found.name == name) or (
+            found.source == "registry" and matches(found.name, name)
+        ):
+            return found
+    return None
+
+
 def _matching(claim: Claim, names: Iterable[str]) -> list[str]:
     return [name for name in names if find_replacement(name, {claim.target: claim}) is claim]
 
@@ -238,14 +249,12 @@ def cmd_explain(args: argparse.Namespace) -> int:
     print(f"{explanation.model_class} (model_type {explanation.model_type}); packs: {packs}; plan {plan.fingerprint}")
     rows = []
     for report in explanation.classes:
-        claim = report.replaced_by
-        rows.append(
-            [
-                report.name,
-                str(report.count),
-                f"{claim.patch.replacement.__qualname__} [{claim.pack} {claim.version}]" if claim else "-",
-            ]
-        )
+        claim, found = report.replaced_by, _outside(plan, report.name)
+        if claim is not None:
+            shown = f"{claim.patch.replacement.__qualname__} [{claim.pack} {claim.version}]"
+        else:  # a class another library replaced: which one here, and why below
+            shown = f"{found.replacement} [outside hfpatch]" if found is not None else "-"
+        rows.append([report.name, str(report.count), shown])
     print(table(rows, ["class", "count", "replaced by"]))
     if explanation.provenance is not None:
         recorded = explanation.provenance

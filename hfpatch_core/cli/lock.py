@@ -38,8 +38,9 @@ Source = tuple[str, str | None]
 def plan_for(session: Session, model_type: str, directory: str | None = None) -> Plan:
     """The plan a load of ``model_type`` (its default config, or the config of the checkpoint
     ``directory``) gets from ``session``'s packs, as ``Session.plan`` makes it for a load with
-    an empty patch registry."""
-    from transformers import AutoConfig
+    the patch registry as it is (empty in the command's own process; another library's entries
+    where the lock is written in the process that made them: ``LockedPlan.foreign``)."""
+    from transformers import AutoConfig, monkey_patching
 
     from .._pipeline.model_types import model_class_for
     from .._pipeline.planning import class_names_for, context_for, plan_load
@@ -59,7 +60,7 @@ def plan_for(session: Session, model_type: str, directory: str | None = None) ->
         session.packs,
         priority_offsets=session.selection.spec.priority_offsets,
         class_names=class_names,
-        registered={},
+        registered=monkey_patching.get_patch_mapping(),
         report=session.report,
         selection=session.selection.spec,
     )

@@ -10,6 +10,7 @@ import sys
 import warnings
 from collections.abc import Callable, Sequence
 
+from .._session.announcement import silenced
 from ..settings import AUTORUN_MODULE, LOCK_FILE
 from .exit_codes import EXIT_BROKEN_PIPE, EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE
 from .output import UsageError, show_warning, without_progress_bars
@@ -297,6 +298,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         with warnings.catch_warnings(), contextlib.ExitStack() as stack:
             # installed here, by the command, never on import: a program using the library keeps its own
             warnings.showwarning = show_warning
+            # the command reports what the packs did: not the line a program's first patched load prints
+            stack.enter_context(silenced())
             if args.command_name in _LOADING_COMMANDS:
                 stack.enter_context(without_progress_bars())
             code: int = args.handler(args)

@@ -420,9 +420,12 @@ def _worker_start(threads: int) -> None:
     import torch
     from transformers.utils import logging as hf_logging
 
+    from .._session.announcement import silence
+
     torch.set_num_threads(threads)
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
+    silence()  # the sweep reports what each pack did
     warnings.simplefilter("ignore")
 
 

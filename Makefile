@@ -371,7 +371,7 @@ $(PACKS_SITE_VLLM)/.installed: $(VENV_VLLM)/.installed $(PLUGIN_SOURCES)
 
 venv-vllm: $(VENV_VLLM)/.installed $(PACKS_SITE_VLLM)/.installed
 
-engine: venv-vllm
+engine: venv-vllm venv-interop
 	@echo "== engine (vLLM)"
 	cd engine && $(SUITE_ENV) $(ENGINE_ENV) PYTHONPATH=$(CURDIR)/$(PACKS_SITE_VLLM) $(CURDIR)/$(BIN_VLLM)/python -m pytest $(PYTEST_FLAGS) -p no:cacheprovider .
 

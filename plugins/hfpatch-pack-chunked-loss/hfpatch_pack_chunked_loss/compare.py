@@ -16,9 +16,9 @@ from transformers.loss.loss_utils import ForCausalLMLoss
 
 from .errors import ChunkedLossRefused
 from .found import LossKind
-from .judge import aux_coefficient, check, coefficient_paths, errors, judge
+from .judge import aux_coefficient, check, errors, judge
 from .loss import HeadTransform, chunked_causal_lm_loss
-from .outputs import accepts, last_hidden, router_arguments, with_hidden
+from .outputs import accepts, coefficient_paths, last_hidden, router_arguments, with_hidden
 from .rows import HeadRows
 
 __all__ = ["compare_with_vanilla"]
@@ -102,6 +102,7 @@ _PROBE_ITEMS = 7
 
 def loss_kind(
     model: nn.Module,
+    paths: list[str],
     vanilla: torch.Tensor,
     aux: torch.Tensor | None,
     logits: torch.Tensor,
@@ -115,7 +116,7 @@ def loss_kind(
     kinds = [LossKind(shift, kwargs) for shift in (True, False) for kwargs in ((True, False) if items else (False,))]
     coefficients = [0.0]
     if aux is not None:
-        coefficients += [float(operator.attrgetter(path)(model)) for path in coefficient_paths(model)]
+        coefficients += [float(operator.attrgetter(path)(model)) for path in paths]
         aux_value = float(aux.detach())
     value = float(vanilla)
 
@@ -187,6 +188,11 @@ def compare_with_vanilla(
             f"{getattr(model.loss_function, '__name__', model.loss_function)!r}, not ForCausalLMLoss: the chunked "
             "loss over vocabulary shards computes ForCausalLMLoss only"
         )
+    # what the forward takes, and where an auxiliary loss's coefficient may be read, before it runs
+    router = router_arguments(model)
+    # under tensor parallelism the loss is ForCausalLMLoss (above), compared as a mean
+    items = not split and accepts(model, "num_items_in_batch")
+    paths = coefficient_paths(model)
     handles = [head.register_forward_pre_hook(head_pre_hook)]
     if not at_head:
         handles.append(decoder.register_forward_hook(decoder_hook))
@@ -197,9 +203,7 @@ def compare_with_vanilla(
         seen["replace"] = hidden
         labels = input_ids.clone()
         labels[0, 1] = -100
-        arguments = {"input_ids": input_ids, "labels": labels, "use_cache": False, **router_arguments(model)}
-        # under tensor parallelism the loss is ForCausalLMLoss (above), compared as a mean
-        items = not split and accepts(model, "num_items_in_batch")
+        arguments = {"input_ids": input_ids, "labels": labels, "use_cache": False, **router}
         try:
             out = model(**arguments, **({"num_items_in_batch": torch.tensor(_PROBE_ITEMS)} if items else {}))
         except TypeError:
@@ -218,9 +222,27 @@ def compare_with_vanilla(
     if "labeled" in seen and not _near(seen["labeled"], hidden):
         raise ChunkedLossRefused(_labels_change_the_hidden_states(seen["labeled"], hidden))
     loss = out.loss
-    if rows.compare is not None:  # tensor parallelism: each rank's rows of the head
-        coefficient = rows.compare(model, head, hidden, labels, loss, out, seen["weight"], transform)
-        return coefficient, LossKind()
+    if rows.compare is None:
+        return _compare_whole(model, head, seen, hidden, labels, loss, out, transform, rows, items, paths)
+    # tensor parallelism: each rank's rows of the head
+    return rows.compare(model, head, hidden, labels, loss, out, seen["weight"], transform), LossKind()
+
+
+def _compare_whole(
+    model: PreTrainedModel,
+    head: nn.Linear,
+    seen: dict[str, torch.Tensor],
+    hidden: torch.Tensor,
+    labels: torch.Tensor,
+    loss: torch.Tensor,
+    out: Any,
+    transform: HeadTransform,
+    rows: HeadRows,
+    items: bool,
+    paths: list[str],
+) -> tuple[str | None, LossKind]:
+    """``compare_with_vanilla`` on a head this rank holds whole: float64's reference first, then the chunked
+    loss, then the judgement."""
     # the head as the forward used it: under FSDP2 the whole weight its pre-forward hook gathered,
     # freed when the backward below reshards the unit, so the chunked loss reads a copy of it
     weight, bias = seen["weight"], seen.get("bias")
@@ -232,9 +254,12 @@ def compare_with_vanilla(
         )
     aux = getattr(out, "aux_loss", None)
     h64, logits64, blocks = _float64_logits(hidden, used, transform)
-    kind = loss_kind(model, loss.detach(), aux, logits64, labels, transform, items)
+    kind = loss_kind(model, paths, loss.detach(), aux, logits64, labels, transform, items)
     targets = _targets(labels, kind)
     divisor = _PROBE_ITEMS if kind.loss_kwargs else None
+    reference_loss, reference_hidden, by_token, reference_head = _reference(
+        h64, logits64, blocks, hidden, used, targets, divisor, transform
+    )
     wanted = [hidden, weight] if weight.requires_grad else [hidden]
     mine = [hidden, used.weight] if weight.requires_grad else [hidden]
     vanilla = torch.autograd.grad(loss, wanted, retain_graph=False)
@@ -250,16 +275,6 @@ def compare_with_vanilla(
     )
     ours = torch.autograd.grad(ours_loss, mine)
     coefficient, ours_total = aux_coefficient(model, loss.detach(), ours_loss.detach(), aux)
-    reference_loss, reference_hidden, by_token, reference_head = _reference(
-        h64,
-        logits64,
-        blocks,
-        hidden,
-        used,
-        targets,
-        divisor,
-        transform,
-    )
     if aux is not None and coefficient is not None:
         reference_loss = reference_loss + operator.attrgetter(coefficient)(model) * aux.detach().double()
     check("loss", loss.detach(), ours_total, reference_loss, hidden.dtype)

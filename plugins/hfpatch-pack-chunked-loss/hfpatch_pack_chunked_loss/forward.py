@@ -163,7 +163,7 @@ class ChunkedForward:
         if not captured:
             # sharded otherwise since the install (a head made an FSDP2 unit of its own): vanilla's step
             self._fall_back(
-                rows.unreadable(model, head, "the LM head's weight is a DTensor")
+                rows.unreadable("the LM head's weight is a DTensor")
                 if not rows.readable(head)
                 else "the step's forward never handed the head the decoder's hidden states"
             )

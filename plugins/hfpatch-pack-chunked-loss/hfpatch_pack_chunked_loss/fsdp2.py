@@ -12,16 +12,17 @@ beyond what FSDP2 gathers for vanilla's head matmul.  A head that is a unit of i
 chunked loss does not do: refused.
 
 A ``DTensor`` head that no FSDP2 unit holds and whose rows are not split as ``vocab_parallel`` reads
-them is this layout too, refused before the probe (``placement.locate``) with how it is placed.
+them is refused before the probe (``vocab_parallel.claim``); found so at a training step (sharded after
+the install), it is read as this layout, and the step falls back to vanilla's with how it is placed.
 """
 
 from __future__ import annotations
 
 from torch import nn
 
-from .rows import HeadRows, fsdp_module_type, is_dtensor, split_refusal
+from .rows import DTENSOR, HeadRows, dtensor_weight, fsdp_module_type, is_dtensor, split_refusal
 
-__all__ = ["FSDP2", "fsdp_head_unit", "fsdp_units_holding"]
+__all__ = ["FSDP2", "after_decoder", "claim", "fsdp_head_unit", "fsdp_units_holding"]
 
 
 class FSDP2(HeadRows):
@@ -33,21 +34,30 @@ class FSDP2(HeadRows):
         """Whether FSDP2 has gathered the weight whole now."""
         return not is_dtensor(getattr(head, "weight", None))
 
-    def unreadable(self, model: nn.Module, head: nn.Module, why: str) -> str:
-        """The refusal of a head whose weight is still a DTensor when the decoder has returned."""
-        unit = fsdp_head_unit(model, head)
-        if unit is not None:
-            return (
-                f"{why}, and still one when the decoder has returned: the FSDP2 unit {unit!r} gathers it only when "
-                "that module is called, which the chunked loss does not do; shard the head with the model "
-                "(fully_shard(model), or together with the final norm: "
-                f"fully_shard([model.model.norm, model.lm_head])) instead of fully_shard on {unit!r}"
-            )
+
+def claim(model: nn.Module, head: nn.Module) -> FSDP2 | None:
+    """``FSDP2`` when the head's weight is a ``DTensor`` an FSDP2 unit holds (``placement``), else ``None``."""
+    if not dtensor_weight(head) or not fsdp_units_holding(model, head):
+        return None
+    return FSDP2(DTENSOR, after_decoder=after_decoder(model, head))
+
+
+def after_decoder(model: nn.Module, head: nn.Module) -> str:
+    """What a refusal says of a ``DTensor`` head still sharded when the decoder has returned, after how it is
+    sharded: which FSDP2 unit gathers it, or how it is placed."""
+    unit = fsdp_head_unit(model, head)
+    if unit is not None:
         return (
-            f"{why}, and still one when the decoder has returned, sharded in a way the vocabulary-parallel loss does "
-            f"not read: {split_refusal(model, head)} (it reads a head whose rows are split over a 1-D mesh, "
-            "Shard(0), as tensor parallelism's tp_plan='auto' shards it)"
+            f", and still one when the decoder has returned: the FSDP2 unit {unit!r} gathers it only when "
+            "that module is called, which the chunked loss does not do; shard the head with the model "
+            "(fully_shard(model), or together with the final norm: "
+            f"fully_shard([model.model.norm, model.lm_head])) instead of fully_shard on {unit!r}"
         )
+    return (
+        ", and still one when the decoder has returned, sharded in a way the vocabulary-parallel loss does "
+        f"not read: {split_refusal(model, head)} (it reads a head whose rows are split over a 1-D mesh, "
+        "Shard(0), as tensor parallelism's tp_plan='auto' shards it)"
+    )
 
 
 def fsdp_head_unit(model: nn.Module, head: nn.Module) -> str | None:

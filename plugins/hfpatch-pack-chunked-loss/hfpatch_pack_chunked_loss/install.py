@@ -72,7 +72,9 @@ def install(model: PreTrainedModel, *, chunk: int | None = None, budget: int | N
     if installed(model) is not None:
         raise ValueError(f"{type(model).__name__} already has the chunked loss")
     # where the head's rows live, decided once here: the probe runs, and compares, as they live
-    found = find(model, locate(model, model.get_output_embeddings()))
+    rows = locate(model, model.get_output_embeddings())
+    with rows.probing(model, model.get_output_embeddings()):
+        found = find(model, rows)
     result = Installed(found.transform, chunk, budget, found.aux_loss_coefficient, found.loss)
     original = model.__dict__.get("forward")
     forward = ChunkedForward(

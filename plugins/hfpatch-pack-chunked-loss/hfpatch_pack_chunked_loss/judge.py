@@ -5,32 +5,14 @@ loss with.  Used by the probe of every layout of the head (``compare.py``, ``voc
 from __future__ import annotations
 
 import operator
-from typing import Any
 
 import torch
 from torch import nn
 
 from .errors import ChunkedLossRefused
+from .outputs import coefficient_paths
 
-__all__ = ["aux_coefficient", "check", "coefficient_paths", "errors", "judge"]
-
-
-def coefficient_paths(model: nn.Module) -> list[str]:
-    """Attributes of the model and of its text config named ``*aux_loss_coef`` (every family reads its
-    coefficient from one: ``router_aux_loss_coef``, ``aux_loss_coef``, ``text_config.router_aux_loss_coef``)."""
-    paths = [name for name, value in vars(model).items() if name.endswith("aux_loss_coef") and _number(value)]
-    config = getattr(model, "config", None)
-    if config is not None:
-        text = config.get_text_config() if hasattr(config, "get_text_config") else config
-        named = (f"config.{name}" for name, value in vars(config).items() if value is text)
-        prefix = "config" if text is config else next(named, None)
-        if prefix is not None:
-            paths += [f"{prefix}.{n}" for n, v in vars(text).items() if n.endswith("aux_loss_coef") and _number(v)]
-    return paths
-
-
-def _number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+__all__ = ["aux_coefficient", "check", "errors", "judge"]
 
 
 def errors(vanilla: torch.Tensor, ours: torch.Tensor, reference: torch.Tensor) -> tuple[float, float, float]:

@@ -119,7 +119,9 @@ def detect(model: PreTrainedModel) -> HeadTransform:
             swaps its own modules; an auxiliary loss is added with a coefficient the pack cannot
             read; or the chunked loss differs from vanilla's on the probe).
     """
-    return find(model, locate(model, model.get_output_embeddings())).transform
+    rows = locate(model, model.get_output_embeddings())
+    with rows.probing(model, model.get_output_embeddings()):
+        return find(model, rows).transform
 
 
 @dataclasses.dataclass
@@ -166,8 +168,8 @@ def _linear_head(head: Any) -> tuple[type, torch.dtype] | None:
 
 
 def find(model: PreTrainedModel, rows: HeadRows) -> Found:
-    """Probe the model whose head's rows live as ``rows`` says (``placement.locate``); refuse when the chunked
-    loss is not exact there.  Called by ``install`` and ``detect``.
+    """Probe the model whose head's rows live as ``rows`` says (``placement.locate``), inside
+    ``rows.probing``; refuse when the chunked loss is not exact there.  Called by ``install`` and ``detect``.
 
     Runs the model's forward twice on 4 tokens: once with the head's output replaced by chosen values
     (reads what the forward does between the head and the loss, and which sub-module's output the head
@@ -178,24 +180,35 @@ def find(model: PreTrainedModel, rows: HeadRows) -> Found:
         ChunkedLossRefused: as ``detect`` says.
     """
     head = model.get_output_embeddings()
-    with rows.probing(model, head):
-        linear_subclass = _linear_head(head)
-        if rows.refusal is not None:
-            raise ChunkedLossRefused(rows.refusal)
-        parameters = signature(model).parameters
-        missing = [name for name in ("labels", "logits_to_keep") if name not in parameters]
-        if missing:
-            raise ChunkedLossRefused(f"{type(model).__name__}.forward takes no {' or '.join(missing)}")
-        classes = {name: type(module) for name, module in model.named_modules()}
-        found = _probe(model, head, rows)
-        found.linear_subclass = linear_subclass
-    _check_unchanged(model, classes)
+    linear_subclass = _linear_head(head)
+    if rows.refusal is not None:
+        raise ChunkedLossRefused(rows.refusal)
+    classes = {name: type(module) for name, module in model.named_modules()}
+    found = _probe(model, head, rows)
+    found.linear_subclass = linear_subclass
+    # a forward that swaps its own modules on a short input (an attention that falls back to another
+    # class) changed the model the user loaded before any step of theirs: refused, with what changed
+    now = {name: type(module) for name, module in model.named_modules()}
+    changed = sorted(name for name in {*classes, *now} if classes.get(name) is not now.get(name))
+    if changed:
+        name = changed[0]
+        before, after = classes.get(name), now.get(name)
+        raise ChunkedLossRefused(
+            f"the model's forward replaced its own modules on the probe's {_PROBE_TOKENS} tokens ({len(changed)} of "
+            f"them; {name or 'the model'}: {getattr(before, '__name__', None)} became "
+            f"{getattr(after, '__name__', None)}): "
+            "the chunked loss cannot probe it without changing it"
+        )
     return found
 
 
 def _probe(model: PreTrainedModel, head: nn.Linear, rows: HeadRows) -> Found:
     candidates = _decoder_candidates(model, head)
     input_ids = _probe_inputs(head)
+    parameters = signature(model).parameters
+    missing = [name for name in ("labels", "logits_to_keep") if name not in parameters]
+    if missing:
+        raise ChunkedLossRefused(f"{type(model).__name__}.forward takes no {' or '.join(missing)}")
     outputs: dict[int, torch.Tensor] = {}
     seen: dict[str, Any] = {}
 
@@ -247,7 +260,7 @@ def _probe(model: PreTrainedModel, head: nn.Linear, rows: HeadRows) -> Found:
         if not isinstance(getattr(out, "logits", None), torch.Tensor):
             raise ChunkedLossRefused("the forward returns no logits")
         if not readable[id(decoder)]:
-            raise ChunkedLossRefused(rows.unreadable(model, head, str(rows.sharded)))
+            raise ChunkedLossRefused(rows.unreadable(str(rows.sharded)))
         if out.logits.shape != seen["head_out"].shape:
             raise ChunkedLossRefused(
                 f"the forward's logits {tuple(out.logits.shape)} are not the head's output {tuple(probe.shape)} "
@@ -262,22 +275,6 @@ def _probe(model: PreTrainedModel, head: nn.Linear, rows: HeadRows) -> Found:
             handle.remove()
         model.train(was_training)
     return Found(transform, decoder, coefficient, loss, at_head)
-
-
-def _check_unchanged(model: nn.Module, classes: dict[str, type]) -> None:
-    # a forward that swaps its own modules on a short input (an attention that falls back to another
-    # class) changed the model the user loaded before any step of theirs: refused, with what changed
-    now = {name: type(module) for name, module in model.named_modules()}
-    changed = sorted(name for name in {*classes, *now} if classes.get(name) is not now.get(name))
-    if changed:
-        name = changed[0]
-        before, after = classes.get(name), now.get(name)
-        raise ChunkedLossRefused(
-            f"the model's forward replaced its own modules on the probe's {_PROBE_TOKENS} tokens ({len(changed)} of "
-            f"them; {name or 'the model'}: {getattr(before, '__name__', None)} became "
-            f"{getattr(after, '__name__', None)}): "
-            "the chunked loss cannot probe it without changing it"
-        )
 
 
 def _check_head_input(head_in: Any, input_ids: torch.Tensor) -> None:

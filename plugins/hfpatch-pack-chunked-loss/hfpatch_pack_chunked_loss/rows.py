@@ -18,7 +18,21 @@ from torch import nn
 
 from .loss import WholeRows
 
-__all__ = ["HeadRows", "fsdp_module_type", "is_dtensor", "placements", "plain_linear", "rows_placed", "split_refusal"]
+__all__ = [
+    "DTENSOR",
+    "HeadRows",
+    "dtensor_weight",
+    "fsdp_module_type",
+    "is_dtensor",
+    "placements",
+    "plain_linear",
+    "rows_placed",
+    "split_refusal",
+]
+
+
+#: How a ``DTensor`` head is described in a refusal.
+DTENSOR = "the LM head's weight is a DTensor (FSDP2 or tensor parallelism)"
 
 
 class HeadRows:
@@ -30,6 +44,7 @@ class HeadRows:
             parallelism), or ``None``; the probe then reads a copy of the weight the forward used.
         refusal: why the probe refuses the head before running the model (a layout no reader reads),
             or ``None``.
+        after_decoder: what ``unreadable`` says after how the weight is sharded (``FSDP2``: which unit).
         compare: the probe's comparison with vanilla where the layout needs its own (rows split over the
             ranks: ``vocab_parallel.RowsSplit.compare``), or ``None`` for the one-process comparison.
     """
@@ -37,9 +52,10 @@ class HeadRows:
     name: ClassVar[str]
     compare: Callable[..., str | None] | None = None
 
-    def __init__(self, sharded: str | None = None, refusal: str | None = None) -> None:
+    def __init__(self, sharded: str | None = None, refusal: str | None = None, after_decoder: str = "") -> None:
         self.sharded = sharded
         self.refusal = refusal
+        self.after_decoder = after_decoder or ", and still one when the decoder has returned"
 
     def probing(self, model: nn.Module, head: nn.Module) -> contextlib.AbstractContextManager[None]:
         """What makes the model's forward runnable for the probe (ZeRO-3 gathers); nothing otherwise."""
@@ -49,9 +65,9 @@ class HeadRows:
         """Whether the loss can read the head now, when the decoder has returned (called from a hook there)."""
         raise NotImplementedError
 
-    def unreadable(self, model: nn.Module, head: nn.Module, why: str) -> str:
+    def unreadable(self, why: str) -> str:
         """Why the head was not readable when the decoder returned (``why``: how its weight is sharded)."""
-        return f"{why}, and still one when the decoder has returned"
+        return f"{why}{self.after_decoder}"
 
     @contextlib.contextmanager
     def reading(self, head: nn.Module) -> Any:
@@ -109,3 +125,8 @@ def split_refusal(model: nn.Module, head: nn.Module) -> str:
     if bias is not None:
         return f"its bias is placed {placements(bias) or 'as a plain tensor'}, not split by rows as the weight is"
     return f"its mesh {mesh!r} has one rank"
+
+
+def dtensor_weight(head: Any) -> bool:
+    """Whether the head's weight is a ``DTensor``."""
+    return is_dtensor(getattr(head, "weight", None))

@@ -33,12 +33,12 @@ from torch import nn
 
 from .judge import aux_coefficient, errors, judge
 from .loss import HeadTransform, WholeRows, chunked_causal_lm_loss
-from .rows import HeadRows, is_dtensor, rows_placed
+from .rows import DTENSOR, HeadRows, dtensor_weight, is_dtensor, rows_placed, split_refusal
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
 
-__all__ = ["RowSplit", "RowsSplit", "causal_lm_loss", "compare_with_vanilla", "local_rows", "row_split"]
+__all__ = ["RowSplit", "RowsSplit", "causal_lm_loss", "claim", "compare_with_vanilla", "local_rows", "row_split"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -265,11 +265,6 @@ def compare_with_vanilla(
     mine = [hidden, rows.weight] if wants_weight else [hidden]
     ours = torch.autograd.grad(ours_loss, mine)
     vanilla_value, ours_value = _max_over(split, [float(loss.detach()), float(ours_loss.detach())], hidden.device)
-    aux = getattr(out, "aux_loss", None)
-    coefficient, ours_total = aux_coefficient(
-        model, torch.tensor(vanilla_value, dtype=torch.float32), torch.tensor(ours_value, dtype=torch.float32), aux
-    )
-
     h = hidden.detach().reshape(-1, hidden.shape[-1]).double()
     targets = nn.functional.pad(labels, (0, 1), value=-100)[..., 1:].reshape(-1).to(h.device)
     w = rows.weight.detach().double()
@@ -280,8 +275,6 @@ def compare_with_vanilla(
     with torch.enable_grad():
         reference_loss = nn.functional.cross_entropy(transform(logits), targets, ignore_index=-100)
         (grad_logits,) = torch.autograd.grad(reference_loss, logits)
-    if aux is not None and coefficient is not None:
-        reference_loss = reference_loss + operator.attrgetter(coefficient)(model) * aux.detach().double()
     mine_logits = grad_logits[:, offset : offset + w.shape[0]]
     reference_hidden = mine_logits @ w
     dist.all_reduce(reference_hidden, op=dist.ReduceOp.SUM, group=split.group)
@@ -289,6 +282,13 @@ def compare_with_vanilla(
     local_weight = rows.weight.detach()
     by_token = torch.cat([mine_logits[i : i + 1].to(local_weight.dtype) @ local_weight for i in range(h.shape[0])])
     dist.all_reduce(by_token, op=dist.ReduceOp.SUM, group=split.group)
+    # the reference's collectives first, then the judgement (every rank alike)
+    aux = getattr(out, "aux_loss", None)
+    coefficient, ours_total = aux_coefficient(
+        model, torch.tensor(vanilla_value, dtype=torch.float32), torch.tensor(ours_value, dtype=torch.float32), aux
+    )
+    if aux is not None and coefficient is not None:
+        reference_loss = reference_loss + operator.attrgetter(coefficient)(model) * aux.detach().double()
 
     def judged(name: str, found: tuple[float, float, float], calibration: Callable[[], float] | None = None) -> None:
         vanilla_error, our_error, scale = found
@@ -315,9 +315,9 @@ class RowsSplit(HeadRows):
 
     name = "tensor-parallel rows"
 
-    def __init__(self, split: RowSplit, sharded: str | None = None) -> None:
-        super().__init__(sharded)
-        self.split = split
+    def __init__(self, split: RowSplit | None, sharded: str | None = None, refusal: str | None = None) -> None:
+        super().__init__(sharded, refusal)
+        self.split = split  # None where refused
 
     def readable(self, head: nn.Module) -> bool:
         """Always: the rows stay split, where the loss reads them, for the whole step."""
@@ -326,6 +326,7 @@ class RowsSplit(HeadRows):
     @contextlib.contextmanager
     def reading(self, head: nn.Module) -> Iterator[tuple[Any, WholeRows]]:
         """This rank's rows of the head, and the vocabulary-parallel reduction of each chunk."""
+        assert self.split is not None
         yield local_rows(head, self.split), SplitRows(self.split)  # type: ignore[arg-type]
 
     def compare(
@@ -340,4 +341,25 @@ class RowsSplit(HeadRows):
         transform: HeadTransform,
     ) -> str | None:
         """``compare_with_vanilla`` over this split."""
+        assert self.split is not None
         return compare_with_vanilla(model, head, self.split, hidden, labels, loss, out, weight, transform)
+
+
+def claim(model: nn.Module, head: nn.Module) -> RowsSplit | None:
+    """``RowsSplit`` when the head's rows are split over the ranks (``row_split``); for a ``DTensor`` head split
+    otherwise (no FSDP2 unit holds it: ``placement`` asks ``fsdp2`` first), a ``RowsSplit`` refused with how it
+    is placed; else ``None``."""
+    dtensor = dtensor_weight(head)
+    weight = getattr(head, "weight", None)
+    # a rank with no rows of a plain head is an empty weight, which no reader reads (``zero3.claim`` refuses it)
+    split = row_split(model, head) if dtensor or (isinstance(weight, torch.Tensor) and weight.numel()) else None
+    if split is not None:
+        return RowsSplit(split, DTENSOR if dtensor else None)
+    if not dtensor:
+        return None
+    refusal = (
+        f"{DTENSOR}, outside any FSDP2 unit (so sharded for the whole step, as tensor parallelism shards it), "
+        f"and {split_refusal(model, head)}: the vocabulary-parallel loss reads a head whose rows are split over "
+        "a 1-D mesh of ranks (Shard(0)), as tp_plan='auto' shards it"
+    )
+    return RowsSplit(None, DTENSOR, refusal)

@@ -37,9 +37,18 @@ from torch import nn
 
 from .errors import ChunkedLossRefused
 from .loss import WholeRows
-from .rows import HeadRows
+from .rows import HeadRows, is_dtensor
 
-__all__ = ["ZeRO3", "full_rows", "gathered", "is_partitioned", "needs_gathering", "partitioned_head", "probing"]
+__all__ = [
+    "ZeRO3",
+    "claim",
+    "full_rows",
+    "gathered",
+    "is_partitioned",
+    "needs_gathering",
+    "partitioned_head",
+    "probing",
+]
 
 
 class ZeRO3(HeadRows):
@@ -49,8 +58,8 @@ class ZeRO3(HeadRows):
     name = "zero3"
 
     def probing(self, model: nn.Module, head: nn.Module) -> contextlib.AbstractContextManager[None]:
-        """``probing``."""
-        return probing(model, head)
+        """``probing``, where the probe runs (not refused)."""
+        return contextlib.nullcontext() if self.refusal is not None else probing(model, head)
 
     def readable(self, head: nn.Module) -> bool:
         """Always: the step gathers the head around the loss, which reads it then."""
@@ -147,3 +156,27 @@ def probing(model: nn.Module, head: nn.Module) -> Iterator[None]:
             for stacks in held.values():
                 while stacks:
                     stacks.pop().close()
+
+
+def claim(model: nn.Module, head: Any, *, whole_model: bool = True) -> ZeRO3 | None:
+    """``ZeRO3`` for a model with partitioned parameters and a linear head (``whole_model``: any parameter of
+    the model, the probe's case; else the head's own, a step's); a ``ZeRO3`` refused where the head's weight is
+    empty or partitioned otherwise (or its bias alone a ``DTensor``); else ``None``.  Asked last by
+    ``placement``, after the ``DTensor`` layouts."""
+    if isinstance(head, nn.Linear) and (needs_gathering(model) if whole_model else partitioned_head(head)):
+        return ZeRO3()
+    for parameter in (getattr(head, "weight", None), getattr(head, "bias", None)):
+        if parameter is None:
+            continue
+        if is_dtensor(parameter):
+            sharded = "the LM head's weight is a DTensor (FSDP2 or tensor parallelism)"
+        elif is_partitioned(parameter) or parameter.numel() == 0:
+            # ZeRO-3 leaves each rank an empty tensor and the shape in ds_shape, outside a gather
+            sharded = (
+                f"the LM head's weight is partitioned (DeepSpeed ZeRO-3: local shape {tuple(parameter.shape)}, "
+                f"whole {tuple(getattr(parameter, 'ds_shape', ()))})"
+            )
+        else:
+            continue
+        return ZeRO3(sharded, f"{sharded}: the chunked loss over a partitioned head is not written")
+    return None

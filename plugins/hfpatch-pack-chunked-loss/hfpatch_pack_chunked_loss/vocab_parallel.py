@@ -38,7 +38,7 @@ from .rows import DTENSOR, HeadRows, dtensor_weight, is_dtensor, rows_placed, sp
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
 
-__all__ = ["RowSplit", "RowsSplit", "causal_lm_loss", "claim", "compare_with_vanilla", "local_rows", "row_split"]
+__all__ = ["RowSplit", "RowsSplit", "causal_lm_loss", "claim", "local_rows", "row_split"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -228,90 +228,10 @@ def _gather_columns(local: torch.Tensor, split: RowSplit) -> torch.Tensor:
     return torch.cat([block[:, : int(width)] for block, width in zip(blocks, widths.tolist(), strict=True)], 1)
 
 
-def compare_with_vanilla(
-    model: nn.Module,
-    head: nn.Linear,
-    split: RowSplit,
-    hidden: torch.Tensor,
-    labels: torch.Tensor,
-    loss: torch.Tensor,
-    out: Any,
-    weight: torch.Tensor,
-    transform: HeadTransform,
-) -> str | None:
-    """The install's probe (``compare.compare_with_vanilla``) on a split head: vanilla's tensor-parallel
-    loss and gradients (``loss`` computed by the model from ``hidden``; ``weight`` the parameter the
-    head's forward read) against the vocabulary-parallel loss's, both measured against float64.
-
-    The float64 reference is the single-process loss: the probe's 4 tokens' logits, all-gathered (4 x the
-    vocabulary), through the family's transform and ``cross_entropy``; its gradient of the hidden states
-    the sum over ranks of each rank's rows' product, its gradient of the weight this rank's rows'.  Each
-    error is the largest over the ranks (an all-reduce), so every rank takes the same decision: one that
-    installed and one that refused would run different collectives in the next step.
-
-    Returns the path of the auxiliary loss's coefficient (``Installed.aux_loss_coefficient``).
-
-    Raises:
-        ChunkedLossRefused: as ``compare.compare_with_vanilla`` does, on every rank alike.
-    """
-    rows = local_rows(head, split)
-    wants_weight = weight.requires_grad
-    wanted = [hidden, weight] if wants_weight else [hidden]
-    vanilla = list(torch.autograd.grad(loss, wanted))
-    if wants_weight and is_dtensor(vanilla[1]):
-        vanilla[1] = vanilla[1].to_local()  # type: ignore[attr-defined]
-    # chunk 1: every chunk boundary the probe has, so a wrong accumulation shows
-    ours_loss = causal_lm_loss(hidden, rows, labels, transform, split=split, chunk=1)
-    mine = [hidden, rows.weight] if wants_weight else [hidden]
-    ours = torch.autograd.grad(ours_loss, mine)
-    vanilla_value, ours_value = _max_over(split, [float(loss.detach()), float(ours_loss.detach())], hidden.device)
-    h = hidden.detach().reshape(-1, hidden.shape[-1]).double()
-    targets = nn.functional.pad(labels, (0, 1), value=-100)[..., 1:].reshape(-1).to(h.device)
-    w = rows.weight.detach().double()
-    b = None if rows.bias is None else rows.bias.detach().double()
-    local_logits = nn.functional.linear(h, w, b)
-    offset, _, _ = _agree(split, w.shape[0], 1, h.device)
-    logits = _gather_columns(local_logits, split).requires_grad_(True)
-    with torch.enable_grad():
-        reference_loss = nn.functional.cross_entropy(transform(logits), targets, ignore_index=-100)
-        (grad_logits,) = torch.autograd.grad(reference_loss, logits)
-    mine_logits = grad_logits[:, offset : offset + w.shape[0]]
-    reference_hidden = mine_logits @ w
-    dist.all_reduce(reference_hidden, op=dist.ReduceOp.SUM, group=split.group)
-    # one token at a time in the head's dtype, summed over the ranks: the order of a one-token chunk
-    local_weight = rows.weight.detach()
-    by_token = torch.cat([mine_logits[i : i + 1].to(local_weight.dtype) @ local_weight for i in range(h.shape[0])])
-    dist.all_reduce(by_token, op=dist.ReduceOp.SUM, group=split.group)
-    # the reference's collectives first, then the judgement (every rank alike)
-    aux = getattr(out, "aux_loss", None)
-    coefficient, ours_total = aux_coefficient(
-        model, torch.tensor(vanilla_value, dtype=torch.float32), torch.tensor(ours_value, dtype=torch.float32), aux
-    )
-    if aux is not None and coefficient is not None:
-        reference_loss = reference_loss + operator.attrgetter(coefficient)(model) * aux.detach().double()
-
-    def judged(name: str, found: tuple[float, float, float], calibration: Callable[[], float] | None = None) -> None:
-        vanilla_error, our_error, scale = found
-        if calibration is not None:
-            vanilla_error = max(vanilla_error, calibration())
-        agreed = _max_over(split, [vanilla_error, our_error, scale], hidden.device)
-        judge(name, agreed[0], agreed[1], agreed[2], hidden.dtype)
-
-    judged("loss", errors(torch.tensor(vanilla_value), ours_total, reference_loss.detach()))
-    judged(
-        "hidden-state gradient",
-        errors(vanilla[0], ours[0], reference_hidden.reshape(hidden.shape)),
-        lambda: float((by_token.double() - reference_hidden).abs().max()),
-    )
-    if wants_weight:
-        judged("head gradient", errors(vanilla[1], ours[1], mine_logits.T @ h))
-    return coefficient
-
-
 class RowsSplit(HeadRows):
     """The head's rows split over the ranks of a tensor-parallel group for the whole step (``HeadRows``): each
     rank reads its rows (``local_rows``), a chunk's losses come from the ranks' all-reduced log-sum-exp
-    (``SplitRows``), and the probe compares over the ranks (``compare_with_vanilla``)."""
+    (``SplitRows``), and the probe compares over the ranks (``compare``)."""
 
     name = "tensor-parallel rows"
 
@@ -340,9 +260,77 @@ class RowsSplit(HeadRows):
         weight: torch.Tensor,
         transform: HeadTransform,
     ) -> str | None:
-        """``compare_with_vanilla`` over this split."""
-        assert self.split is not None
-        return compare_with_vanilla(model, head, self.split, hidden, labels, loss, out, weight, transform)
+        """The install's probe (``compare.compare_with_vanilla``) on a split head: vanilla's tensor-parallel
+        loss and gradients (``loss`` computed by the model from ``hidden``; ``weight`` the parameter the
+        head's forward read) against the vocabulary-parallel loss's, both measured against float64.
+
+        The float64 reference is the single-process loss: the probe's 4 tokens' logits, all-gathered (4 x the
+        vocabulary), through the family's transform and ``cross_entropy``; its gradient of the hidden states
+        the sum over ranks of each rank's rows' product, its gradient of the weight this rank's rows'.  Each
+        error is the largest over the ranks (an all-reduce), so every rank takes the same decision: one that
+        installed and one that refused would run different collectives in the next step.
+
+        Returns the path of the auxiliary loss's coefficient (``Installed.aux_loss_coefficient``).
+
+        Raises:
+            ChunkedLossRefused: as ``compare.compare_with_vanilla`` does, on every rank alike.
+        """
+        split = self.split
+        assert split is not None
+        rows = local_rows(head, split)
+        wants_weight = weight.requires_grad
+        wanted = [hidden, weight] if wants_weight else [hidden]
+        vanilla = list(torch.autograd.grad(loss, wanted))
+        if wants_weight and is_dtensor(vanilla[1]):
+            vanilla[1] = vanilla[1].to_local()  # type: ignore[attr-defined]
+        # chunk 1: every chunk boundary the probe has, so a wrong accumulation shows
+        ours_loss = causal_lm_loss(hidden, rows, labels, transform, split=split, chunk=1)
+        mine = [hidden, rows.weight] if wants_weight else [hidden]
+        ours = torch.autograd.grad(ours_loss, mine)
+        vanilla_value, ours_value = _max_over(split, [float(loss.detach()), float(ours_loss.detach())], hidden.device)
+        h = hidden.detach().reshape(-1, hidden.shape[-1]).double()
+        targets = nn.functional.pad(labels, (0, 1), value=-100)[..., 1:].reshape(-1).to(h.device)
+        w = rows.weight.detach().double()
+        b = None if rows.bias is None else rows.bias.detach().double()
+        local_logits = nn.functional.linear(h, w, b)
+        offset, _, _ = _agree(split, w.shape[0], 1, h.device)
+        logits = _gather_columns(local_logits, split).requires_grad_(True)
+        with torch.enable_grad():
+            reference_loss = nn.functional.cross_entropy(transform(logits), targets, ignore_index=-100)
+            (grad_logits,) = torch.autograd.grad(reference_loss, logits)
+        mine_logits = grad_logits[:, offset : offset + w.shape[0]]
+        reference_hidden = mine_logits @ w
+        dist.all_reduce(reference_hidden, op=dist.ReduceOp.SUM, group=split.group)
+        # one token at a time in the head's dtype, summed over the ranks: the order of a one-token chunk
+        local_weight = rows.weight.detach()
+        by_token = torch.cat([mine_logits[i : i + 1].to(local_weight.dtype) @ local_weight for i in range(h.shape[0])])
+        dist.all_reduce(by_token, op=dist.ReduceOp.SUM, group=split.group)
+        # the reference's collectives first, then the judgement (every rank alike)
+        aux = getattr(out, "aux_loss", None)
+        coefficient, ours_total = aux_coefficient(
+            model, torch.tensor(vanilla_value, dtype=torch.float32), torch.tensor(ours_value, dtype=torch.float32), aux
+        )
+        if aux is not None and coefficient is not None:
+            reference_loss = reference_loss + operator.attrgetter(coefficient)(model) * aux.detach().double()
+
+        def judged(
+            name: str, found: tuple[float, float, float], calibration: Callable[[], float] | None = None
+        ) -> None:
+            vanilla_error, our_error, scale = found
+            if calibration is not None:
+                vanilla_error = max(vanilla_error, calibration())
+            agreed = _max_over(split, [vanilla_error, our_error, scale], hidden.device)
+            judge(name, agreed[0], agreed[1], agreed[2], hidden.dtype)
+
+        judged("loss", errors(torch.tensor(vanilla_value), ours_total, reference_loss.detach()))
+        judged(
+            "hidden-state gradient",
+            errors(vanilla[0], ours[0], reference_hidden.reshape(hidden.shape)),
+            lambda: float((by_token.double() - reference_hidden).abs().max()),
+        )
+        if wants_weight:
+            judged("head gradient", errors(vanilla[1], ours[1], mine_logits.T @ h))
+        return coefficient
 
 
 def claim(model: nn.Module, head: nn.Module) -> RowsSplit | None:

@@ -244,6 +244,12 @@ lint: venv
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/lint-imports --no-cache
+	@# a pack whose pyproject has import-linter contracts of its own: checked from its folder
+	@for pack in $(PLUGINS); do \
+		if grep -q '^\[tool.importlinter\]' $$pack/pyproject.toml; then \
+			echo "lint-imports: $$pack"; (cd $$pack && $(abspath $(BIN))/lint-imports --no-cache) || exit 1; \
+		fi; \
+	done
 
 typecheck: venv
 	$(BIN)/mypy

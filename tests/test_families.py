@@ -190,3 +190,12 @@ def test_a_save_that_fails_half_way_leaves_the_directory_as_it_was(patched, save
     assert "model-00001-of-00002.safetensors" not in names and "notes.txt" in names and "model.safetensors" in names
     with safe_open(str(earlier / "model.safetensors"), "pt") as saved:
         assert saved.get_tensor("model.layers.0.self_attn.k_proj.weight_shape").tolist() == [16, columns]
+
+
+def test_a_save_off_the_main_process_removes_no_shard(patched, saves) -> None:
+    """Only the main process cleans an earlier save's shards (as transformers does): another rank,
+    whose staging holds nothing of them, must not remove the shards the main process just wrote."""
+    shard = saves / "model-00001-of-00002.safetensors"
+    shard.write_bytes(b"the main process's shard")
+    patched.save_pretrained(saves, is_main_process=False)
+    assert shard.read_bytes() == b"the main process's shard"

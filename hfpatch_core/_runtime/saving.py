@@ -31,10 +31,11 @@ def _remove_stale_shards(target: Path, written: set[str]) -> None:
             entry.unlink()
 
 
-def _move_into(staging: Path, target: Path) -> None:
+def _move_into(staging: Path, target: Path, *, main: bool) -> None:
     target.mkdir(parents=True, exist_ok=True)
     written = {entry.name for entry in staging.iterdir()}
-    _remove_stale_shards(target, written)
+    if main:  # as transformers: only the main process cleans, so that no rank removes another's new shards
+        _remove_stale_shards(target, written)
     for entry in staging.iterdir():
         destination = target / entry.name
         if entry.is_dir() and destination.is_dir():
@@ -59,7 +60,7 @@ def staged_save(model: Any, directory: str | os.PathLike[str], args: Sequence[An
         options["repo_id"] = target.name  # transformers names the repository after the directory it saves into
     try:
         result = type(model).save_pretrained(model, str(staging), *args, **options)
-        _move_into(staging, target)
+        _move_into(staging, target, main=bool(options.get("is_main_process", True)))
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return result

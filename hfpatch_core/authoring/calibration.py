@@ -64,8 +64,12 @@ def observed(module: nn.Module) -> bool:
     observed, a calibration is running that would otherwise miss it.  Global hooks
     (``register_module_forward_hook``) are not counted: they observe every module alike.
     Costs a few dictionary checks per module under ``module``; ask for one expert, not for
-    every expert of every forward.
+    every expert of every forward.  Only while llm-compressor is imported: other tools hook every
+    module too (DeepSpeed ZeRO-3's parameter gathering, accelerate's offloading), and an idle
+    expert run for them would join the optimizer's step with zero gradients.
     """
+    if LLMCOMPRESSOR_CONTEXT not in sys.modules:
+        return False
     # ``_forward_hooks_with_kwargs`` / ``_forward_pre_hooks_with_kwargs`` only flag hooks these hold
     if module._forward_hooks or module._forward_pre_hooks:
         return True

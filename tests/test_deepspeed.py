@@ -28,7 +28,7 @@ from hfpatch_core.testing.deepspeed import (
     Zero3Case,
     Zero3Result,
     loss_bound,
-    reference_losses,
+    reference_training,
     zero3_training,
 )
 
@@ -77,26 +77,38 @@ def dense(checkpoints: dict[str, str], tmp_path_factory: pytest.TempPathFactory)
     return zero3_training(cases, extra_path=[site, PACKS_SITE])
 
 
+#: The MoE cases train with SGD.  AdamW's first update is the learning rate times the gradient's sign,
+#: so a gradient that rounds to the other side of zero (the experts' outputs summed in another order,
+#: as every MoE pack sums them) moves its weight by twice the learning rate: on transformers 5.3 that
+#: put linear-experts' second loss 1.2e-5 from vanilla's, on one process as under ZeRO-3.  SGD's update
+#: is linear in the gradient, so the bound measures what ZeRO-3 does, and a lost or scaled gradient
+#: still moves the second loss by far more than it.
+MOE_OPTIM = "sgd"
+
+
 @pytest.fixture(scope="module")
 def moe(checkpoints: dict[str, str]) -> dict[str, Zero3Result]:
     mixtral, qwen2_moe = checkpoints["mixtral"], checkpoints["qwen2_moe"]
     cases = [
-        Zero3Case("mixtral/vanilla", mixtral, "none"),
-        Zero3Case("mixtral/linear-experts", mixtral, "linear-experts"),
-        Zero3Case("mixtral/linear-experts/initialize", mixtral, "linear-experts", init="initialize"),
-        Zero3Case("mixtral/moe-replay", mixtral, "moe-replay"),
-        Zero3Case("qwen2_moe/vanilla", qwen2_moe, "none"),
-        Zero3Case("qwen2_moe/qwen-moe", qwen2_moe, "qwen-moe"),
-        Zero3Case("qwen2_moe/qwen-moe/initialize", qwen2_moe, "qwen-moe", init="initialize"),
-        Zero3Case("qwen2_moe/moe-replay", qwen2_moe, "moe-replay"),
+        Zero3Case("mixtral/vanilla", mixtral, "none", optim=MOE_OPTIM),
+        Zero3Case("mixtral/linear-experts", mixtral, "linear-experts", optim=MOE_OPTIM),
+        Zero3Case("mixtral/linear-experts/initialize", mixtral, "linear-experts", init="initialize", optim=MOE_OPTIM),
+        Zero3Case("mixtral/moe-replay", mixtral, "moe-replay", optim=MOE_OPTIM),
+        Zero3Case("qwen2_moe/vanilla", qwen2_moe, "none", optim=MOE_OPTIM),
+        Zero3Case("qwen2_moe/qwen-moe", qwen2_moe, "qwen-moe", optim=MOE_OPTIM),
+        Zero3Case("qwen2_moe/qwen-moe/initialize", qwen2_moe, "qwen-moe", init="initialize", optim=MOE_OPTIM),
+        Zero3Case("qwen2_moe/moe-replay", qwen2_moe, "moe-replay", optim=MOE_OPTIM),
     ]
     return zero3_training(cases, extra_path=[PACKS_SITE])
 
 
 @pytest.fixture(scope="module")
 def references(checkpoints: dict[str, str]) -> dict[str, list[float]]:
-    """Vanilla on this one process, without DeepSpeed: the same steps on the same batches."""
-    return {name: reference_losses(path, "none") for name, path in checkpoints.items()}
+    """Vanilla on this one process, without DeepSpeed: the same steps on the same batches (and optimizer)."""
+    return {
+        name: reference_training(path, "none", optim=None if name == "llama" else MOE_OPTIM)[0]
+        for name, path in checkpoints.items()
+    }
 
 
 def test_the_extension_is_built_once_per_venv() -> None:
@@ -128,19 +140,9 @@ def test_dense_packs_train_and_save_under_zero3(
     assert set(dense[name].replaced.values()) == {"FusedQKVLlamaAttention", "FusedGateUpLlamaMLP"}
 
 
-#: On transformers 5.3 the second training step's loss of linear-experts under ZeRO-3 came out 1.2e-5 from
-#: vanilla's (4.431119 against 4.431107; the bound is 1e-5) in session 17's last CI run, after its merges; not
-#: yet explained (the stale-wheel run of the pack gave the same, so core's changes are the suspects). Kept
-#: running (strict=False) and named in that session's closing note: the first thing for the next session.
-_UNEXPLAINED_ON_53 = pytest.mark.xfail(
-    __import__("transformers").__version__.startswith("5.3."),
-    reason="step-2 loss 1.2e-5 from vanilla under ZeRO-3 on transformers 5.3 (session 17), not yet explained",
-    strict=False,
-)
-
 MOE_CASES = [
-    pytest.param("mixtral", "mixtral/linear-experts", {"LinearMixtralExperts"}, marks=_UNEXPLAINED_ON_53),
-    pytest.param("mixtral", "mixtral/linear-experts/initialize", {"LinearMixtralExperts"}, marks=_UNEXPLAINED_ON_53),
+    ("mixtral", "mixtral/linear-experts", {"LinearMixtralExperts"}),
+    ("mixtral", "mixtral/linear-experts/initialize", {"LinearMixtralExperts"}),
     ("mixtral", "mixtral/moe-replay", {"ReplayableMixtralTopKRouter"}),
     ("qwen2_moe", "qwen2_moe/qwen-moe", {"PerExpertExperts", "Qwen2MoeFusedQKVAttention"}),
     ("qwen2_moe", "qwen2_moe/qwen-moe/initialize", {"PerExpertExperts", "Qwen2MoeFusedQKVAttention"}),

@@ -25,6 +25,7 @@ import transformers
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 
 from ..authoring.drift import Drift, DriftRecord, RecordError, Target, compare, read_record, record_path
+from ..authoring.meta import meta_init_skipped
 from ..context import LoadContext
 from ..errors import ConverterConflictError, HfPatchError, PatchConflictError
 from ..plan import Claim, Plan
@@ -420,7 +421,7 @@ def _meta_model(plan: Plan, config: Any) -> nn.Module | None:
     if config is None or not any(claim.patch.is_pattern for claim in plan.entries):
         return None
     try:
-        with torch.device("meta"), warnings.catch_warnings():
+        with torch.device("meta"), warnings.catch_warnings(), meta_init_skipped():
             warnings.simplefilter("ignore")  # what building on the meta device says is not the pack's problem
             return model_class_for(config)(config)
     except Exception:  # a model type whose default model cannot be built here: no nesting check

@@ -21,6 +21,7 @@ from .._pipeline.planning import module_classes, plan_load
 from .._pipeline.resolution import find_replacement, matches
 from .._runtime import provenance
 from .._session.session import Session
+from ..authoring.meta import meta_init_skipped
 from ..context import LoadContext
 from ..conversion import describe_transform
 from ..plan import Claim, Foreign, Plan, StepClaim
@@ -138,7 +139,7 @@ def explain(model: str, session: Session, *, registered: Mapping[str, type] | No
 
     config = load_config(model)
     model_class = model_class_for(config)
-    with torch.device("meta"):
+    with torch.device("meta"), meta_init_skipped():
         instance = model_class(config)
     # a class is named as transformers' registry resolves it, by its modeling module's attribute:
     # one swapped in outside hfpatch (Liger-Kernel's way) counts under the name it replaced

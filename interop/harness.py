@@ -3,6 +3,7 @@ llm-compressor's group-128 schemes, loads with and without a pack, ``oneshot`` w
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -65,12 +66,12 @@ def calibration(config: Any, samples: int = 4, tokens: int = 16) -> dict[str, An
     return dict(dataset=Dataset.from_dict({"input_ids": ids.tolist()}), processor=tokenizer(config))
 
 
-def quantize(model: Any, scheme: str) -> None:
-    """llm-compressor's ``oneshot`` with ``QuantizationModifier(targets="Linear", scheme=scheme)``, ``lm_head``
-    left alone, on a few calibration tokens where the scheme has static activation scales."""
+def quantize(model: Any, scheme: str, ignore: Sequence[str] = ("lm_head",)) -> None:
+    """llm-compressor's ``oneshot`` with ``QuantizationModifier(targets="Linear", scheme=scheme)``, the
+    ``ignore``d modules left alone, on a few calibration tokens where the scheme has static activation scales."""
     from llmcompressor import oneshot
     from llmcompressor.modifiers.quantization import QuantizationModifier
 
     data = calibration(model.config) if SCHEMES[scheme][0] else {}
-    recipe = QuantizationModifier(targets="Linear", scheme=scheme, ignore=["lm_head"])
+    recipe = QuantizationModifier(targets="Linear", scheme=scheme, ignore=list(ignore))
     oneshot(model=model, recipe=recipe, num_calibration_samples=4, **data)

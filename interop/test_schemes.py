@@ -35,7 +35,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, monkey_patching
 
 import hfpatch_core
-from hfpatch_core import AdapterError, WeightLayoutError
+from hfpatch_core import AdapterError, PackWarning, WeightLayoutError
 from hfpatch_core.testing import tiny_checkpoint
 
 transformers.utils.logging.disable_progress_bar()
@@ -197,7 +197,8 @@ def test_fused_dense_leaves_a_quantized_checkpoint_unfused_and_says_why(llama, d
     quantize(vanilla, "W4A16")
     vanilla.save_pretrained(tmp_path / "w4a16")
     expected = logits(load(tmp_path / "w4a16"), tokens)
-    model = load(tmp_path / "w4a16", "fused-dense")
+    with pytest.warns(PackWarning, match=r"'fused-dense' leaves LlamaForCausalLM unfused: a quantized checkpoint"):
+        model = load(tmp_path / "w4a16", "fused-dense")
     plan = hfpatch_core.plan_of(model)
     assert not plan.replaced
     assert {refusal.target for refusal in plan.refused} == {"LlamaAttention", "LlamaMLP"}

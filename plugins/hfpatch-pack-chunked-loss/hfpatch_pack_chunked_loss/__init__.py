@@ -20,23 +20,13 @@ records it (or ``detect``'s refusal), and ``hfpatch_core.revert(model)`` uninsta
 
 from __future__ import annotations
 
-from .install import (
-    BUDGET_ENV,
-    DEFAULT_BUDGET,
-    LOGIT_COPIES,
-    ChunkedLossRefused,
-    Installed,
-    LossKind,
-    budget_from_env,
-    chunk_for,
-    detect,
-    install,
-    installed,
-    loss_computed_by,
-    uninstall,
-)
+from .budget import BUDGET_ENV, DEFAULT_BUDGET, LOGIT_COPIES, budget_from_env, chunk_for
+from .errors import ChunkedLossRefused
+from .found import Installed, LossKind
+from .install import install, installed, loss_computed_by, uninstall
 from .logprobs import token_log_probs
 from .loss import HeadTransform, chunked_causal_lm_loss
+from .probe import detect
 from .step import TARGET, install_step, provide_model_steps, provide_model_types, uninstall_step
 
 __version__ = "0.1.0"

@@ -14,8 +14,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from .install import _active_head, _installed_forward
-from .loss import HeadTransform
+from .chunks import chunks
+from .forward import active_head, installed_forward
+from .loss import HeadTransform, WholeRows
+from .placement import at_step
 
 __all__ = ["token_log_probs"]
 
@@ -46,9 +48,8 @@ class _ChunkedLogProbs(torch.autograd.Function):
         chunk: int,
     ) -> torch.Tensor:
         out = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
-        for start in range(0, hidden.shape[0], chunk):
-            part = slice(start, start + chunk)
-            out[part] = _chunk_log_probs(hidden[part], weight, bias, targets[part], transform, temperature)
+        for part, h in chunks(hidden, chunk):
+            out[part] = _chunk_log_probs(h, weight, bias, targets[part], transform, temperature)
         ctx.save_for_backward(hidden, weight, bias if bias is not None else torch.empty(0), targets)
         ctx.has_bias = bias is not None
         ctx.settings = (transform, temperature, chunk)
@@ -66,9 +67,7 @@ class _ChunkedLogProbs(torch.autograd.Function):
         grad_bias = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if want[2] else None  # type: ignore[union-attr]
         w = weight.detach().requires_grad_(want[1])
         b = None if bias is None else bias.detach().requires_grad_(want[2])
-        for start in range(0, hidden.shape[0], chunk):
-            part = slice(start, start + chunk)
-            h = hidden[part].detach().requires_grad_(want[0])
+        for part, h in chunks(hidden, chunk, grad=want[0]):
             inputs = [x for x in (h, w, b) if x is not None and x.requires_grad]
             if not inputs:
                 break
@@ -117,7 +116,7 @@ def token_log_probs(
         ValueError: the model has no chunked loss installed, its head is not one the chunked loss
             reads (a LoRA on the head, a sharded head), or ``temperature`` is not positive.
     """
-    forward = _installed_forward(model)
+    forward = installed_forward(model)
     if forward is None:
         raise ValueError(
             f"{type(model).__name__} has no chunked loss installed: call hfpatch_pack_chunked_loss.install(model) "
@@ -125,8 +124,9 @@ def token_log_probs(
         )
     if not temperature > 0:
         raise ValueError(f"temperature must be positive, not {temperature}")
-    head = _active_head(model.get_output_embeddings(), forward.linear_subclass)  # type: ignore[operator]
-    if head is None:
+    head = active_head(model.get_output_embeddings(), forward.linear_subclass)  # type: ignore[operator]
+    rows = None if head is None else at_step(model, head)
+    if head is None or rows is None:
         raise ValueError(
             f"{type(model).__name__}'s head is a {type(model.get_output_embeddings()).__name__}, "  # type: ignore[operator]
             "not a plain nn.Linear the chunked loss reads; compute the log-probabilities from the logits"
@@ -139,8 +139,14 @@ def token_log_probs(
     hidden = read[:, :-1]
     targets = input_ids[:, 1:].reshape(-1).to(hidden.device)
     flat = hidden.reshape(-1, hidden.shape[-1])
-    chunk = forward.installed.chunk_of(int(head.weight.shape[0]))
-    values: torch.Tensor = _ChunkedLogProbs.apply(
-        flat, head.weight, head.bias, targets, forward.installed.transform, float(temperature), chunk
-    )
+    with rows.reading(head) as (rows_read, over):  # a ZeRO-3 head gathered for the whole computation
+        if type(over) is not WholeRows:
+            raise ValueError(
+                f"{type(model).__name__}'s head has its rows split over the ranks ({rows.name}): the log-probabilities "
+                "are computed over the whole vocabulary; compute them from the logits"
+            )
+        chunk = forward.installed.chunk_of(int(rows_read.weight.shape[0]))
+        values: torch.Tensor = _ChunkedLogProbs.apply(
+            flat, rows_read.weight, rows_read.bias, targets, forward.installed.transform, float(temperature), chunk
+        )
     return values.reshape(hidden.shape[:-1])

@@ -20,6 +20,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from .chunks import chunks
+
 __all__ = ["HeadTransform", "chunked_causal_lm_loss"]
 
 
@@ -166,8 +168,7 @@ class _ChunkedLoss(torch.autograd.Function):
         b = None if bias is None else bias.detach()
         if _hand_written(hidden, weight, bias, transform):
             buffer = torch.empty((min(chunk, rows.shape[0]), local_vocab), dtype=torch.float32, device=hidden.device)
-            for start in range(0, rows.shape[0], chunk):
-                h = h_kept[start : start + chunk]
+            for part, h in chunks(h_kept, chunk):
                 logits = buffer[: h.shape[0]]
                 if b is None:
                     torch.mm(h, w.t(), out=logits)
@@ -175,10 +176,10 @@ class _ChunkedLoss(torch.autograd.Function):
                     torch.addmm(b, h, w.t(), out=logits)
                 if transform.scale is not None:
                     logits.mul_(transform.scale)
-                over.losses_(logits, slice(start, start + chunk), losses[start : start + chunk])
+                over.losses_(logits, part, losses[part])
                 # the buffer holds softmax - one_hot: the head's backward matmuls, unscaled (below)
                 if grad_kept is not None:
-                    torch.mm(logits, w, out=grad_kept[start : start + chunk])
+                    torch.mm(logits, w, out=grad_kept[part])
                 if grad_weight is not None:
                     grad_weight.addmm_(logits.t(), h)
                 if grad_bias is not None:
@@ -195,21 +196,20 @@ class _ChunkedLoss(torch.autograd.Function):
             w.requires_grad_(want_weight)
             if b is not None:
                 b.requires_grad_(want_bias)
-            for start in range(0, rows.shape[0], chunk):
-                h = h_kept[start : start + chunk].detach().requires_grad_(want_hidden)
+            for part, h in chunks(h_kept, chunk, grad=want_hidden):
                 with torch.enable_grad():
                     out = transform(nn.functional.linear(h, w, b))
                 # vanilla upcasts after the family's transform (ForCausalLMLoss's logits.float());
                 # in float32 this is ``out``'s own buffer, which no backward reads
                 logits = out.detach().float()
-                over.losses_(logits, slice(start, start + chunk), losses[start : start + chunk])
+                over.losses_(logits, part, losses[part])
                 # scaled before the cast to the model's dtype, as vanilla's gradient is
                 logits.mul_(inverse)
                 inputs = [x for x in (h, w, b) if x is not None and x.requires_grad]
                 grads = list(torch.autograd.grad(out, inputs, logits.to(out.dtype))) if inputs else []
                 del out, logits
                 if grad_kept is not None:
-                    grad_kept[start : start + chunk] = grads.pop(0)
+                    grad_kept[part] = grads.pop(0)
                 if grad_weight is not None:
                     grad_weight += grads.pop(0)
                 if grad_bias is not None:

@@ -15,7 +15,9 @@ from torch import nn
 import hfpatch_core
 from hfpatch_core import LoadContext, ModelStep, Refusal
 
-from .install import ChunkedLossRefused, budget_from_env, install, uninstall
+from .budget import budget_from_env
+from .errors import ChunkedLossRefused
+from .install import install, uninstall
 
 logger = logging.getLogger("hfpatch")
 

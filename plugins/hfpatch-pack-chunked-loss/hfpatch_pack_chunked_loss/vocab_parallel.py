@@ -22,20 +22,23 @@ same on every rank, as tensor parallelism requires of its inputs.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import operator
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from .judge import aux_coefficient, errors, judge
 from .loss import HeadTransform, WholeRows, chunked_causal_lm_loss
-from .sharded import fsdp_units_holding, is_dtensor
+from .rows import DTENSOR, HeadRows, dtensor_weight, is_dtensor, rows_placed, split_refusal
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Callable, Iterator
 
-__all__ = ["RowSplit", "causal_lm_loss", "compare_with_vanilla", "local_rows", "row_split", "split_refusal"]
+__all__ = ["RowSplit", "RowsSplit", "causal_lm_loss", "claim", "local_rows", "row_split"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,34 +64,22 @@ class LocalRows:
     bias: torch.Tensor | None
 
 
-def _placements(tensor: Any) -> tuple[str, ...]:
-    return tuple(repr(p) for p in getattr(tensor, "placements", ()))
-
-
-def _rows_placed(tensor: Any, mesh: Any) -> bool:
-    # Shard(0) on this 1-D mesh: rank r holds the r-th block of rows (torch.chunk's split)
-    from torch.distributed.tensor import Shard
-
-    return tuple(tensor.placements) == (Shard(0),) and tensor.device_mesh == mesh
-
-
 def row_split(model: nn.Module, head: nn.Module) -> RowSplit | None:
     """The split of the head's rows when tensor parallelism splits them for the whole step, else ``None``.
 
-    Called by the installed forward when the decoder has returned (FSDP2 has then gathered a head it
-    shards with the model: a whole tensor, ``None``), and by the install's probe.  A ``DTensor`` weight
-    (5.25) split as ``Shard(0)`` on a 1-D mesh of more than one rank, with a bias that is absent or
-    split the same way, outside any FSDP2 unit; or a plain weight with fewer rows than the head's
+    Called by ``placement`` (at the install and at each training step) for a head no FSDP2 unit holds.  A
+    ``DTensor`` weight (5.25) split as ``Shard(0)`` on a 1-D mesh of more than one rank, with a bias that is
+    absent or split the same way; or a plain weight with fewer rows than the head's
     ``out_features`` on the model's 1-D ``_device_mesh`` (5.3's tensor parallelism, which keeps this
-    rank's rows as a plain tensor).  Anything else (``split_refusal`` says why) is not one."""
+    rank's rows as a plain tensor).  Anything else (``rows.split_refusal`` says why) is not one."""
     weight, bias = getattr(head, "weight", None), getattr(head, "bias", None)
     if not isinstance(weight, torch.Tensor) or not dist.is_available() or not dist.is_initialized():
         return None
     if is_dtensor(weight):
         mesh = weight.device_mesh  # type: ignore[attr-defined]
-        if mesh.ndim != 1 or mesh.size() < 2 or fsdp_units_holding(model, head) or not _rows_placed(weight, mesh):
+        if mesh.ndim != 1 or mesh.size() < 2 or not rows_placed(weight, mesh):
             return None
-        if bias is not None and not (is_dtensor(bias) and _rows_placed(bias, mesh)):
+        if bias is not None and not (is_dtensor(bias) and rows_placed(bias, mesh)):
             return None
         return RowSplit(mesh.get_group(), mesh.get_local_rank(), mesh.size())
     out_features = getattr(head, "out_features", None)
@@ -105,20 +96,6 @@ def row_split(model: nn.Module, head: nn.Module) -> RowSplit | None:
     if bias is not None and bias.shape != weight.shape[:1]:
         return None
     return RowSplit(mesh.get_group(), rank, world)
-
-
-def split_refusal(model: nn.Module, head: nn.Module) -> str:
-    """Why a head that is a ``DTensor`` when the decoder has returned is not one the vocabulary-parallel loss
-    reads (``row_split`` is ``None`` for it); called for the refusal's message."""
-    weight, bias = head.weight, getattr(head, "bias", None)
-    mesh = getattr(weight, "device_mesh", None)
-    if mesh is not None and mesh.ndim != 1:
-        return f"it is placed {_placements(weight)} on a {mesh.ndim}-D mesh {mesh!r}"
-    if not is_dtensor(weight) or not _rows_placed(weight, mesh):
-        return f"it is placed {_placements(weight)}, not split by rows (Shard(0))"
-    if bias is not None:
-        return f"its bias is placed {_placements(bias) or 'as a plain tensor'}, not split by rows as the weight is"
-    return f"its mesh {mesh!r} has one rank"
 
 
 def local_rows(head: nn.Linear, split: RowSplit | None) -> Any:
@@ -251,89 +228,126 @@ def _gather_columns(local: torch.Tensor, split: RowSplit) -> torch.Tensor:
     return torch.cat([block[:, : int(width)] for block, width in zip(blocks, widths.tolist(), strict=True)], 1)
 
 
-def compare_with_vanilla(
-    model: nn.Module,
-    head: nn.Linear,
-    split: RowSplit,
-    hidden: torch.Tensor,
-    labels: torch.Tensor,
-    loss: torch.Tensor,
-    out: Any,
-    weight: torch.Tensor,
-    transform: HeadTransform,
-) -> str | None:
-    """The install's probe (``install._compare_with_vanilla``) on a split head: vanilla's tensor-parallel
-    loss and gradients (``loss`` computed by the model from ``hidden``; ``weight`` the parameter the
-    head's forward read) against the vocabulary-parallel loss's, both measured against float64.
+class RowsSplit(HeadRows):
+    """The head's rows split over the ranks of a tensor-parallel group for the whole step (``HeadRows``): each
+    rank reads its rows (``local_rows``), a chunk's losses come from the ranks' all-reduced log-sum-exp
+    (``SplitRows``), and the probe compares over the ranks (``compare``)."""
 
-    The float64 reference is the single-process loss: the probe's 4 tokens' logits, all-gathered (4 x the
-    vocabulary), through the family's transform and ``cross_entropy``; its gradient of the hidden states
-    the sum over ranks of each rank's rows' product, its gradient of the weight this rank's rows'.  Each
-    error is the largest over the ranks (an all-reduce), so every rank takes the same decision: one that
-    installed and one that refused would run different collectives in the next step.
+    name = "tensor-parallel rows"
 
-    Returns the path of the auxiliary loss's coefficient (``Installed.aux_loss_coefficient``).
+    def __init__(self, split: RowSplit | None, sharded: str | None = None, refusal: str | None = None) -> None:
+        super().__init__(sharded, refusal)
+        self.split = split  # None where refused
 
-    Raises:
-        ChunkedLossRefused: as ``install._compare_with_vanilla`` does, on every rank alike.
-    """
-    from .install import _aux_coefficient, _errors, _judge
+    def readable(self, head: nn.Module) -> bool:
+        """Always: the rows stay split, where the loss reads them, for the whole step."""
+        return True
 
-    rows = local_rows(head, split)
-    wants_weight = weight.requires_grad
-    wanted = [hidden, weight] if wants_weight else [hidden]
-    vanilla = list(torch.autograd.grad(loss, wanted))
-    if wants_weight and is_dtensor(vanilla[1]):
-        vanilla[1] = vanilla[1].to_local()  # type: ignore[attr-defined]
-    # chunk 1: every chunk boundary the probe has, so a wrong accumulation shows
-    ours_loss = causal_lm_loss(hidden, rows, labels, transform, split=split, chunk=1)
-    mine = [hidden, rows.weight] if wants_weight else [hidden]
-    ours = torch.autograd.grad(ours_loss, mine)
-    vanilla_value, ours_value = _max_over(split, [float(loss.detach()), float(ours_loss.detach())], hidden.device)
-    aux = getattr(out, "aux_loss", None)
-    coefficient, ours_total = _aux_coefficient(
-        model,
-        torch.tensor(vanilla_value, dtype=torch.float32),
-        torch.tensor(ours_value, dtype=torch.float32),
-        aux,
-        hidden.dtype,
+    @contextlib.contextmanager
+    def reading(self, head: nn.Module) -> Iterator[tuple[Any, WholeRows]]:
+        """This rank's rows of the head, and the vocabulary-parallel reduction of each chunk."""
+        assert self.split is not None
+        yield local_rows(head, self.split), SplitRows(self.split)  # type: ignore[arg-type]
+
+    def compare(
+        self,
+        model: nn.Module,
+        head: nn.Linear,
+        hidden: torch.Tensor,
+        labels: torch.Tensor,
+        loss: torch.Tensor,
+        out: Any,
+        weight: torch.Tensor,
+        transform: HeadTransform,
+    ) -> str | None:
+        """The install's probe (``compare.compare_with_vanilla``) on a split head: vanilla's tensor-parallel
+        loss and gradients (``loss`` computed by the model from ``hidden``; ``weight`` the parameter the
+        head's forward read) against the vocabulary-parallel loss's, both measured against float64.
+
+        The float64 reference is the single-process loss: the probe's 4 tokens' logits, all-gathered (4 x the
+        vocabulary), through the family's transform and ``cross_entropy``; its gradient of the hidden states
+        the sum over ranks of each rank's rows' product, its gradient of the weight this rank's rows'.  Each
+        error is the largest over the ranks (an all-reduce), so every rank takes the same decision: one that
+        installed and one that refused would run different collectives in the next step.
+
+        Returns the path of the auxiliary loss's coefficient (``Installed.aux_loss_coefficient``).
+
+        Raises:
+            ChunkedLossRefused: as ``compare.compare_with_vanilla`` does, on every rank alike.
+        """
+        split = self.split
+        assert split is not None
+        rows = local_rows(head, split)
+        wants_weight = weight.requires_grad
+        wanted = [hidden, weight] if wants_weight else [hidden]
+        vanilla = list(torch.autograd.grad(loss, wanted))
+        if wants_weight and is_dtensor(vanilla[1]):
+            vanilla[1] = vanilla[1].to_local()  # type: ignore[attr-defined]
+        # chunk 1: every chunk boundary the probe has, so a wrong accumulation shows
+        ours_loss = causal_lm_loss(hidden, rows, labels, transform, split=split, chunk=1)
+        mine = [hidden, rows.weight] if wants_weight else [hidden]
+        ours = torch.autograd.grad(ours_loss, mine)
+        vanilla_value, ours_value = _max_over(split, [float(loss.detach()), float(ours_loss.detach())], hidden.device)
+        h = hidden.detach().reshape(-1, hidden.shape[-1]).double()
+        targets = nn.functional.pad(labels, (0, 1), value=-100)[..., 1:].reshape(-1).to(h.device)
+        w = rows.weight.detach().double()
+        b = None if rows.bias is None else rows.bias.detach().double()
+        local_logits = nn.functional.linear(h, w, b)
+        offset, _, _ = _agree(split, w.shape[0], 1, h.device)
+        logits = _gather_columns(local_logits, split).requires_grad_(True)
+        with torch.enable_grad():
+            reference_loss = nn.functional.cross_entropy(transform(logits), targets, ignore_index=-100)
+            (grad_logits,) = torch.autograd.grad(reference_loss, logits)
+        mine_logits = grad_logits[:, offset : offset + w.shape[0]]
+        reference_hidden = mine_logits @ w
+        dist.all_reduce(reference_hidden, op=dist.ReduceOp.SUM, group=split.group)
+        # one token at a time in the head's dtype, summed over the ranks: the order of a one-token chunk
+        local_weight = rows.weight.detach()
+        by_token = torch.cat([mine_logits[i : i + 1].to(local_weight.dtype) @ local_weight for i in range(h.shape[0])])
+        dist.all_reduce(by_token, op=dist.ReduceOp.SUM, group=split.group)
+        # the reference's collectives first, then the judgement (every rank alike)
+        aux = getattr(out, "aux_loss", None)
+        coefficient, ours_total = aux_coefficient(
+            model, torch.tensor(vanilla_value, dtype=torch.float32), torch.tensor(ours_value, dtype=torch.float32), aux
+        )
+        if aux is not None and coefficient is not None:
+            reference_loss = reference_loss + operator.attrgetter(coefficient)(model) * aux.detach().double()
+
+        def judged(
+            name: str, found: tuple[float, float, float], calibration: Callable[[], float] | None = None
+        ) -> None:
+            vanilla_error, our_error, scale = found
+            if calibration is not None:
+                vanilla_error = max(vanilla_error, calibration())
+            agreed = _max_over(split, [vanilla_error, our_error, scale], hidden.device)
+            judge(name, agreed[0], agreed[1], agreed[2], hidden.dtype)
+
+        judged("loss", errors(torch.tensor(vanilla_value), ours_total, reference_loss.detach()))
+        judged(
+            "hidden-state gradient",
+            errors(vanilla[0], ours[0], reference_hidden.reshape(hidden.shape)),
+            lambda: float((by_token.double() - reference_hidden).abs().max()),
+        )
+        if wants_weight:
+            judged("head gradient", errors(vanilla[1], ours[1], mine_logits.T @ h))
+        return coefficient
+
+
+def claim(model: nn.Module, head: nn.Module) -> RowsSplit | None:
+    """``RowsSplit`` when the head's rows are split over the ranks (``row_split``); for a ``DTensor`` head split
+    otherwise (no FSDP2 unit holds it: ``placement`` asks ``fsdp2`` first), a ``RowsSplit`` refused with how it
+    is placed; else ``None``."""
+    dtensor = dtensor_weight(head)
+    weight = getattr(head, "weight", None)
+    # a rank with no rows of a plain head is an empty weight, which no reader reads (``zero3.claim`` refuses it)
+    split = row_split(model, head) if dtensor or (isinstance(weight, torch.Tensor) and weight.numel()) else None
+    if split is not None:
+        return RowsSplit(split, DTENSOR if dtensor else None)
+    if not dtensor:
+        return None
+    refusal = (
+        f"{DTENSOR}, outside any FSDP2 unit (so sharded for the whole step, as tensor parallelism shards it), "
+        f"and {split_refusal(model, head)}: the vocabulary-parallel loss reads a head whose rows are split over "
+        "a 1-D mesh of ranks (Shard(0)), as tp_plan='auto' shards it"
     )
-
-    h = hidden.detach().reshape(-1, hidden.shape[-1]).double()
-    targets = nn.functional.pad(labels, (0, 1), value=-100)[..., 1:].reshape(-1).to(h.device)
-    w = rows.weight.detach().double()
-    b = None if rows.bias is None else rows.bias.detach().double()
-    local_logits = nn.functional.linear(h, w, b)
-    offset, _, _ = _agree(split, w.shape[0], 1, h.device)
-    logits = _gather_columns(local_logits, split).requires_grad_(True)
-    with torch.enable_grad():
-        reference_loss = nn.functional.cross_entropy(transform(logits), targets, ignore_index=-100)
-        (grad_logits,) = torch.autograd.grad(reference_loss, logits)
-    if aux is not None and coefficient is not None:
-        from operator import attrgetter
-
-        reference_loss = reference_loss + attrgetter(coefficient)(model) * aux.detach().double()
-    mine_logits = grad_logits[:, offset : offset + w.shape[0]]
-    reference_hidden = mine_logits @ w
-    dist.all_reduce(reference_hidden, op=dist.ReduceOp.SUM, group=split.group)
-    # one token at a time in the head's dtype, summed over the ranks: the order of a one-token chunk
-    local_weight = rows.weight.detach()
-    by_token = torch.cat([mine_logits[i : i + 1].to(local_weight.dtype) @ local_weight for i in range(h.shape[0])])
-    dist.all_reduce(by_token, op=dist.ReduceOp.SUM, group=split.group)
-
-    def judged(name: str, errors: tuple[float, float, float], calibration: Callable[[], float] | None = None) -> None:
-        vanilla_error, our_error, scale = errors
-        if calibration is not None:
-            vanilla_error = max(vanilla_error, calibration())
-        agreed = _max_over(split, [vanilla_error, our_error, scale], hidden.device)
-        _judge(name, agreed[0], agreed[1], agreed[2], hidden.dtype)
-
-    judged("loss", _errors(torch.tensor(vanilla_value), ours_total, reference_loss.detach()))
-    judged(
-        "hidden-state gradient",
-        _errors(vanilla[0], ours[0], reference_hidden.reshape(hidden.shape)),
-        lambda: float((by_token.double() - reference_hidden).abs().max()),
-    )
-    if wants_weight:
-        judged("head gradient", _errors(vanilla[1], ours[1], mine_logits.T @ h))
-    return coefficient
+    return RowsSplit(None, DTENSOR, refusal)

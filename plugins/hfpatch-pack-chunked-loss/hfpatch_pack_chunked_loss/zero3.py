@@ -35,10 +35,41 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["full_rows", "gathered", "is_partitioned", "needs_gathering", "partitioned_head", "probing"]
+from .errors import ChunkedLossRefused
+from .loss import WholeRows
+from .rows import HeadRows, is_dtensor
 
-# the models whose probe runs now (``probing``): their forward gathers as it runs
-_PROBING: set[int] = set()
+__all__ = [
+    "ZeRO3",
+    "claim",
+    "full_rows",
+    "gathered",
+    "is_partitioned",
+    "needs_gathering",
+    "partitioned_head",
+    "probing",
+]
+
+
+class ZeRO3(HeadRows):
+    """A head DeepSpeed ZeRO-3 partitions (``HeadRows``): the probe runs with the model gathered module by
+    module (``probing``), and each computation of the loss gathers the head once around it (``gathered``)."""
+
+    name = "zero3"
+
+    def probing(self, model: nn.Module, head: nn.Module) -> contextlib.AbstractContextManager[None]:
+        """``probing``, where the probe runs (not refused)."""
+        return contextlib.nullcontext() if self.refusal is not None else probing(model, head)
+
+    def readable(self, head: nn.Module) -> bool:
+        """Always: the step gathers the head around the loss, which reads it then."""
+        return True
+
+    @contextlib.contextmanager
+    def reading(self, head: nn.Module) -> Iterator[tuple[Any, WholeRows]]:
+        """The head, gathered for the whole computation."""
+        with gathered(head.parameters(recurse=False)):
+            yield head, WholeRows()
 
 
 def is_partitioned(parameter: Any) -> bool:
@@ -60,8 +91,8 @@ def full_rows(weight: torch.Tensor) -> int:
 
 
 def needs_gathering(model: nn.Module) -> bool:
-    """Whether the probe must run under ``probing``: a parameter is partitioned, outside a probe."""
-    return id(model) not in _PROBING and any(is_partitioned(p) for p in model.parameters())
+    """Whether the probe must run under ``probing``: a parameter is partitioned."""
+    return any(is_partitioned(p) for p in model.parameters())
 
 
 @contextlib.contextmanager
@@ -92,8 +123,6 @@ def probing(model: nn.Module, head: nn.Module) -> Iterator[None]:
     partitioned again at the exit.
     """
     if any(hasattr(module, "ds_id") for module in model.modules()):
-        from .install import ChunkedLossRefused
-
         # DeepSpeed's hooks gather and release each module as it runs (the head too, in the probe's
         # forward, from under the probe's own gather): the probe cannot hold the head whole there
         raise ChunkedLossRefused(
@@ -115,7 +144,6 @@ def probing(model: nn.Module, head: nn.Module) -> Iterator[None]:
 
     with gathered(head.parameters(recurse=False)):
         handles = []
-        _PROBING.add(id(model))
         try:
             for module in model.modules():
                 if module is not head:
@@ -123,9 +151,32 @@ def probing(model: nn.Module, head: nn.Module) -> Iterator[None]:
                     handles.append(module.register_forward_hook(after))
             yield
         finally:
-            _PROBING.discard(id(model))
             for handle in handles:
                 handle.remove()
             for stacks in held.values():
                 while stacks:
                     stacks.pop().close()
+
+
+def claim(model: nn.Module, head: Any, *, whole_model: bool = True) -> ZeRO3 | None:
+    """``ZeRO3`` for a model with partitioned parameters and a linear head (``whole_model``: any parameter of
+    the model, the probe's case; else the head's own, a step's); a ``ZeRO3`` refused where the head's weight is
+    empty or partitioned otherwise (or its bias alone a ``DTensor``); else ``None``.  Asked last by
+    ``placement``, after the ``DTensor`` layouts."""
+    if isinstance(head, nn.Linear) and (needs_gathering(model) if whole_model else partitioned_head(head)):
+        return ZeRO3()
+    for parameter in (getattr(head, "weight", None), getattr(head, "bias", None)):
+        if parameter is None:
+            continue
+        if is_dtensor(parameter):
+            sharded = "the LM head's weight is a DTensor (FSDP2 or tensor parallelism)"
+        elif is_partitioned(parameter) or parameter.numel() == 0:
+            # ZeRO-3 leaves each rank an empty tensor and the shape in ds_shape, outside a gather
+            sharded = (
+                f"the LM head's weight is partitioned (DeepSpeed ZeRO-3: local shape {tuple(parameter.shape)}, "
+                f"whole {tuple(getattr(parameter, 'ds_shape', ()))})"
+            )
+        else:
+            continue
+        return ZeRO3(sharded, f"{sharded}: the chunked loss over a partitioned head is not written")
+    return None

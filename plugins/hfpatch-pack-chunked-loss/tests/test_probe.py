@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
 import hfpatch_core
 
-install_module = importlib.import_module("hfpatch_pack_chunked_loss.install")
+compare_module = importlib.import_module("hfpatch_pack_chunked_loss.compare")
 
 QWEN_VOCAB = 151_936
 # a tiny hidden size: the head is 151,936 x 16, the probe's sums over the vocabulary are Qwen's
@@ -37,12 +37,12 @@ def test_a_qwen_size_vocabulary_is_claimed_whatever_the_seed(seed: int) -> None:
 
 
 def _off_by_a_ten_thousandth(monkeypatch: pytest.MonkeyPatch) -> None:
-    loss = install_module.chunked_causal_lm_loss
+    loss = compare_module.chunked_causal_lm_loss
 
     def scaled(*args: Any, **kwargs: Any) -> torch.Tensor:
         return loss(*args, **kwargs) * (1 + 1e-4)
 
-    monkeypatch.setattr(install_module, "chunked_causal_lm_loss", scaled)
+    monkeypatch.setattr(compare_module, "chunked_causal_lm_loss", scaled)
 
 
 def test_a_loss_off_by_a_ten_thousandth_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:

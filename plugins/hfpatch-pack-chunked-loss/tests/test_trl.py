@@ -18,8 +18,8 @@ from trl import SFTConfig, SFTTrainer
 
 from conftest import VOCAB, load
 
-# the module (the package's ``install`` is the function)
-install_module = importlib.import_module("hfpatch_pack_chunked_loss.install")
+# the probe's comparison, whose chunked_causal_lm_loss the install's probe calls
+compare_module = importlib.import_module("hfpatch_pack_chunked_loss.compare")
 
 
 def _tokenizer() -> PreTrainedTokenizerFast:
@@ -65,13 +65,13 @@ def test_sft_trains_as_on_vanilla(
 ) -> None:
     vanilla = _sft(checkpoints["llama"], False, tmp_path / "vanilla")
     calls = []
-    loss = install_module.chunked_causal_lm_loss
+    loss = compare_module.chunked_causal_lm_loss
 
     def counted(*args: Any, **kwargs: Any) -> torch.Tensor:
         calls.append(args[0].shape)
         return loss(*args, **kwargs)
 
-    monkeypatch.setattr(install_module, "chunked_causal_lm_loss", counted)
+    monkeypatch.setattr(compare_module, "chunked_causal_lm_loss", counted)
     with caplog.at_level(logging.INFO, logger="hfpatch"):
         ours = _sft(checkpoints["llama"], True, tmp_path / "chunked")
     # install's probe only: TRL's SFTTrainer (1.16) computes its loss through its own tiled head

@@ -21,11 +21,12 @@ qwen3_moe attention) wins the classes it also claims, and this pack keeps the ot
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Iterable
 from typing import Any
 
 import hfpatch_core
-from hfpatch_core import Converter, LoadContext, Patch, Refusal
+from hfpatch_core import Converter, LoadContext, PackWarning, Patch, Refusal
 from hfpatch_core.authoring import conversion_key, conversion_lists, fused_linear_converters
 
 from .detection import Detection, Site, builds_reason, built_part, builtin_converters, detect, model_class_for
@@ -269,6 +270,14 @@ def provide_patches(context: LoadContext) -> list[Patch | Refusal]:
     if context.config is not None and context.model_type is not None and context.parent is None:
         refused = refusals(context.config, context.model_class_name)
         patches += [Refusal(name, reason) for name, reason in sorted(refused.items())]
+        if _quantized(context.config):
+            # the whole model is left as it loads, which a user who selected the pack would not
+            # expect: said, not only recorded in the plan
+            warnings.warn(
+                f"hfpatch: pack 'fused-dense' leaves {context.model_class_name} unfused: {QUANTIZED}.",
+                PackWarning,
+                stacklevel=2,
+            )
     return patches
 
 

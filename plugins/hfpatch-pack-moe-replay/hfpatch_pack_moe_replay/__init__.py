@@ -15,7 +15,7 @@ as the original unless ``replay_routing`` (or ``record_routing``) is active. The
 
     with torch.no_grad(), record_routing(model) as recording:
         sequences = model.generate(**inputs, max_new_tokens=64)
-    routing = recording.routing.padded(sequences.shape[1])   # or Routing.from_vllm(...)
+    routing = recording.routing.padded(sequences.shape[1])   # or Routing.from_vllm(output, model=model)
     with replay_routing(model, routing):
         loss = loss_fn(model(sequences, attention_mask=mask).logits)
         loss.backward()
@@ -24,7 +24,8 @@ The modules, each importing only those before it: ``values`` (the ``Routing`` va
 vLLM's layout, ``RoutingError``), ``scope`` (which replay each router is under),
 ``selection`` (the mode that answers a router's selection ``topk``), ``discovery``
 (which class routes, and what it computes), ``routers`` (the replayable routers),
-``replay`` (``replay_routing``) and ``recording`` (``record_routing``). ``trl`` (routing
+``replay`` (``replay_routing``), ``recording`` (``record_routing``) and ``engines`` (an
+engine's routes for a model's routers: ``Routing.from_vllm``). ``trl`` (routing
 replay in TRL's ``GRPOTrainer``: ``RoutingReplayMixin``, ``ReplayGRPOTrainer``) uses them and
 is not imported here: it is the one module that knows trl.
 """

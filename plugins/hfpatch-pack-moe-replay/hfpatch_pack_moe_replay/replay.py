@@ -49,7 +49,7 @@ def replay_routing(model: nn.Module, routing: Routing) -> Iterator[None]:
     if not isinstance(routing, Routing):
         raise RoutingError(
             f"replay_routing(model, routing): routing must be a Routing, got {type(routing).__name__}; build one "
-            "with record_routing(model), Routing.from_vllm(routed_experts) or Routing(layers=...)."
+            "with record_routing(model), Routing.from_vllm(output, model=model) or Routing(layers=...)."
         )
     unpatched = unpatched_router(model)
     if unpatched is not None:

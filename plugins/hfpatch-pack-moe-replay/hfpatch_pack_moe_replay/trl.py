@@ -301,7 +301,7 @@ class RoutingReplayMixin(_TrainerBase):
                 f"moe-replay in TRL: {type(self).__name__} records the rollout's routes around transformers' "
                 f"generate; with {', '.join(unsupported)} the completions come from elsewhere (or from several "
                 "generate calls per row) and their routes would not be replayed. Use GRPOTrainer without these "
-                "options, or pass vLLM's routed_experts yourself (Routing.from_vllm)."
+                "options, or pass vLLM's routed_experts yourself (Routing.from_vllm(output, model=model))."
             )
         _check_replayable(self.accelerator.unwrap_model(self.model), "policy")
         if self.ref_model is not None:

@@ -6,12 +6,13 @@
   that the recorder, the replay and vLLM's layout meet on one checked form and the
   replay never sees a malformed selection mid-forward.
 * ``Routing.from_vllm`` / ``Routing.to_vllm`` convert vLLM's ``routed_experts``
-  layout ``(seq_len, num_layers, top_k)``.
+  layout ``(tokens, num_hidden_layers, top_k)`` (``engines`` does it, for a model's routers).
 * ``RoutingError`` is every error of the pack's API, raised by this module and by the
   replay and the recorder.
 
 This module knows nothing of models or routers: it is the bottom of the pack's imports
-(``values`` <- ``scope`` <- ``routers`` <- ``replay`` / ``recording``).
+(``values`` <- ``scope`` <- ``routers`` <- ``replay`` / ``recording`` / ``engines``); the
+two vLLM methods import ``engines`` when called.
 """
 
 from __future__ import annotations
@@ -72,7 +73,7 @@ class Routing:
         if isinstance(layers, torch.Tensor) or not isinstance(layers, Sequence):
             raise RoutingError(
                 "Routing(layers=...) takes a sequence of per-layer (tokens, top_k) tensors, got "
-                f"{type(layers).__name__}; for vLLM's (seq_len, num_layers, top_k) array use Routing.from_vllm(array)."
+                f"{type(layers).__name__}; for vLLM's routed_experts use Routing.from_vllm(value, model=model)."
             )
         if not layers:
             raise RoutingError("Routing(layers=()) has no layer; pass one (tokens, top_k) tensor per MoE layer.")
@@ -137,42 +138,68 @@ class Routing:
     # --- vLLM ------------------------------------------------------------------------
 
     @classmethod
-    def from_vllm(cls, routed_experts: Any) -> Routing:
-        """The routing of vLLM's ``routed_experts`` array.
+    def from_vllm(cls, value: Any, *, model: torch.nn.Module) -> Routing:
+        """The routing of what vLLM returns with ``enable_return_routed_experts``, for ``model``'s routers.
+
+        vLLM's ``routed_experts`` is an array of shape ``(tokens, num_hidden_layers, top_k)``: a slot
+        for every decoder layer (a dense layer's is zeros), a row for every token but the last
+        sampled one, from prompt row ``SamplingParams.routed_experts_prompt_start`` on. ``model``
+        says which decoder layers route (the routers the pack finds, wherever they sit): their
+        slots become the routing's layers, in order, and the dense slots are dropped.
 
         Args:
-            routed_experts: a numpy array or torch tensor of integer expert ids, shaped
-                ``(seq_len, num_layers, top_k)`` (one request), or
-                ``(batch, seq_len, num_layers, top_k)`` (sequences of one length).
+            value: one of
+
+                * a ``RequestOutput``: the routing of each completion's whole sequence,
+                  ``prompt_token_ids + completion.token_ids``, with the tokens vLLM did not report
+                  (the prompt rows before ``routed_experts_prompt_start`` and the last token)
+                  ``LIVE``; several completions (``n > 1``) are rows of one batch, right-padded
+                  with ``LIVE`` to the longest;
+                * a ``CompletionOutput``: the rows it reports, as they are;
+                * its ``routed_experts`` array (numpy or torch, any integer dtype), or
+                  ``(batch, tokens, num_hidden_layers, top_k)`` (``to_vllm``'s batches);
+                * the OpenAI server's ``choices[i]["routed_experts"]``: the base64 of an ``.npy`` file.
+            model: the model the routing is replayed on (loaded with or without the pack), or any
+                module holding it.
 
         Returns:
-            a ``Routing`` with ``batch_size`` 1 (or ``batch``), token ``t`` of layer
-            ``l`` being ``routed_experts[t, l]``.
+            a ``Routing`` with one layer per router of ``model``; ``batch_size`` 1 (the
+            completions of a ``RequestOutput``, the batch of a 4-D array). A batch of requests
+            is ``Routing.stack([...], padding_side="left")``, as the trainer pads its prompts.
 
         Raises:
-            RoutingError: the array has another number of dimensions, or invalid ids.
+            RoutingError: what vLLM sent does not fit ``model`` (its layer count, top-k, an expert
+                id the router does not have, a dense layer's slot that is not zeros, an expert
+                twice for a token), saying what was sent and what the model has; vLLM returned
+                no routed experts (the engine runs without ``enable_return_routed_experts``);
+                the array's rows do not fit the request's tokens; ``model`` has no router.
         """
-        tensor = _as_tensor(routed_experts)
-        if tensor.dim() == 4:
-            batch_size = int(tensor.shape[0])
-            tensor = tensor.reshape(-1, *tensor.shape[2:])
-        elif tensor.dim() == 3:
-            batch_size = 1
-        else:
-            raise RoutingError(
-                f"Routing.from_vllm expects vLLM's routed_experts layout (seq_len, num_layers, top_k), or "
-                f"(batch, seq_len, num_layers, top_k), got shape {_shape(tensor)}."
-            )
-        return cls(tuple(tensor[:, layer, :] for layer in range(tensor.shape[1])), batch_size=batch_size)
+        # The vLLM layout needs the model's routers (routers, discovery), which this module does not
+        # import at load: the bottom of the pack's imports stays free of them.
+        from .engines import routing_from_vllm
 
-    def to_vllm(self) -> torch.Tensor:
-        """This routing in vLLM's ``routed_experts`` layout: the inverse of ``from_vllm``.
+        return routing_from_vllm(value, model)
+
+    def to_vllm(self, *, model: torch.nn.Module | None = None) -> torch.Tensor:
+        """This routing in vLLM's ``routed_experts`` layout.
+
+        Args:
+            model: the model it routes: every decoder layer gets a slot, a dense layer's is
+                zeros, as vLLM returns it (``Routing.from_vllm(routing.to_vllm(model=model),
+                model=model) == routing``). Without it, one slot per routing layer.
 
         Returns:
-            a CPU ``torch.long`` tensor of shape ``(seq_len, num_layers, top_k)`` when
-            ``batch_size`` is 1, else ``(batch_size, seq_len, num_layers, top_k)``
+            a CPU ``torch.long`` tensor of shape ``(seq_len, layers, top_k)`` when
+            ``batch_size`` is 1, else ``(batch_size, seq_len, layers, top_k)``
             (``.numpy()`` for an array). ``LIVE`` rows stay ``-1``.
+
+        Raises:
+            RoutingError: the routing's layer count or top-k is not ``model``'s.
         """
+        if model is not None:
+            from .engines import routing_to_vllm
+
+            return routing_to_vllm(self, model)
         stacked = torch.stack([layer.cpu() for layer in self.layers], dim=1)
         if self.batch_size == 1:
             return stacked
@@ -221,7 +248,7 @@ class Routing:
 
         Args:
             routings: the routings of the batch's sequences (or sub-batches), in batch order,
-                e.g. ``[Routing.from_vllm(output.routed_experts) for output in outputs]``.
+                e.g. ``[Routing.from_vllm(output, model=model) for output in outputs]``.
             padding_side: where the tokenizer pads the training batch.
             seq_len: the padded length (default: the longest routing's).
 

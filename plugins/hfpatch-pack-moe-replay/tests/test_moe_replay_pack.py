@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any
 
 import hfpatch_pack_moe_replay
-import numpy
 import pytest
 import torch
 import torch.nn as nn
@@ -345,39 +344,6 @@ def test_only_moe_layers_have_routing(tmp_path: Path) -> None:
         record(model, ids, mask, three)
 
 
-# --- vLLM ---------------------------------------------------------------------------------
-
-
-def test_vllm_routed_experts_convert_both_ways(checkpoints: dict[str, Path]) -> None:
-    generator = numpy.random.default_rng(0)
-    # (seq_len, num_layers, top_k), int16 as vLLM returns it; distinct experts per token
-    array = numpy.stack([generator.permutation(8)[:2] for _ in range(5 * 3)]).reshape(5, 3, 2).astype(numpy.int16)
-    array.setflags(write=False)
-    routing = Routing.from_vllm(array)
-    assert (routing.num_layers, routing.batch_size, routing.seq_len, routing.top_k) == (3, 1, 5, 2)
-    for token in range(5):
-        for layer in range(3):
-            assert routing.layers[layer][token].tolist() == array[token, layer].tolist()
-    assert all(layer.dtype == torch.long for layer in routing.layers)
-    back = routing.to_vllm()
-    assert back.shape == (5, 3, 2) and numpy.array_equal(back.numpy(), array)
-    assert Routing.from_vllm(torch.from_numpy(array.astype(numpy.int32))) == routing
-    assert Routing.from_vllm(back) == routing
-
-    batched = Routing.from_vllm(numpy.stack([array, array[::-1]]))
-    assert (batched.batch_size, batched.seq_len) == (2, 5)
-    assert numpy.array_equal(batched.to_vllm().numpy(), numpy.stack([array, array[::-1]]))
-    assert batched == Routing.stack([routing, Routing.from_vllm(array[::-1].copy())])
-
-    # a model's routing through vLLM's layout replays as the original
-    model = load_model(checkpoints["olmoe"], PACK)
-    ids = torch.randint(3, VOCAB, (1, 9), generator=torch.Generator().manual_seed(6))
-    mask = torch.ones_like(ids)
-    recorded = record(model, ids, mask)
-    assert recorded.to_vllm().shape == (9, 2, 2)
-    assert record(model, ids, mask, Routing.from_vllm(recorded.to_vllm().numpy())) == recorded
-
-
 # --- the value ----------------------------------------------------------------------------
 
 
@@ -418,7 +384,6 @@ _ID = torch.tensor([[0, 1], [1, 2]])
         (lambda: Routing((torch.tensor([[0, 1], [3, 3]]),)), "token 1: .* names an expert twice"),
         (lambda: Routing((_ID,), batch_size=3), "2 tokens, which batch_size=3 does not divide"),
         (lambda: Routing((_ID,), batch_size=0), "positive int"),
-        (lambda: Routing.from_vllm(numpy.zeros((4, 2))), r"\(seq_len, num_layers, top_k\).*got shape \(4, 2\)"),
         (lambda: Routing((_ID,)).padded(1), "shorter than the routing's seq_len 2"),
         (lambda: Routing.stack([Routing((_ID,)), Routing((_ID, _ID))]), "stack routings of one model"),
     ],

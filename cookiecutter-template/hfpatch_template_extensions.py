@@ -45,8 +45,8 @@ def drift_record(pack_name, model_type, target_class, variant="class"):
     try:
         import transformers
 
-        from hfpatch_core.cli.check import targets_of
-        from hfpatch_core.cli.drift import DriftRecord
+        from hfpatch_core._pipeline.probing import targets_of
+        from hfpatch_core.authoring.drift import DriftRecord
     except ImportError:
         return empty
     targets = targets_of(str(model_type), [str(target_class)])

@@ -759,13 +759,13 @@ def test_check_resolves_classes_as_a_load_does(install, capsys, tmp_path) -> Non
     assert main(["check", "--record", "borrowed"]) == 0, capsys.readouterr().out
     import hfpatch_test_pack_borrowed as pack
 
-    from hfpatch_core.cli.drift import record_path
+    from hfpatch_core.authoring.drift import record_path
 
     record = json.loads(record_path(pack.__file__).read_text())
     recorded = {(row["model_type"], row["class"]) for rows in record["releases"].values() for row in rows}
     borrowed = {("exaone", "LlamaRMSNorm"), ("gemma3_text", "Gemma3RMSNorm"), ("got_ocr2", "Qwen2RMSNorm")}
     assert recorded == {(t, name) for t, name in borrowed if t in known}
-    from hfpatch_core.cli.check import targets_of
+    from hfpatch_core._pipeline.probing import targets_of
 
     assert {t.class_name for t in targets_of("gemma3_text", ["Gemma3RMSNorm"])} == {"Gemma3RMSNorm"}
     assert {t.class_name for t in targets_of("got_ocr2", ["Qwen2RMSNorm"])} == {"Qwen2RMSNorm"}

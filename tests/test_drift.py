@@ -9,7 +9,15 @@ import pytest
 import transformers
 from transformers.models.llama.modeling_llama import LlamaMLP
 
-from hfpatch_core.cli.drift import DriftRecord, RecordError, Target, compare, read_record, record_path, signature_text
+from hfpatch_core.authoring.drift import (
+    DriftRecord,
+    RecordError,
+    Target,
+    compare,
+    read_record,
+    record_path,
+    signature_text,
+)
 from packs import MLP_PACK, PackSpec
 
 INSTALLED = transformers.__version__

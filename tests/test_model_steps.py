@@ -319,12 +319,13 @@ def test_verify_all_model_types_keeps_stdout_for_its_json(install) -> None:
 def test_list_finds_a_tie_between_model_steps_and_the_selection_settling_it(
     install, llama_checkpoint: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    from hfpatch_core._pipeline.conflicts import find_conflicts
     from hfpatch_core._pipeline.selection import current_selection
-    from hfpatch_core.cli.check import find_conflicts
+    from hfpatch_core._runtime.snapshot import HOOK_GUARD
 
     install(step_pack("first"), step_pack("second"))
     monkeypatch.setenv("HF_PATCH_PACKS", "first,second")
-    conflicts = find_conflicts(current_selection())
+    conflicts = find_conflicts(current_selection(), guard=HOOK_GUARD)
     assert [(c.model_type, c.target, c.packs) for c in conflicts.conflicts] == [
         ("llama", "marker", ("first", "second"))
     ]

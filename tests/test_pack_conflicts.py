@@ -22,10 +22,11 @@ from transformers import AutoModelForCausalLM
 
 import hfpatch_core
 from hfpatch_core import PatchConflictError, plan_of
+from hfpatch_core._pipeline.conflicts import find_conflicts
 from hfpatch_core._pipeline.selection import current_selection
+from hfpatch_core._runtime.snapshot import HOOK_GUARD
 from hfpatch_core._session.session import new_session
 from hfpatch_core.cli import main
-from hfpatch_core.cli.check import find_conflicts
 from hfpatch_core.cli.explain import explain
 from hfpatch_core.conversion import describe_transform
 from hfpatch_core.testing import install_pack, load_model, safetensors_of, tiny_checkpoint
@@ -161,7 +162,7 @@ def test_list_finds_the_conflicts_of_every_model_type_and_one_selection_settling
     everything, llama_checkpoint, tmp_path, monkeypatch, capsys
 ) -> None:
     monkeypatch.setenv("HF_PATCH_PACKS", "all,fused-dense@+1")
-    conflicts = find_conflicts(current_selection())
+    conflicts = find_conflicts(current_selection(), guard=HOOK_GUARD)
     found = {(conflict.model_type, conflict.target, conflict.packs) for conflict in conflicts.conflicts}
     assert found == {
         ("llama", "LlamaMLP", ("fused-dense", "fused-mlp")),

@@ -6,9 +6,11 @@ checkpoint directory or a model type; these turn either into what planning needs
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import os
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 import torch.nn as nn
@@ -26,6 +28,7 @@ __all__ = [
     "load_config",
     "model_class_for",
     "modeling_module_classes",
+    "transformers_notices_off",
     "unknown_model_type",
 ]
 
@@ -123,3 +126,18 @@ def default_config(model_type: str) -> Any:
         return AutoConfig.for_model(model_type)
     except Exception:  # some model types cannot build a default config
         return None
+
+
+@contextlib.contextmanager
+def transformers_notices_off() -> Iterator[None]:
+    """transformers' notices off (its errors still shown) while a command builds or loads models:
+    "falling back to ...", deprecations of a default config's fields, load reports, progress bars'
+    logging. Not the pack's problems, and they would interleave with the command's own lines."""
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(verbosity)

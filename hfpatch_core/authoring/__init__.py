@@ -34,6 +34,8 @@ within a minor release:
 * ``probes``: questions about the installed transformers (``class_keys_supported``, ...);
 * ``randomness``: ``isolated_rng``, a probe run on random generators of its own: the caller's
   seeded stream (torch's CPU and accelerator generators, ``random``, NumPy) is left as it was;
+* ``drift``: the drift record a pack ships, what its replacements were built against
+  (``DriftRecord``, ``Target``, ``compare``: what ``hfpatch check`` writes and compares);
 * ``lists``: which of transformers' conversion lists a load reads (``conversion_key``,
   ``conversion_lists``);
 * ``source_patterns_of`` / ``target_patterns_of``: a transform's patterns as written;
@@ -47,6 +49,7 @@ from . import (
     calibration,
     calls,
     classes,
+    drift,
     experts,
     families,
     fusion,
@@ -113,6 +116,7 @@ __all__ = [
     "conversion_key",
     "conversion_lists",
     "describe_scheme",
+    "drift",
     "experts",
     "families",
     "forward_for",

@@ -59,9 +59,77 @@ def build_on_meta(model_class: type[nn.Module] | LoadContext, config: Any = None
             missing = "no config" if config is None else f"transformers exports no class {context.model_class_name!r}"
             raise ValueError(f"build_on_meta({context.model_class_name} load): {missing}; pass a class and a config")
         model_class = found
-    with vanilla(), torch.device("meta"), warnings.catch_warnings(), _recording_nested_loads():
+    with vanilla(), torch.device("meta"), warnings.catch_warnings(), _recording_nested_loads(), meta_init_skipped():
         warnings.simplefilter("ignore")  # what building on the meta device says is not the load's business
         return model_class(copy.deepcopy(config))
+
+
+#: torch's initialisers (the names ``transformers.initialization`` calls through too)
+_INITIALISERS = (
+    "uniform_",
+    "normal_",
+    "constant_",
+    "ones_",
+    "zeros_",
+    "eye_",
+    "dirac_",
+    "xavier_uniform_",
+    "xavier_normal_",
+    "kaiming_uniform_",
+    "kaiming_normal_",
+    "trunc_normal_",
+    "orthogonal_",
+    "sparse_",
+)
+
+
+@contextlib.contextmanager
+def meta_init_skipped() -> Iterator[None]:
+    """torch's weight initialisers return a meta tensor as it is while the block runs.
+
+    Initialising a tensor on the meta device writes nothing, but under ``torch.device("meta")``
+    each initialiser still runs every torch call it makes through the device mode's Python
+    dispatch: most of the time building a model on meta takes.  A tensor on any other device is
+    initialised as always (another thread's model is built as it would be).  Each replaced
+    function is put back only if it is still the one put in: an initialiser another library
+    replaced meanwhile (transformers' ``no_init_weights``) stays its."""
+    import torch.nn.init as init
+
+    try:
+        from transformers import initialization
+    except ImportError:  # a transformers without it: torch's own functions only
+        tables: list[Any] = []
+    else:
+        table = getattr(initialization, "TORCH_INIT_FUNCTIONS", None)
+        tables = [table] if isinstance(table, dict) else []
+    replaced: list[tuple[Any, str, Any, Any]] = []
+
+    def skipping(original: Any) -> Any:
+        def initialise(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            return tensor if getattr(tensor, "is_meta", False) else original(tensor, *args, **kwargs)
+
+        return initialise
+
+    for name in _INITIALISERS:
+        original = getattr(init, name, None)
+        if original is not None:
+            replacement = skipping(original)
+            setattr(init, name, replacement)
+            replaced.append((init, name, original, replacement))
+        for table in tables:
+            if name in table:
+                replacement = skipping(table[name])
+                replaced.append((table, name, table[name], replacement))
+                table[name] = replacement
+    try:
+        yield
+    finally:
+        for owner, name, original, replacement in reversed(replaced):
+            if isinstance(owner, dict):
+                if owner.get(name) is replacement:
+                    owner[name] = original
+            elif getattr(owner, name, None) is replacement:
+                setattr(owner, name, original)
 
 
 def nested_loads(model: nn.Module) -> dict[str, nn.Module]:

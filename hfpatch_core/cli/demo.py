@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from ..errors import HfPatchError
-from .output import transformers_notices_off
 
 EXAMPLE_PACK = "example-counting"
 FIRST_PARTY_PACK = "qwen-moe"
@@ -164,6 +163,7 @@ def run_demo(model_dir: str | None = None, packs: str | None = None, *, out: Tex
     """
     from transformers import monkey_patching
 
+    from .._pipeline.model_types import transformers_notices_off
     from .._pipeline.selection import current_selection, parse_selection
     from ..conversion import describe_transform
     from ..settings import PACKS_ENV, packs_from_env

@@ -10,9 +10,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn as nn
 from transformers import monkey_patching
 
+from .._pipeline.checking import nesting_warnings
 from .._pipeline.model_types import (
     load_config,
     model_class_for,
@@ -21,6 +21,7 @@ from .._pipeline.planning import module_classes, plan_load
 from .._pipeline.resolution import find_replacement, matches
 from .._runtime import provenance
 from .._session.session import Session
+from ..authoring.meta import meta_init_skipped
 from ..context import LoadContext
 from ..conversion import describe_transform
 from ..plan import Claim, Foreign, Plan, StepClaim
@@ -132,46 +133,13 @@ def _claim_json(claim: Claim) -> dict[str, Any]:
     }
 
 
-def nesting_warnings(model: nn.Module, plan: Plan) -> list[str]:
-    """One message per pattern claim of ``plan`` that replaces a class containing other replaced classes."""
-    nested: dict[int, tuple[Claim, dict[str, list[str]]]] = {}
-    for module in model.modules():
-        outer = type(module).__name__
-        claim = plan.replaced.get(outer)
-        if claim is None or not claim.patch.is_pattern:
-            continue
-        inners = nested.setdefault(id(claim), (claim, {}))[1].setdefault(outer, [])
-        for inner_module in module.modules():
-            inner = type(inner_module).__name__
-            if inner_module is not module and inner in plan.replaced and inner not in inners:
-                inners.append(inner)
-    found: list[str] = []
-    for claim, containers in nested.values():
-        containers = {outer: inners for outer, inners in containers.items() if inners}
-        if not containers:
-            continue
-        inner_names = list(dict.fromkeys(inner for inners in containers.values() for inner in inners))
-        replacers = dict.fromkeys(
-            f"{plan.replaced[inner].pack!r}'s {plan.replaced[inner].patch.replacement.__qualname__}"
-            for inner in inner_names
-        )
-        found.append(
-            f"pattern {claim.target!r} of pack {claim.pack!r} replaces "
-            + "; ".join(f"{outer}, which contains {', '.join(inners)}" for outer, inners in containers.items())
-            + f", also replaced (by {', '.join(replacers)}); the outer replacement decides whether the classes "
-            f"it contains are built at all. Anchor the pattern (e.g. '^{inner_names[0]}$') if it was meant for "
-            "one class."
-        )
-    return found
-
-
 def explain(model: str, session: Session, *, registered: Mapping[str, type] | None = None) -> Explanation:
     """Build ``model`` (a checkpoint directory or a model type) on the meta device and
     report, for every module class in it, what the session's packs would do."""
 
     config = load_config(model)
     model_class = model_class_for(config)
-    with torch.device("meta"):
+    with torch.device("meta"), meta_init_skipped():
         instance = model_class(config)
     # a class is named as transformers' registry resolves it, by its modeling module's attribute:
     # one swapped in outside hfpatch (Liger-Kernel's way) counts under the name it replaced

@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from ..settings import LOCK_ENV, lock_from_env
 from .output import UsageError
@@ -75,6 +75,20 @@ def _directory(flag: str, path: str, *, otherwise: str = "") -> None:
     problem = checkpoint_problem(path)
     if problem is not None:
         raise UsageError(problem.replace("--model", flag, 1) + otherwise)
+
+
+def check_model_types(model_types: Sequence[str] | None) -> None:
+    """Each ``--model-type`` is a model type of the installed transformers (imported to tell).
+
+    Raises:
+        UsageError: one is not, with the closest names.
+    """
+    from .._pipeline.model_types import unknown_model_type
+
+    for model_type in model_types or ():
+        unknown = unknown_model_type(model_type)
+        if unknown is not None:
+            raise UsageError(f"--model-type {unknown}")
 
 
 def check_input(args: argparse.Namespace) -> None:

@@ -121,7 +121,7 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 
 def conflicts_of(selection: Any) -> dict[str, Any]:
-    """``check.find_conflicts`` of the selection (with the configs ``check`` asks packs with) as
+    """``conflicts.find_conflicts`` of the selection (with the configs ``check`` asks packs with) as
     JSON, from the cache when the installed versions and packs' files are those it was found
     with: finding them imports every enabled pack and plans every model type two of them target.
     Warnings from building models' configs and importing packs are not list's to show."""
@@ -137,13 +137,16 @@ def conflicts_of(selection: Any) -> dict[str, Any]:
         return found
     import dataclasses
 
-    from .check import find_conflicts, probe_config
+    from .._pipeline.conflicts import find_conflicts
     from .output import Progress
+    from .probes import answers_cache, hook_guard, probe_config
 
     progress = Progress(f"finding the conflicts between {len(selection.packs)} enabled packs", 1)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        conflicts = find_conflicts(selection, config_for=probe_config)
+        conflicts = find_conflicts(
+            selection, guard=hook_guard(), config_for=probe_config, cache=answers_cache(), progress=Progress
+        )
     progress.step("every model type")
     progress.finish()
     value = dataclasses.asdict(conflicts)

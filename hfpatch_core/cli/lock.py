@@ -107,7 +107,7 @@ class Planner:
         name = f"targets {self._selection}"
         found = self.cache.get(name)
         if found is None:
-            from .check import targeted_model_types
+            from .._pipeline.probing import targeted_model_types
 
             progress = Progress("finding the model types the packs target", 1)
             session = self.session

@@ -68,26 +68,13 @@ def without_progress_bars() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def transformers_notices_off() -> Iterator[None]:
-    """transformers' notices off (its errors still shown) while a command builds or loads models:
-    "falling back to ...", deprecations of a default config's fields, load reports, progress bars'
-    logging. Not the pack's problems, and they would interleave with the command's own lines."""
-    from transformers.utils import logging as hf_logging
-
-    verbosity = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()
-    try:
-        yield
-    finally:
-        hf_logging.set_verbosity(verbosity)
-
-
-@contextlib.contextmanager
 def quiet_transformers() -> Iterator[None]:
-    """``transformers_notices_off`` and Python warnings off while ``verify`` loads hundreds of tiny
+    """``model_types.transformers_notices_off`` and Python warnings off while ``verify`` loads hundreds of tiny
     models ("falling back to its reference PyTorch implementation", "add `is_decoder=True`"): verdicts'
     noise; what matters of them is in the rows (a load that fails is a failed or no-checkpoint row)."""
     import warnings
+
+    from .._pipeline.model_types import transformers_notices_off
 
     with transformers_notices_off(), warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -18,8 +18,8 @@ from .output import UsageError, print_json, quiet_transformers, table
 
 def cmd_verify(args: argparse.Namespace) -> int:
     from .._pipeline.selection import current_selection
-    from .check import check_model_types, check_pack, probe_config
     from .demo import checkpoint_problem
+    from .inputs import check_model_types
 
     check_model_types(args.model_type)
     dtype = _dtype(args.dtype)
@@ -37,9 +37,6 @@ def cmd_verify(args: argparse.Namespace) -> int:
     selection = current_selection(args.packs or None, origin="hfpatch verify")
     if args.all_model_types:
         return _verify_every_model_type(args, selection, dtype)
-    from .._session.session import Session  # here: it imports torch, which a cached sweep never needs
-
-    session = Session(selection, strict=False)
     jobs: list[tuple[str, str]] = []
     unverified: dict[str, str] = {str(getattr(error, "pack", "")) or "?": str(error) for error in selection.problems}
     for name in sorted(selection.packs):
@@ -49,7 +46,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
         if args.model_type:
             jobs.extend((name, model_type) for model_type in args.model_type)
             continue
-        result = check_pack(session, name, config_for=probe_config)
+        result = _targets(selection, name)
         if not result.model_types:
             unverified[name] = "; ".join(result.problems) + " (or --model DIR)"
         jobs.extend((name, model_type) for model_type in result.model_types)
@@ -63,6 +60,15 @@ def cmd_verify(args: argparse.Namespace) -> int:
     else:
         print(outcome.text())
     return EXIT_OK if outcome.ok else EXIT_PROBLEMS
+
+
+def _targets(selection: Any, name: str) -> Any:
+    """``check_pack`` of pack ``name``: the model types it targets (its problems when none). Here: it
+    imports torch and transformers, which a cached sweep never needs."""
+    from .._pipeline.checking import check_pack
+    from .probes import hook_guard, probe_config
+
+    return check_pack(selection, name, guard=hook_guard(), config_for=probe_config)
 
 
 def _dtype(name: str | None) -> Any:

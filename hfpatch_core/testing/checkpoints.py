@@ -23,6 +23,7 @@ from typing import Any, TypeGuard
 import torch
 import torch.nn as nn
 
+from ..authoring.meta import meta_init_skipped
 from ..errors import HfPatchError
 
 #: Values ``tiny_checkpoint`` gives the size fields of a default config (and of each of its
@@ -734,7 +735,7 @@ def _built_from(config: Any) -> tuple[type[nn.Module], Any, bool]:
     text = _text_config(config)
     if own is config and text is not None and text is not config:
         try:
-            with vanilla(), torch.device("meta"):
+            with vanilla(), torch.device("meta"), meta_init_skipped():
                 model_class(own)
         except ImportError:
             return _causal_lm_class(text), text, False
@@ -753,7 +754,7 @@ def parameter_count(config: Any) -> int:
     from .._scope import vanilla
 
     model_class, own, _ = _built_from(config)
-    with vanilla(), torch.device("meta"):
+    with vanilla(), torch.device("meta"), meta_init_skipped():
         model = model_class(own)
     return sum(parameter.numel() for parameter in model.parameters())
 

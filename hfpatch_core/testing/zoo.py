@@ -167,7 +167,7 @@ def load_contexts(config: Any) -> list[Any]:
     return contexts
 
 
-def offers_anything(pack: str, checkpoint: Path, contexts: Sequence[Any] | None = None) -> bool:
+def offers_anything(pack: str, checkpoint: Path | None, contexts: Sequence[Any] | None = None) -> bool:
     """Whether ``pack``'s hooks return anything for a load of ``checkpoint`` (its root or a
     sub-model's nested load, ``load_contexts``): a patch, a converter, a model step, a refusal or a
     hook failure (``verdict_of`` says "not applicable" where not).
@@ -184,6 +184,8 @@ def offers_anything(pack: str, checkpoint: Path, contexts: Sequence[Any] | None 
     from .._runtime.snapshot import HOOK_GUARD
 
     if contexts is None:
+        if checkpoint is None:
+            raise ValueError("offers_anything: pass a checkpoint or its load contexts")
         contexts = load_contexts(AutoConfig.from_pretrained(checkpoint))
     packs = PackSet(current_selection(pack, origin="the zoo").packs, guard=HOOK_GUARD)
     for context in contexts:
@@ -191,6 +193,30 @@ def offers_anything(pack: str, checkpoint: Path, contexts: Sequence[Any] | None 
         if gathered.claims or gathered.converters or gathered.steps or gathered.refused or gathered.failures:
             return True
     return False
+
+
+def _not_applicable_unbuilt(pack: str, model_type: str) -> str | None:
+    """What ``verified_as`` would say of ``model_type``'s tiny checkpoint, when ``pack`` offers nothing
+    for it: asked with the config that checkpoint would be saved with, before any weight is built and
+    saved (a "not applicable" verdict in the time of a config).  ``None`` when the pack offers something,
+    or when the checkpoint is not simply its model type's own class and config (a composite's text
+    model, a config that does not shrink or build on meta): those are built and asked as always."""
+    import copy
+
+    from .checkpoints import _MOST_PARAMETERS, _built_from, parameter_count, tiny_config
+
+    try:
+        config = tiny_config(model_type)
+        model_class, own, composite = _built_from(config)
+        if composite or own is not config or parameter_count(config) > _MOST_PARAMETERS:
+            return None
+        saved = copy.deepcopy(config)
+        saved.architectures = [model_class.__name__]  # as save_pretrained writes it into config.json
+        if offers_anything(pack, None, load_contexts(saved)):
+            return None
+    except Exception:  # whatever fails here fails again, and is reported, on the way that builds
+        return None
+    return f"{model_class.__name__} ({saved.model_type})"
 
 
 def _vanilla_problem(checkpoint: Path, generate_tokens: int = 0) -> str | None:
@@ -286,6 +312,10 @@ def verdict_of(
         return ZooRow(pack, model_type, verdict, _one_line(detail), seconds, verified, report)
 
     if checkpoint is None:
+        unneeded = _not_applicable_unbuilt(pack, model_type)
+        if unneeded is not None:  # nothing to build: the pack has nothing for the checkpoint it would be
+            verified = unneeded
+            return row("not applicable")
         try:
             checkpoint = tiny_checkpoint(model_type, directory / model_type)
         except Exception as exc:  # any model type may fail to build in its own way

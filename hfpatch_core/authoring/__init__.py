@@ -36,6 +36,8 @@ within a minor release:
   seeded stream (torch's CPU and accelerator generators, ``random``, NumPy) is left as it was;
 * ``drift``: the drift record a pack ships, what its replacements were built against
   (``DriftRecord``, ``Target``, ``compare``: what ``hfpatch check`` writes and compares);
+* ``configs``: ``text_decoder_config``, the sub-config a composite model's decoder is built
+  from (``get_text_config()`` raises where a model also has a text encoder);
 * ``lists``: which of transformers' conversion lists a load reads (``conversion_key``,
   ``conversion_lists``);
 * ``source_patterns_of`` / ``target_patterns_of``: a transform's patterns as written;
@@ -49,6 +51,7 @@ from . import (
     calibration,
     calls,
     classes,
+    configs,
     drift,
     experts,
     families,
@@ -67,6 +70,7 @@ from ._pages import release as release_pages
 from .calibration import calibrating_all_experts, observed, report_unrouted
 from .calls import same_input
 from .classes import RuntimeClassMeta, runtime_class
+from .configs import text_decoder_config
 from .experts import (
     ExpertsSlicing,
     LoadOnlySplitConverter,
@@ -113,6 +117,7 @@ __all__ = [
     "calls",
     "class_keys_supported",
     "classes",
+    "configs",
     "conversion_key",
     "conversion_lists",
     "describe_scheme",
@@ -154,5 +159,6 @@ __all__ = [
     "split_converters",
     "split_member",
     "target_patterns_of",
+    "text_decoder_config",
     "views",
 ]

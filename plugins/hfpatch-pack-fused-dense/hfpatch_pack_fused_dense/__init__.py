@@ -27,7 +27,7 @@ from typing import Any
 
 import hfpatch_core
 from hfpatch_core import Converter, LoadContext, PackWarning, Patch, Refusal
-from hfpatch_core.authoring import conversion_key, conversion_lists, fused_linear_converters
+from hfpatch_core.authoring import conversion_key, conversion_lists, fused_linear_converters, text_decoder_config
 
 from .detection import Detection, Site, builds_reason, built_part, builtin_converters, detect, model_class_for
 from .modules import FusedDense, fused_class
@@ -194,7 +194,7 @@ COMPOSITE = (
 
 def _composite(config: Any) -> bool:
     """Whether ``config`` holds the configs of sub-models (an image-text model, ...)."""
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    text = text_decoder_config(config)
     return text is not config or bool(getattr(config, "sub_configs", None))
 
 

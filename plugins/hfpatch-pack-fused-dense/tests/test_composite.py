@@ -16,7 +16,7 @@ import pytest
 from hfpatch_pack_fused_dense import SCOPED_SUB_MODELS, converter_key, refusals
 
 from conftest import CASES, PACK
-from hfpatch_core import LoadContext, Refusal
+from hfpatch_core import LoadContext, Patch, Refusal
 from hfpatch_core.testing import assert_pack_equivalent, tiny_checkpoint, tiny_config
 
 scoped = pytest.mark.skipif(
@@ -113,3 +113,15 @@ def test_a_module_whose_parts_its_own_class_list_builds_is_refused(tmp_path) -> 
     assert row.detail.startswith("UnlimitedOcrTextAttention <- FusedQKVUnlimitedOcrTextAttention"), row.detail
     reason = refusals(tiny_config("unlimited_ocr"), "UnlimitedOcrForConditionalGeneration")["UnlimitedOcrAttention"]
     assert "transformers' own conversion for 'UnlimitedOcrVisionEncoder'" in reason and "builds q_proj" in reason
+
+
+def test_a_config_with_a_text_encoder_and_a_decoder_is_answered() -> None:
+    # musicgen's config has a text encoder and a decoder: get_text_config() raises "Multiple valid
+    # text configs" there (hfpatch check of the pack exited 1 on it); the pack reads the decoder's
+    from transformers import MusicgenConfig
+
+    config = MusicgenConfig()
+    context = LoadContext("musicgen", "MusicgenForConditionalGeneration", config)
+    answer = hfpatch_pack_fused_dense.provide_patches(context)
+    assert all(isinstance(item, Patch | Refusal) for item in answer), answer
+    assert isinstance(hfpatch_pack_fused_dense.provide_converters(context), list)

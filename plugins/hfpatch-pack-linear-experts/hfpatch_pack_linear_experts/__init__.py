@@ -36,7 +36,7 @@ from typing import Any
 
 import hfpatch_core
 from hfpatch_core import Converter, LoadContext, Patch, Refusal
-from hfpatch_core.authoring import conversion_key, conversion_lists
+from hfpatch_core.authoring import conversion_key, conversion_lists, text_decoder_config
 from hfpatch_core.authoring.experts import (
     ExpertsSlicing,
     LoadOnlySplitConverter,
@@ -101,7 +101,7 @@ def _own_classes(context: LoadContext, found: Discovery) -> Discovery:
     module (kimi_k25's deepseek_v3 text model): that load claims them, or refuses them with its reason,
     with its own converters; claimed here, they would be replaced with the composite's."""
     config = context.config
-    text = config.get_text_config() if config is not None and hasattr(config, "get_text_config") else config
+    text = text_decoder_config(config)
     if context.parent is not None or text is config or not found.candidates:
         return found
     from transformers.models.auto.configuration_auto import model_type_to_module_name
@@ -124,7 +124,7 @@ def _converted_by_the_composite(context: LoadContext, found: Discovery) -> dict[
     """
     root = context.root
     config = root.config
-    text = config.get_text_config() if config is not None and hasattr(config, "get_text_config") else config
+    text = text_decoder_config(config)
     if (root is context and text is config) or not found.candidates:
         return {}
     try:

@@ -38,6 +38,8 @@ import torch
 import torch.nn as nn
 import transformers
 
+from hfpatch_core.authoring import text_decoder_config
+
 from .experts import (
     DEFAULT_NAMES,
     Layout,
@@ -181,7 +183,7 @@ def _undeclared_experts(model: nn.Module, config: Any, declared: Mapping[type, A
     expert (3-D, or as dbrx's, 2-D with every expert's rows one after another).  The pack reads an
     experts class's layout (gated, transposed, concatenated) from that declaration, so it refuses
     these with the reason instead of calling them not applicable."""
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    text = text_decoder_config(config)
     counts = {
         value
         for source in (config, text, getattr(config, "ffn_config", None))

@@ -15,6 +15,7 @@ from hfpatch_pack_linear_experts import (
     ExpertsSlicing,
     LinearExperts,
     SplitExperts,
+    provide_converters,
     provide_patches,
 )
 from hfpatch_pack_linear_experts.experts import eager_forward
@@ -301,6 +302,19 @@ def test_interleaved_halves_are_one_part() -> None:
 
 def test_no_config_no_patch() -> None:
     assert provide_patches(LoadContext("mixtral", "MixtralForCausalLM")) == []
+
+
+def test_a_config_with_a_text_encoder_and_a_decoder_is_answered() -> None:
+    # musicgen's config has both: get_text_config() raises "Multiple valid text configs"
+    # (hfpatch check of the pack exited 1 on it); the decoder's config is the one to read
+    from transformers import MusicgenConfig
+
+    config = MusicgenConfig()
+    with pytest.raises(ValueError, match="Multiple valid text configs"):
+        config.get_text_config()
+    context = LoadContext("musicgen", "MusicgenForConditionalGeneration", config=config)
+    assert provide_patches(context) == []
+    assert provide_converters(context) == []
 
 
 @pytest.mark.parametrize("family", ["mixtral", "gpt_oss"])

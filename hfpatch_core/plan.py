@@ -318,7 +318,9 @@ class Plan:
         """A short hash of the active packs and the winning claims.
 
         Two processes (or ranks) with the same fingerprint selected the same pack
-        versions and register the same replacements for this load.
+        versions, register the same replacements for this load and found the same classes
+        replaced outside hfpatch (``foreign``: a rank that imported Liger-Kernel and one that
+        did not run different models).
         """
         digest = hashlib.sha256()
         for name, version in self.packs:
@@ -332,6 +334,8 @@ class Plan:
         for step in self.steps:
             line = f"step {step.target!r} {step.step.install_name} {step.priority} {step.overwrite}"
             digest.update(f"{line}\n".encode())
+        for found in self.foreign:
+            digest.update(f"foreign {found.short}\n".encode())
         for inner in self.nested:
             where = inner.context.model_class_name if inner.context else "?"
             digest.update(f"nested {where} {inner.fingerprint}\n".encode())

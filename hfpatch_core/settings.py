@@ -88,6 +88,21 @@ def strict_from_env() -> bool:
     return _boolean(STRICT_ENV, default=False, meaning="to turn strict mode on")
 
 
+#: The attribute a patched load that converts weights sets on the model it returns: ``"strict"``
+#: where the load ran in strict mode (``enable(strict=True)`` or ``HF_PATCH_STRICT=1`` then).
+MODEL_MODE_ATTRIBUTE = "_hfpatch_save_guard"
+
+
+def strict_for(model: object) -> bool:
+    """Whether strict mode holds for what ``model`` does after its load (its save, its calibration):
+    its load ran in strict mode, or ``HF_PATCH_STRICT`` asks for it now.
+
+    Raises:
+        ValueError: ``HF_PATCH_STRICT`` holds something that is neither true nor false.
+    """
+    return getattr(model, MODEL_MODE_ATTRIBUTE, None) == "strict" or strict_from_env()
+
+
 def autoload_from_env() -> bool:
     """Whether an unset ``HF_PATCH_PACKS`` means every installed pack (``HF_PATCH_AUTOLOAD``, default on).
 

@@ -32,6 +32,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+from harness import calibration, load, logits
 from transformers import AutoModelForCausalLM
 
 import hfpatch_core
@@ -74,14 +75,6 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     }
 
 
-def load(path: Path, pack: str | None):
-    if pack is not None:
-        hfpatch_core.enable(pack)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    hfpatch_core.disable()
-    return model
-
-
 def experts_of(model) -> list[torch.nn.Module]:
     return [layer.mlp.experts for layer in model.model.layers]
 
@@ -101,22 +94,6 @@ def expert_linears(model) -> dict[str, torch.nn.Linear]:
     }
 
 
-def calibration_data(config, samples: int, length: int):
-    from datasets import Dataset
-
-    ids = torch.randint(0, config.vocab_size, (samples, length), generator=torch.Generator().manual_seed(1))
-    return Dataset.from_dict({"input_ids": ids.tolist()})
-
-
-def processor():
-    """A tokenizer for ``oneshot`` to hold (the data are token ids already; a tiny checkpoint has none)."""
-    from tokenizers import Tokenizer, models
-    from transformers import PreTrainedTokenizerFast
-
-    words = Tokenizer(models.WordLevel({"<pad>": 0, "<unk>": 1}, unk_token="<unk>"))
-    return PreTrainedTokenizerFast(tokenizer_object=words, pad_token="<pad>", unk_token="<unk>")
-
-
 def gptq(model, samples: int, length: int, *, all_experts: bool = True) -> set[str]:
     """``oneshot`` GPTQ W4A16; returns the names of the modules GPTQ quantized (llm-compressor's own record)."""
     from llmcompressor import oneshot
@@ -133,8 +110,7 @@ def gptq(model, samples: int, length: int, *, all_experts: bool = True) -> set[s
     try:
         oneshot(
             model=model,
-            processor=processor(),
-            dataset=calibration_data(model.config, samples, length),
+            **calibration(model.config, samples, length),
             recipe=GPTQModifier(targets="Linear", scheme="W4A16", ignore=["lm_head"]),
             num_calibration_samples=samples,
             max_seq_length=length,
@@ -148,11 +124,6 @@ def gptq(model, samples: int, length: int, *, all_experts: bool = True) -> set[s
 
 def tokens(config) -> torch.Tensor:
     return torch.randint(0, config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(2))
-
-
-def logits(model, ids) -> torch.Tensor:
-    with torch.no_grad():
-        return model(ids).logits
 
 
 def test_the_flag_is_read_only_where_llmcompressor_is_imported() -> None:
@@ -295,11 +266,18 @@ def test_without_the_flag_an_expert_given_no_token_runs_on_every_token_and_is_na
     assert not any((linear.weight == 0).all() for linear in ours.values())
     assert torch.isfinite(logits(model, ids)).all()
 
-    monkeypatch.setenv("HF_PATCH_STRICT", "1")
-    strict = load(path, pack)
+    # strict mode, asked for at the load (enable(strict=True)) or in the environment at calibration
+    hfpatch_core.enable(pack, strict=True)
+    try:
+        strict = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    finally:
+        hfpatch_core.disable()
     with pytest.raises(PackError, match="no token") as raised:
         gptq(strict, 1, 4, all_experts=False)
     assert raised.value.stage == "calibration" and raised.value.pack == pack
+    monkeypatch.setenv("HF_PATCH_STRICT", "1")
+    with pytest.raises(PackError, match="no token"):
+        gptq(load(path, pack), 1, 4, all_experts=False)
 
 
 def test_the_control_llmcompressors_own_experts_given_no_token_come_out_of_gptq_all_zero(checkpoints) -> None:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import warnings
 from collections.abc import Iterator
@@ -88,6 +89,9 @@ def test_a_foreign_class_no_pack_claims_is_listed_and_kept(install, llama_checkp
     assert mlp_classes(model) == {"ForeignMLP"}
     (found,) = plan_of(model).foreign
     assert found.overridden_by is None and "set outside hfpatch" in found.describe()
+    # ranks (or runs) that compare fingerprints see that one swapped a class and the other did not
+    without = dataclasses.replace(plan_of(model), foreign=())
+    assert without.fingerprint != plan_of(model).fingerprint
 
 
 def test_a_registry_entry_that_displaces_a_pack_is_listed_and_warned(install, llama_checkpoint) -> None:

@@ -28,7 +28,7 @@ from ..authoring.sized import PartNotInCheckpoint, parts_not_in_checkpoint
 from ..conversion import pattern_regex, source_patterns_of, target_patterns_of
 from ..errors import PackWarning, WeightLayoutError
 from ..plan import BUILTIN, Plan, plan_of
-from ..settings import strict_from_env
+from ..settings import MODEL_MODE_ATTRIBUTE, strict_for
 from . import provenance
 from .saving import staged_save
 from .state_dicts import full_shapes, guard_loading, refuse_partitioned_save, reversible_conversions
@@ -36,7 +36,7 @@ from .state_dicts import full_shapes, guard_loading, refuse_partitioned_save, re
 logger = logging.getLogger("hfpatch")
 
 #: The attribute of a patched model holding the unbound ``save_pretrained`` it shadows.
-_SAVE_GUARD = "_hfpatch_save_guard"
+_SAVE_GUARD = MODEL_MODE_ATTRIBUTE
 
 
 def _module_owners(model: nn.Module, plan: Plan) -> dict[str, str]:
@@ -387,7 +387,7 @@ def _guarded_save_pretrained(self: Any, *args: Any, **kwargs: Any) -> Any:
     refuse_partitioned_save(self, kwargs.get("state_dict", args[2] if len(args) > 2 else None))
     # with PEFT adapters loaded (add_adapter), transformers writes the adapter alone, as it is
     peft = getattr(self, "_hf_peft_config_loaded", False)
-    strict = getattr(self, _SAVE_GUARD, None) == "strict" or strict_from_env()
+    strict = strict_for(self)
     if plan is not None and kwargs.get("save_original_format", True) and not peft:
         verify_save_layout(self, plan, strict=strict)
     directory = args[0] if args else kwargs.get("save_directory")

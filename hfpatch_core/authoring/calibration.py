@@ -30,7 +30,7 @@ from collections.abc import Sequence
 import torch.nn as nn
 
 from ..errors import PackError, PackWarning
-from ..settings import strict_from_env
+from ..settings import strict_for
 
 __all__ = ["calibrating_all_experts", "observed", "report_unrouted"]
 
@@ -95,7 +95,8 @@ def report_unrouted(experts: nn.Module, numbers: Sequence[int], tokens: int, *, 
     (the module's name in the model that is running, found from the calling frames).
 
     Raises:
-        PackError: ``HF_PATCH_STRICT=1``; stage ``"calibration"``.
+        PackError: strict mode (``HF_PATCH_STRICT=1``, or the model's load ran under
+            ``enable(strict=True)``); stage ``"calibration"``.
     """
     with _reported_lock:
         seen = _reported.setdefault(experts, set())
@@ -103,7 +104,7 @@ def report_unrouted(experts: nn.Module, numbers: Sequence[int], tokens: int, *, 
         seen.update(new)
     if not new:
         return
-    name = _running_name(experts)
+    model, name = _running(experts)
     listed = ", ".join(str(number) for number in new)
     they, their = ("they", "their") if len(new) > 1 else ("it", "its")
     message = (
@@ -113,13 +114,14 @@ def report_unrouted(experts: nn.Module, numbers: Sequence[int], tokens: int, *, 
         f"output discarded, so that {their} quantization is calibrated rather than saved with uninitialised "
         "scales. moe_calibrate_all_experts=True (llm-compressor's default) calibrates every expert on every token."
     )
-    if strict_from_env():
+    if strict_for(model):
         raise PackError(pack, message, stage="calibration")
     warnings.warn(message, PackWarning, stacklevel=3)  # the experts' caller
 
 
-def _running_name(module: nn.Module) -> str:
-    """``module``'s name in the outermost module whose forward is running in this thread's calling frames."""
+def _running(module: nn.Module) -> tuple[nn.Module, str]:
+    """The outermost module whose forward is running in this thread's calling frames (the model),
+    and ``module``'s name in it (``module`` and its class name where none holds it)."""
     outermost: nn.Module | None = None
     frame = sys._getframe(1)
     while frame is not None:
@@ -130,5 +132,5 @@ def _running_name(module: nn.Module) -> str:
     if outermost is not None:
         for name, candidate in outermost.named_modules():
             if candidate is module:
-                return name or type(module).__name__
-    return type(module).__name__
+                return outermost, name or type(module).__name__
+    return module, type(module).__name__

@@ -7,12 +7,16 @@ from __future__ import annotations
 import inspect
 import logging
 import operator
+import sys
 import types
+import warnings
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
+
+from hfpatch_core import PackWarning
 
 from .budget import LOGIT_COPIES
 from .found import Installed
@@ -21,10 +25,15 @@ from .outputs import last_hidden
 from .placement import at_step
 from .rows import HeadRows, plain_linear
 
-__all__ = ["STATE", "ChunkedForward", "Watch", "active_head", "described", "installed_forward"]
+__all__ = ["FUSED_FLAG", "STATE", "ChunkedForward", "Watch", "active_head", "described", "installed_forward"]
 
 # the model's attribute holding the installed forward (``installed``, ``uninstall``)
 STATE = "_hfpatch_chunked_loss"
+
+# the keyword TRL's ``add_fused_lm_head`` wrapper (every TRL 1.16 trainer's loss: SFT, GRPO, RLOO, DPO, KTO,
+# AsyncGRPO) answers itself: with it set, the wrapper runs the decoder and its own tiled head and returns its
+# own loss, so a pack installed over the wrapper passes such a call through untouched
+FUSED_FLAG = "fused_lm_head"
 
 logger = logging.getLogger("hfpatch")
 
@@ -108,6 +117,14 @@ class ChunkedForward:
     def _call(self, *args: Any, **kwargs: Any) -> Any:
         target = self._target()
         model, installed = self.model, self.installed
+        if self.original is not None and kwargs.get(FUSED_FLAG) and not self.disabled:
+            # the wrapper the install wrapped computes this call's loss itself (its labels are its own)
+            if self.watch is not None and model.training and torch.is_grad_enabled():
+                self.watch.bypassed(
+                    f"{described(self.original)}, set on the model before chunked-loss's install, called with "
+                    f"{FUSED_FLAG}=True"
+                )
+            return target(*args, **kwargs)
         arguments = dict(inspect.signature(target).bind(*args, **kwargs).arguments)
         labels = arguments.get("labels")
         extra = dict(arguments.pop("kwargs", {}) or {})
@@ -234,7 +251,9 @@ class Watch:
     """A hook on the decoder: when ``model.forward`` was replaced after the install (TRL's
     ``add_fused_lm_head`` wraps it) and the wrapper runs the decoder itself in a training step, the
     wrapper computes that step's loss, not the pack (which computes it when the wrapper calls the
-    forward it wrapped with labels); the first step of each kind logs which (``hfpatch`` logger, info).
+    forward it wrapped with labels).  The first step of each kind says which: the pack's at info level
+    on the ``hfpatch`` logger, a wrapper's as a ``PackWarning`` (the selected pack computes nothing
+    there: a user who selected it learns so without ``HF_PATCH_LOG``).
     """
 
     def __init__(self, forward: ChunkedForward) -> None:
@@ -247,13 +266,44 @@ class Watch:
         if forward.disabled or forward.active or wrapper is forward:
             return
         if forward.model.training and torch.is_grad_enabled():
-            self.say(f"{described(wrapper)}, which replaced the forward after chunked-loss's install")
+            outer, caller = described(wrapper), _caller_of_the_decoder()
+            # the forward set on the model may be a wrapper of the one that runs the decoder (accelerate's
+            # autocast wrapper around TRL's fused head, under bf16): the one that runs it computes the loss
+            inside = f"{caller}, inside " if caller is not None and caller != outer else ""
+            self.bypassed(f"{inside}{outer}, which replaced the forward after chunked-loss's install")
 
     def say(self, who: str) -> None:
+        """The pack computed a step's loss, called by ``who``: info, once per caller."""
         if who not in self.said:
             self.said.add(who)
-            name = type(self.forward.model).__name__
-            logger.info("hfpatch: %s: this training step's loss is computed by %s", name, who)
+            logger.info("hfpatch: %s: this training step's loss is computed by %s", self._name(), who)
+
+    def bypassed(self, who: str) -> None:
+        """``who``, not the pack, computed a training step's loss: a ``PackWarning``, once per model and ``who``."""
+        if who in self.said:
+            return
+        self.said.add(who)
+        message = (
+            f"hfpatch: {self._name()}: this training step's loss is computed by {who}; chunked-loss computes none "
+            "of the steps it answers (their loss, gradients and memory are the wrapper's own, as without the pack)"
+        )
+        # not an error in strict mode: the step is the wrapper's, whole and as without hfpatch
+        warnings.warn(message, PackWarning, stacklevel=2)
+
+    def _name(self) -> str:
+        return type(self.forward.model).__name__
+
+
+def _caller_of_the_decoder() -> str | None:
+    # called from a forward hook on the decoder: the first frame above it outside torch (the hook's caller,
+    # nn.Module's call machinery) is the function that called the decoder, named where its code was written
+    frame: types.FrameType | None = sys._getframe(2)
+    while frame is not None and str(frame.f_globals.get("__name__", "")).partition(".")[0] == "torch":
+        frame = frame.f_back
+    if frame is None:
+        return None
+    module = frame.f_globals.get("__name__")
+    return f"{module}.{frame.f_code.co_qualname}" if module else frame.f_code.co_qualname
 
 
 def active_head(current: Any, linear_subclass: tuple[type, torch.dtype] | None = None) -> nn.Linear | None:

@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from torch import nn
@@ -13,7 +14,7 @@ from transformers import PreTrainedModel
 
 from .budget import BUDGET_ENV, DEFAULT_BUDGET, LOGIT_COPIES, budget_from_env, chunk_for
 from .errors import ChunkedLossRefused
-from .forward import STATE, ChunkedForward, Watch, described
+from .forward import FUSED_FLAG, STATE, ChunkedForward, Watch, described
 from .found import Installed, LossKind
 from .placement import locate
 from .probe import detect, find
@@ -33,6 +34,8 @@ __all__ = [
     "loss_computed_by",
     "uninstall",
 ]
+
+logger = logging.getLogger("hfpatch")
 
 
 def install(model: PreTrainedModel, *, chunk: int | None = None, budget: int | None = None) -> Installed:
@@ -84,7 +87,29 @@ def install(model: PreTrainedModel, *, chunk: int | None = None, budget: int | N
     forward.handles = [found.decoder.register_forward_hook(forward.watch.after)]
     model.__dict__["forward"] = forward
     model.__dict__[STATE] = forward
+    _say_who_computes(model, original)
     return result
+
+
+def _say_who_computes(model: nn.Module, original: Any) -> None:
+    # the load's log: who will compute a training step's loss.  A trainer may wrap the forward after the load
+    # (TRL's add_fused_lm_head, in every TRL 1.16 trainer) and answer its own loss calls: a PackWarning then
+    # names it at its first such step (forward.Watch)
+    wrapped = (
+        f" It wraps {described(original)}, set on the model before the install: a call that wrapper answers "
+        f"itself ({FUSED_FLAG}=True) is the wrapper's step."
+        if original is not None
+        else ""
+    )
+    logger.info(
+        "hfpatch: chunked-loss on %s: the loss of a training step that calls the model's forward with labels is "
+        "computed by chunked-loss (Trainer, PEFT, a loop of yours); a wrapper set on model.forward afterwards that "
+        "computes its own (TRL's add_fused_lm_head: SFTTrainer, GRPOTrainer and TRL's other trainers, with "
+        "%s=True) computes those steps instead, and a PackWarning says so at the first.%s",
+        type(model).__name__,
+        FUSED_FLAG,
+        wrapped,
+    )
 
 
 def installed(model: nn.Module) -> Installed | None:
@@ -119,7 +144,10 @@ def loss_computed_by(model: nn.Module) -> str | None:
     ``trl.trainer.utils.add_fused_lm_head.<locals>._fused_forward``), or ``None`` without the pack.
 
     A wrapper decides at each call: TRL's computes its own loss when called with ``fused_lm_head=True``
-    and otherwise calls the pack's forward, which then computes it; the log says which did, per kind.
+    (every TRL 1.16 trainer's loss call) and otherwise calls the pack's forward, which then computes it; a
+    ``PackWarning`` names the wrapper at its first step, the ``hfpatch`` log the pack's per caller.  Installed
+    over such a wrapper (after the trainer wrapped the model), this says ``"chunked-loss"``, and the pack's
+    forward hands a ``fused_lm_head=True`` call to the wrapper untouched (a ``PackWarning`` says so too).
     """
     state = model.__dict__.get(STATE)
     if not isinstance(state, ChunkedForward) or state.disabled:

@@ -67,12 +67,14 @@ class PackError(HfPatchError):
         stage: where it failed: ``"import"`` (its module could not be imported or
             registered), ``"hook"`` (a hook raised or returned something wrong),
             ``"selection"`` (incompatible or ambiguous), ``"load"`` (its code failed
-            while the model was built or loaded) or ``"calibration"`` (in strict mode: a
+            while the model was built or loaded), ``"calibration"`` (in strict mode: a
             quantizer's calibration would have missed a module it holds, see
-            ``authoring.calibration.report_unrouted``).
+            ``authoring.calibration.report_unrouted``) or ``"step"`` (in strict mode: what a
+            pack's model step installed was bypassed when the model ran, another library
+            computing it instead).
     """
 
-    STAGES = ("import", "hook", "selection", "load", "calibration")
+    STAGES = ("import", "hook", "selection", "load", "calibration", "step")
 
     def __init__(self, pack: str, message: str, *, stage: str = "hook") -> None:
         if stage not in self.STAGES:

@@ -22,6 +22,7 @@ from hfpatch_core import (
     Refused,
     plan_of,
 )
+from hfpatch_core.settings import strict_for
 from hfpatch_core.testing.zoo import verdict_of
 from packs import MLP_PACK, PackSpec
 
@@ -81,6 +82,21 @@ def test_a_load_installs_the_step_on_its_model_only(install, llama_checkpoint: P
     hfpatch_core.revert(model)
     assert not hasattr(model, "stepped")
     assert plan_of(model).steps == () and plan_of(model).packs == plan.packs
+
+
+def test_a_strict_load_makes_what_its_steps_do_later_strict(install, llama_checkpoint: Path, monkeypatch) -> None:
+    # a step (chunked-loss's) that finds at a training step that another library computes it asks
+    # strict_for(model): the load's mode, though the plan touches no weight, or the environment now
+    monkeypatch.delenv("HF_PATCH_STRICT", raising=False)
+    install(step_pack("stepper"))
+    with hfpatch_core.enabled(packs="stepper", strict=True):
+        strict = AutoModelForCausalLM.from_pretrained(llama_checkpoint)
+    with hfpatch_core.enabled(packs="stepper"):
+        lenient = AutoModelForCausalLM.from_pretrained(llama_checkpoint)
+    assert not plan_of(strict).touches_weights and plan_of(strict).steps
+    assert strict_for(strict) and not strict_for(lenient)
+    monkeypatch.setenv("HF_PATCH_STRICT", "1")
+    assert strict_for(lenient)
 
 
 def test_the_fingerprint_names_the_steps(install, llama_checkpoint: Path) -> None:

@@ -425,7 +425,10 @@ class SaveGuard:
 
 def guard_saving(model: nn.Module, plan: Plan, *, strict: bool = False) -> None:
     """Make ``model.save_pretrained`` check the layout first (this instance only); ``strict``: a
-    layout it cannot check is an error, not a warning."""
+    layout it cannot check is an error, not a warning; also what the model does after its load
+    (a calibration, a pack's model step) is strict (``settings.strict_for``)."""
+    if strict:
+        object.__setattr__(model, MODEL_MODE_ATTRIBUTE, "strict")
     if not plan.touches_weights:
         return
     object.__setattr__(model, "save_pretrained", SaveGuard(model))

@@ -16,7 +16,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from hfpatch_core import PackWarning
+from hfpatch_core import PackError, PackWarning
+from hfpatch_core.settings import strict_for
 
 from .budget import LOGIT_COPIES
 from .found import Installed
@@ -287,7 +288,8 @@ class Watch:
             f"hfpatch: {self._name()}: this training step's loss is computed by {who}; chunked-loss computes none "
             "of the steps it answers (their loss, gradients and memory are the wrapper's own, as without the pack)"
         )
-        # not an error in strict mode: the step is the wrapper's, whole and as without hfpatch
+        if strict_for(self.forward.model):  # selected, and computing nothing: what strict mode refuses
+            raise PackError("chunked-loss", message, stage="step")
         warnings.warn(message, PackWarning, stacklevel=2)
 
     def _name(self) -> str:

@@ -29,7 +29,7 @@ from trl import GRPOConfig, GRPOTrainer, SFTConfig, SFTTrainer
 from trl.trainer.utils import add_fused_lm_head
 
 from conftest import VOCAB, load
-from hfpatch_core import PackWarning
+from hfpatch_core import PackError, PackWarning
 
 # the installed forward's module, whose chunked_causal_lm_loss a step of the pack's calls (the probe's is compare's)
 forward_module = importlib.import_module("hfpatch_pack_chunked_loss.forward")
@@ -224,6 +224,17 @@ def test_grpo_with_gradient_accumulation(
     updates are TRL's fused head's, the generations vanilla's (the same rewards)."""
     ours = _within_vanillas_spread(_grpo, checkpoints["llama"], tmp_path, install, baselines)
     assert {"loss", "grad_norm", "entropy", "reward", "reward_std"} <= ours.log[0].keys()
+
+
+def test_strict_mode_refuses_a_step_the_pack_does_not_compute(
+    checkpoints: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Selected, and computing nothing: with HF_PATCH_STRICT=1 the first step TRL's head computes raises
+    (the same message as the warning), rather than training with a pack that does not take part."""
+    monkeypatch.setenv("HF_PATCH_STRICT", "1")
+    with pytest.raises(PackError, match=r"this training step's loss is computed by ") as raised:
+        _sft(checkpoints["llama"], tmp_path / "strict", install="load")
+    assert (raised.value.pack, raised.value.stage) == ("chunked-loss", "step")
 
 
 def test_the_pack_computes_when_the_fused_head_is_off(

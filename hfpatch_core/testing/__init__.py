@@ -28,9 +28,10 @@ The same checks back ``hfpatch verify``; the pytest fixtures live in
 ``hfpatch_core.pytest_plugin``.
 
 The helpers live in one module per job, and every name is importable from here:
-``checkpoints`` (``tiny_config``, ``tiny_checkpoint``, ``check_tiny_checkpoint``, ``TINY_DECODER``),
-``installs`` (``install_pack``,
-``install_wheel``, ``discover_from_wheel``), ``models`` (``load_model``,
+``configs`` (``tiny_config``, ``TINY_DECODER``; its shrinking rules in ``sizes`` (``SHRINK``),
+``attention_sizes`` and ``layer_kinds``), ``checkpoints`` (``tiny_checkpoint``,
+``check_tiny_checkpoint``; the names of ``configs`` are importable from it too), ``installs``
+(``install_pack``, ``install_wheel``, ``discover_from_wheel``), ``models`` (``load_model``,
 ``padded_batch``, ``logits_of``, ``safetensors_of``, ``reloaded_in_a_fresh_process``), ``equivalence``
 (``check_pack_equivalence``, ``assert_pack_equivalent``, ``Report``), ``training``
 (``check_training_equivalence``, ``TrainingReport``, ``TrainingTolerances``,
@@ -40,15 +41,8 @@ The helpers live in one module per job, and every name is importable from here:
 
 from __future__ import annotations
 
-from .checkpoints import (
-    SHRINK,
-    TINY_DECODER,
-    TINY_PARAMETERS,
-    TinyCheckpointError,
-    check_tiny_checkpoint,
-    tiny_checkpoint,
-    tiny_config,
-)
+from .checkpoints import TINY_PARAMETERS, check_tiny_checkpoint, tiny_checkpoint
+from .configs import TINY_DECODER, TinyCheckpointError, tiny_config
 from .equivalence import (
     BF16_ATOL,
     BF16_CALIBRATION,
@@ -68,6 +62,7 @@ from .models import (
     text_token_ids,
 )
 from .routing import HeldRouting
+from .sizes import SHRINK
 from .trainer import TrainerBatches, trainer_losses
 from .training import (
     BF16_TOLERANCES,

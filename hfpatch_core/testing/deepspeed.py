@@ -1,6 +1,6 @@
 """Training a pack under DeepSpeed ZeRO-3 with ``transformers.Trainer``: ``torchrun`` with 2 CPU ranks (gloo).
 
-``zero3_training(cases)`` starts one torchrun on this machine; each rank runs every case in
+``zero3_training(cases)`` starts one torchrun on this machine (``launcher``); each rank runs every case in
 turn: it loads the checkpoint with the case's packs, trains ``steps`` steps with ``Trainer``
 and a ZeRO-3 config (``ZERO3_CONFIG``), saves with ``Trainer.save_model`` and, on rank 0,
 reloads what was written with vanilla transformers.  ``reference_losses`` trains the same
@@ -44,7 +44,6 @@ import dataclasses
 import datetime
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import traceback
@@ -52,6 +51,8 @@ import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
+
+from .launcher import TorchrunFailed, rank_environment, run_rank, start_rank, torchrun, write_rank
 
 #: The ZeRO-3 config of every case (``TrainingArguments(deepspeed=...)``): "auto" values are
 #: filled in by transformers from the arguments.
@@ -81,6 +82,9 @@ LEARNING_RATE = 1e-2
 #: one process or gathered from two partitions, differ by reordered sums (a few ulps, ~1e-6 at
 #: 5.0); 1e-5 is ten times that on any CPU, and far below what a lost gradient does (~1e-2).
 LOSS_FLOOR = 1e-5
+
+#: The file of the cases, in the ranks' output directory.
+_CASES = "cases.json"
 
 #: Seconds a rank waits in one collective: a tiny model's steps, saves and reloads take a few.
 COLLECTIVE_TIMEOUT = 120
@@ -218,15 +222,9 @@ def weight_bounds(vanilla_sharded: Mapping[str, Any], reference: Mapping[str, An
 def zero3_environment(extra_path: Sequence[str | os.PathLike[str]] = ()) -> dict[str, str]:
     """The environment of a ZeRO-3 torchrun: this interpreter's ``sys.path`` (plus ``extra_path``)
     on ``PYTHONPATH``, ``TORCH_EXTENSIONS_DIR`` (``EXTENSIONS_DIR``) and one intra-op thread."""
-    path = [str(entry) for entry in extra_path] + [entry for entry in sys.path if entry]
-    return {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join(dict.fromkeys(path)),
-        "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", str(EXTENSIONS_DIR)),
-        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
-        "USE_HUB_KERNELS": "0",
-        "DS_ACCELERATOR": "cpu",
-    }
+    environment = rank_environment(extra_path)
+    environment.setdefault("TORCH_EXTENSIONS_DIR", str(EXTENSIONS_DIR))
+    return {**environment, "USE_HUB_KERNELS": "0", "DS_ACCELERATOR": "cpu"}
 
 
 def zero3_training(
@@ -250,27 +248,17 @@ def zero3_training(
     names = [case.name for case in cases]
     if len(set(names)) != len(names):
         raise ValueError(f"zero3_training: case names must differ, got {names}")
-    with tempfile.TemporaryDirectory(prefix="hfpatch-zero3-") as out:
-        spec = Path(out) / "cases.json"
-        spec.write_text(json.dumps([dataclasses.asdict(case) for case in cases]))
-        command = [
-            sys.executable,
-            *("-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"),
-            *("-m", __name__, str(spec), out),
-        ]
-        try:
-            done = subprocess.run(
-                command, env=zero3_environment(extra_path), capture_output=True, text=True, timeout=timeout
+    spec = json.dumps([dataclasses.asdict(case) for case in cases])
+    try:
+        seen = torchrun(__name__, environment=zero3_environment(extra_path), timeout=timeout, inputs={_CASES: spec})
+    except TorchrunFailed as failed:
+        if failed.timeout is not None:
+            message = f"the ZeRO-3 torchrun timed out after {timeout:g} s: {failed.stderr[-4000:]!r}"
+        else:
+            message = (
+                f"the ZeRO-3 torchrun exited {failed.returncode}:\n{failed.stdout[-3000:]}\n{failed.stderr[-6000:]}"
             )
-        except subprocess.TimeoutExpired as exc:
-            tail = (exc.stderr or b"")[-4000:]
-            raise RuntimeError(f"the ZeRO-3 torchrun timed out after {timeout:g} s: {tail!r}") from exc
-        ranks = [Path(out) / f"rank{rank}.json" for rank in (0, 1)]
-        if done.returncode != 0 or not all(path.exists() for path in ranks):
-            raise RuntimeError(
-                f"the ZeRO-3 torchrun exited {done.returncode}:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
-            )
-        seen = [json.loads(path.read_text()) for path in ranks]
+        raise RuntimeError(message) from failed
     return {name: _combine([rank[name] for rank in seen]) for name in names}
 
 
@@ -523,17 +511,12 @@ def _write_weights(model: Any, path: str) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    """One rank of ``zero3_training``: ``CASES_JSON OUT``."""
+    """One rank of ``zero3_training``: ``OUT``, which holds the cases (``cases.json``)."""
     import torch.distributed as dist
-    import transformers
 
-    from .._session.announcement import silence
-
-    spec, out = argv if argv is not None else sys.argv[1:]
-    transformers.utils.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()
-    silence()  # a rank of a check: the check reports what the pack did
-    cases = [Zero3Case(**fields) for fields in json.loads(Path(spec).read_text())]
+    (out,) = argv if argv is not None else sys.argv[1:]
+    start_rank()
+    cases = [Zero3Case(**fields) for fields in json.loads((Path(out) / _CASES).read_text())]
     if not dist.is_initialized():  # DeepSpeed takes the group over (its CPU accelerator speaks gloo)
         # a rank left waiting in a collective the other skipped fails the case after this, not the run's timeout
         dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT))
@@ -541,15 +524,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     for case in cases:
         results[case.name] = _run_case(case, Path(out))
         dist.barrier()  # every rank runs every case, failed or not: none waits alone in a collective
-    (Path(out) / f"rank{dist.get_rank()}.json").write_text(json.dumps(results))
+    write_rank(out, results)
     dist.barrier()
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main()
-    # skip the interpreter's finalization, where gloo's threads can abort a rank whose work is
-    # done (as hfpatch_core.testing.distributed does, pytorch/pytorch#179291)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    run_rank(main)

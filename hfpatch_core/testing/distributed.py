@@ -1,7 +1,7 @@
 """Checking a pack under transformers' own sharded loads: ``torchrun`` with 2 ranks (gloo, CPU).
 
 ``verify_distributed(pack, checkpoint, ["tp", "fsdp", "ep"])`` starts one torchrun on this
-machine; on each rank this module's ``main`` loads the checkpoint once on one process
+machine (``launcher``); on each rank this module's ``main`` loads the checkpoint once on one process
 (vanilla: the reference), then for each parallelism sharded as transformers does
 (``tp_plan="auto"``, ``DistributedConfig(fsdp_size=2)``, ``DistributedConfig(ep_size=2,
 tp_plan={})``), first without packs and then with the pack, and compares the logits and
@@ -19,15 +19,13 @@ results that differ).
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
-import subprocess
 import sys
-import tempfile
 import warnings
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
+
+from .launcher import TorchrunFailed, rank_environment, run_rank, start_rank, torchrun, write_rank
 
 #: The parallelisms ``verify_distributed`` knows, in the order it runs them.
 MODES = ("tp", "fsdp", "ep")
@@ -111,32 +109,12 @@ def verify_distributed(
     if unknown:
         raise ValueError(f"unknown parallelism {unknown[0]!r}: choose among {', '.join(MODES)}")
     name = model_type or str(checkpoint)
-    environment = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join(entry for entry in sys.path if entry),
-        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
-    }
-    with tempfile.TemporaryDirectory(prefix="hfpatch-distributed-") as out:
-        command = [
-            sys.executable,
-            *("-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"),
-            *("-m", __name__, pack, str(checkpoint), ",".join(modes), out),
-        ]
-        try:
-            done = subprocess.run(command, env=environment, capture_output=True, text=True, timeout=timeout)
-        except subprocess.TimeoutExpired:
-            return [
-                ModeReport(pack, name, mode, "failed", detail=f"torchrun timed out after {timeout:g} s")
-                for mode in modes
-            ]
-        ranks = [Path(out) / f"rank{rank}.json" for rank in (0, 1)]
-        if done.returncode != 0 or not all(path.exists() for path in ranks):
-            tail = (done.stderr or done.stdout)[-2000:]
-            return [
-                ModeReport(pack, name, mode, "failed", detail=f"torchrun exited {done.returncode}: {tail}")
-                for mode in modes
-            ]
-        seen = [json.loads(path.read_text()) for path in ranks]
+    try:
+        seen = torchrun(
+            __name__, [pack, str(checkpoint), ",".join(modes)], environment=rank_environment(), timeout=timeout
+        )
+    except TorchrunFailed as failed:
+        return [ModeReport(pack, name, mode, "failed", detail=str(failed)) for mode in modes]
     return [_combine(pack, name, mode, [rank[mode] for rank in seen]) for mode in modes]
 
 
@@ -234,15 +212,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     """One rank of ``verify_distributed``: ``PACK CHECKPOINT MODES OUT`` (``MODES`` comma-separated)."""
     import torch
     import torch.distributed as dist
-    import transformers
     from transformers import AutoModelForCausalLM
 
-    from .._session.announcement import silence
-
     pack, checkpoint, modes, out = argv if argv is not None else sys.argv[1:]
-    transformers.utils.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()
-    silence()  # a rank of a check: the check reports what the pack did
+    start_rank()
     dist.init_process_group("gloo")
     import hfpatch_core
 
@@ -252,16 +225,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     for mode in modes.split(","):
         results[mode] = _run_mode(pack, checkpoint, mode, reference)
         dist.barrier()  # every rank runs every mode, failed or not: none waits alone in a collective
-    (Path(out) / f"rank{dist.get_rank()}.json").write_text(json.dumps(results))
+    write_rank(out, results)
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main()
-    # Each rank's results are written: skip the interpreter's finalization, where gloo's worker
-    # threads can still hold collectives' tensors that then need the GIL of a dying interpreter,
-    # and the rank aborts after its work is done (SIGABRT, "terminate called without an active
-    # exception"; seen in CI after DDP and FSDP2 runs, pytorch/pytorch#179291).
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    run_rank(main)

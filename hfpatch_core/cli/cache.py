@@ -62,7 +62,7 @@ def environment_key() -> dict[str, Any]:
     hfpatch-core's files), and every installed pack distribution (name, version, a hash of its
     installed files, as the lock hashes them).  Reads metadata and the packs' files; imports no pack."""
     from .._pipeline.discovery import discover
-    from .._pipeline.locking import pack_digest
+    from .._pipeline.pack_files import pack_digest
     from .._pipeline.selection import installed_transformers_version
 
     discovery = discover()

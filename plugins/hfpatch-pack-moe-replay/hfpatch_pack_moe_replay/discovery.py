@@ -47,7 +47,7 @@ from hfpatch_core.authoring import isolated_rng
 from .scope import _LayerReplay
 from .selection import _TOPK, Selection, SelectionMode, _topk_arguments
 
-__all__ = ["Discovery", "RouterFamily", "discover"]
+__all__ = ["Discovery", "RouterFamily", "discover", "modeling_source", "moe_model_types"]
 
 _PROBE_TOKENS = 6
 _PROBE_HIDDEN = 16
@@ -111,6 +111,44 @@ def modeling_module(model_type: str) -> Any:
         return importlib.import_module(f"transformers.models.{name}.modeling_{name}")
     except ImportError:
         return None
+
+
+def moe_model_types() -> list[str]:
+    """The model types of the installed transformers' causal-LM mapping whose modeling module
+    has a top-k over experts: every one is replayed or refused with a reason (``discover``).
+
+    The modules' source files are read, not imported: importing the ~300 modeling modules of
+    the mapping took most of a cold ``hfpatch list`` (issue 52.5), and only the MoE ones are
+    imported later, by ``discover``. A module whose file is found but does not import is
+    listed; ``discover`` refuses it (no modeling module)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    found = []
+    for model_type in sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES):
+        source = modeling_source(model_type)
+        if source is not None and "topk" in source and "expert" in source.lower():
+            found.append(model_type)
+    return found
+
+
+def modeling_source(model_type: str) -> str | None:
+    """The source of ``model_type``'s modeling module, read from its file as ``import_module`` would
+    find it, without importing it (``None`` when there is no such file)."""
+    import importlib.machinery
+
+    import transformers.models
+    from transformers.models.auto.configuration_auto import model_type_to_module_name
+
+    name = model_type_to_module_name(model_type)
+    for entry in transformers.models.__path__:
+        spec = importlib.machinery.PathFinder.find_spec(f"modeling_{name}", [f"{entry}/{name}"])
+        if spec is not None and spec.origin is not None and spec.origin.endswith(".py"):
+            try:
+                with open(spec.origin, encoding="utf-8") as file:
+                    return file.read()
+            except OSError:
+                return None
+    return None
 
 
 def _config_key(config: Any) -> str:

@@ -320,27 +320,78 @@ def _holds_experts(holder: nn.Module, instance: nn.Module, counts: set[int]) -> 
     )
 
 
+#: The decoder layers of the first, shallow build ``_sites`` tries (a default config has up to ~80:
+#: building them all on meta was most of what probing a model type cost, issue 52.5). Enough for
+#: the dense layers some models start with (``first_k_dense_replace``) and MoE every other layer.
+_SHALLOW_LAYERS: int | None = 6
+
+
 def _sites(module: Any, model_type: str, config: Any, candidates: list[type[nn.Module]]) -> _Sites | None:
     """Where ``candidates`` sit in ``model_type``'s model built on the meta device from ``config``: the
     instances in an MoE block beside its experts (themselves a block holding experts, or their parent).
 
+    The model is built first with its first ``_SHALLOW_LAYERS`` decoder layers only (from the config
+    the whole model would be built from: shrunk, else as it is). That answer is taken as the whole
+    model's when every class that can be a site (each candidate, each class of the module named like
+    a router) is built in it: the later layers are built by the same classes from the same config,
+    so they add no class, and each class's first instance is the same one. Otherwise (a class the
+    first layers do not build) the whole model is built. ``provide_model_types``'s answer is the
+    whole build's on transformers 5.25 and 5.3 (tests/test_shallow_discovery.py).
+
     ``None`` when the model cannot be built on meta (then every candidate class is probed).
     """
-    from hfpatch_core.authoring import build_on_meta
-
     model_class = _model_class(module, model_type)
     if model_class is None:
         return None
+    counts = _expert_counts(config)
+    attempts = (_shrunk(config), config)
+    shallow = tuple(_shallow(attempt) for attempt in attempts)
+    if all(attempt is not None for attempt in shallow):
+        found, built = _sites_in(model_class, shallow, candidates, counts)
+        if found is not None and {*candidates, *_router_named(module)} <= built:
+            return found
+    return _sites_in(model_class, attempts, candidates, counts)[0]
+
+
+def _shallow(config: Any) -> Any:
+    """A copy of ``config`` with ``_SHALLOW_LAYERS`` decoder layers (its per-layer settings, computed for
+    every layer, kept), or ``None`` when it has no more (or no top-level layer count)."""
+    layers = getattr(config, "num_hidden_layers", None)
+    if _SHALLOW_LAYERS is None or not isinstance(layers, int) or layers <= _SHALLOW_LAYERS:
+        return None
+    shallow = copy.deepcopy(config)
+    try:
+        shallow.num_hidden_layers = _SHALLOW_LAYERS
+    except Exception:  # a config that validates the count against its other settings: build it whole
+        return None
+    return shallow
+
+
+def _router_named(module: Any) -> list[type[nn.Module]]:
+    """The ``nn.Module`` classes of ``module``'s namespace named like a router (``_ROUTER_NAME``)."""
+    return [
+        value
+        for name, value in vars(module).items()
+        if isinstance(value, type) and issubclass(value, nn.Module) and _ROUTER_NAME.search(name)
+    ]
+
+
+def _sites_in(
+    model_class: type[nn.Module], attempts: tuple[Any, ...], candidates: list[type[nn.Module]], counts: set[int]
+) -> tuple[_Sites | None, set[type]]:
+    """``_sites`` in the model built on meta from the first of ``attempts`` that builds (``None``: none
+    does), and the classes of every module built."""
+    from hfpatch_core.authoring import build_on_meta
+
     model = None
-    for attempt in (_shrunk(config), config):
+    for attempt in attempts:
         try:
             model = build_on_meta(model_class, attempt)
             break
         except Exception:  # some models do not build on meta or from a shrunk config: try the next, else probe classes
             continue
     if model is None:
-        return None
-    counts = _expert_counts(config)
+        return None, set()
     parents: dict[nn.Module, nn.Module] = {}
     for parent in model.modules():
         for child in parent.children():
@@ -353,7 +404,7 @@ def _sites(module: Any, model_type: str, config: Any, candidates: list[type[nn.M
         holders = [instance] + ([parents[instance]] if instance in parents else [])
         if any(_holds_experts(holder, instance, counts) for holder in holders):
             found.setdefault(cls, []).append(instance)
-    return found
+    return found, {type(instance) for instance in model.modules()}
 
 
 def _router_like_sites(sites: _Sites) -> list[type[nn.Module]]:

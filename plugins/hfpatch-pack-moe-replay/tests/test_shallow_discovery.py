@@ -8,9 +8,8 @@ from __future__ import annotations
 import inspect
 
 import pytest
-from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
 from hfpatch_pack_moe_replay import discovery, moe_model_types, provide_model_types
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 
 def _imported_moe_model_types() -> list[str]:

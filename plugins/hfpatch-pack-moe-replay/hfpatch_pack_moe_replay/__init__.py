@@ -37,7 +37,7 @@ from collections.abc import Iterator
 import hfpatch_core
 from hfpatch_core import LoadContext, Patch, Refusal
 
-from .discovery import Discovery, RouterFamily, discover
+from .discovery import Discovery, RouterFamily, discover, moe_model_types
 from .recording import RoutingRecording, record_routing
 from .replay import replay_routing
 from .routers import ReplayableRouter, discovery_of, replayable_class, routers_of
@@ -64,29 +64,6 @@ __all__ = [
     "replayable_class",
     "routers_of",
 ]
-
-
-def moe_model_types() -> list[str]:
-    """The model types of the installed transformers' causal-LM mapping whose modeling module
-    has a top-k over experts: every one is replayed or refused with a reason (``discover``)."""
-    import inspect
-
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-    from .discovery import modeling_module
-
-    found = []
-    for model_type in sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES):
-        module = modeling_module(model_type)
-        if module is None:
-            continue
-        try:
-            source = inspect.getsource(module)
-        except (OSError, TypeError):
-            continue
-        if "topk" in source and "expert" in source.lower():
-            found.append(model_type)
-    return found
 
 
 @hfpatch_core.hookimpl

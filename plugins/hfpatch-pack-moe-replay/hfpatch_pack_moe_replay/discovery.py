@@ -47,7 +47,7 @@ from hfpatch_core.authoring import isolated_rng
 from .scope import _LayerReplay
 from .selection import _TOPK, Selection, SelectionMode, _topk_arguments
 
-__all__ = ["Discovery", "RouterFamily", "discover"]
+__all__ = ["Discovery", "RouterFamily", "discover", "modeling_source", "moe_model_types"]
 
 _PROBE_TOKENS = 6
 _PROBE_HIDDEN = 16
@@ -111,6 +111,44 @@ def modeling_module(model_type: str) -> Any:
         return importlib.import_module(f"transformers.models.{name}.modeling_{name}")
     except ImportError:
         return None
+
+
+def moe_model_types() -> list[str]:
+    """The model types of the installed transformers' causal-LM mapping whose modeling module
+    has a top-k over experts: every one is replayed or refused with a reason (``discover``).
+
+    The modules' source files are read, not imported: importing the ~300 modeling modules of
+    the mapping took most of a cold ``hfpatch list`` (issue 52.5), and only the MoE ones are
+    imported later, by ``discover``. A module whose file is found but does not import is
+    listed; ``discover`` refuses it (no modeling module)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    found = []
+    for model_type in sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES):
+        source = modeling_source(model_type)
+        if source is not None and "topk" in source and "expert" in source.lower():
+            found.append(model_type)
+    return found
+
+
+def modeling_source(model_type: str) -> str | None:
+    """The source of ``model_type``'s modeling module, read from its file as ``import_module`` would
+    find it, without importing it (``None`` when there is no such file)."""
+    import importlib.machinery
+
+    import transformers.models
+    from transformers.models.auto.configuration_auto import model_type_to_module_name
+
+    name = model_type_to_module_name(model_type)
+    for entry in transformers.models.__path__:
+        spec = importlib.machinery.PathFinder.find_spec(f"modeling_{name}", [f"{entry}/{name}"])
+        if spec is not None and spec.origin is not None and spec.origin.endswith(".py"):
+            try:
+                with open(spec.origin, encoding="utf-8") as file:
+                    return file.read()
+            except OSError:
+                return None
+    return None
 
 
 def _config_key(config: Any) -> str:
@@ -282,27 +320,78 @@ def _holds_experts(holder: nn.Module, instance: nn.Module, counts: set[int]) -> 
     )
 
 
+#: The decoder layers of the first, shallow build ``_sites`` tries (a default config has up to ~80:
+#: building them all on meta was most of what probing a model type cost, issue 52.5). Enough for
+#: the dense layers some models start with (``first_k_dense_replace``) and MoE every other layer.
+_SHALLOW_LAYERS: int | None = 6
+
+
 def _sites(module: Any, model_type: str, config: Any, candidates: list[type[nn.Module]]) -> _Sites | None:
     """Where ``candidates`` sit in ``model_type``'s model built on the meta device from ``config``: the
     instances in an MoE block beside its experts (themselves a block holding experts, or their parent).
 
+    The model is built first with its first ``_SHALLOW_LAYERS`` decoder layers only (from the config
+    the whole model would be built from: shrunk, else as it is). That answer is taken as the whole
+    model's when every class that can be a site (each candidate, each class of the module named like
+    a router) is built in it: the later layers are built by the same classes from the same config,
+    so they add no class, and each class's first instance is the same one. Otherwise (a class the
+    first layers do not build) the whole model is built. ``provide_model_types``'s answer is the
+    whole build's on transformers 5.25 and 5.3 (tests/test_shallow_discovery.py).
+
     ``None`` when the model cannot be built on meta (then every candidate class is probed).
     """
-    from hfpatch_core.authoring import build_on_meta
-
     model_class = _model_class(module, model_type)
     if model_class is None:
         return None
+    counts = _expert_counts(config)
+    attempts = (_shrunk(config), config)
+    shallow = tuple(_shallow(attempt) for attempt in attempts)
+    if all(attempt is not None for attempt in shallow):
+        found, built = _sites_in(model_class, shallow, candidates, counts)
+        if found is not None and {*candidates, *_router_named(module)} <= built:
+            return found
+    return _sites_in(model_class, attempts, candidates, counts)[0]
+
+
+def _shallow(config: Any) -> Any:
+    """A copy of ``config`` with ``_SHALLOW_LAYERS`` decoder layers (its per-layer settings, computed for
+    every layer, kept), or ``None`` when it has no more (or no top-level layer count)."""
+    layers = getattr(config, "num_hidden_layers", None)
+    if _SHALLOW_LAYERS is None or not isinstance(layers, int) or layers <= _SHALLOW_LAYERS:
+        return None
+    shallow = copy.deepcopy(config)
+    try:
+        shallow.num_hidden_layers = _SHALLOW_LAYERS
+    except Exception:  # a config that validates the count against its other settings: build it whole
+        return None
+    return shallow
+
+
+def _router_named(module: Any) -> list[type[nn.Module]]:
+    """The ``nn.Module`` classes of ``module``'s namespace named like a router (``_ROUTER_NAME``)."""
+    return [
+        value
+        for name, value in vars(module).items()
+        if isinstance(value, type) and issubclass(value, nn.Module) and _ROUTER_NAME.search(name)
+    ]
+
+
+def _sites_in(
+    model_class: type[nn.Module], attempts: tuple[Any, ...], candidates: list[type[nn.Module]], counts: set[int]
+) -> tuple[_Sites | None, set[type]]:
+    """``_sites`` in the model built on meta from the first of ``attempts`` that builds (``None``: none
+    does), and the classes of every module built."""
+    from hfpatch_core.authoring import build_on_meta
+
     model = None
-    for attempt in (_shrunk(config), config):
+    for attempt in attempts:
         try:
             model = build_on_meta(model_class, attempt)
             break
         except Exception:  # some models do not build on meta or from a shrunk config: try the next, else probe classes
             continue
     if model is None:
-        return None
-    counts = _expert_counts(config)
+        return None, set()
     parents: dict[nn.Module, nn.Module] = {}
     for parent in model.modules():
         for child in parent.children():
@@ -315,7 +404,7 @@ def _sites(module: Any, model_type: str, config: Any, candidates: list[type[nn.M
         holders = [instance] + ([parents[instance]] if instance in parents else [])
         if any(_holds_experts(holder, instance, counts) for holder in holders):
             found.setdefault(cls, []).append(instance)
-    return found
+    return found, {type(instance) for instance in model.modules()}
 
 
 def _router_like_sites(sites: _Sites) -> list[type[nn.Module]]:

@@ -140,7 +140,7 @@ def load_contexts(config: Any) -> list[Any]:
     from transformers.models.auto.modeling_auto import MODEL_MAPPING_NAMES
 
     from .._pipeline.model_types import model_class_for
-    from ..authoring import build_on_meta, nested_loads
+    from ..authoring import build_on_meta, nested_loads, text_decoder_config
     from ..context import LoadContext
 
     root = LoadContext.for_model(model_class_for(config), config)
@@ -155,7 +155,7 @@ def load_contexts(config: Any) -> list[Any]:
     try:
         walk(build_on_meta(root), root)
     except Exception:  # some models cannot be built on meta: their text model as the composite would build it
-        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        text = text_decoder_config(config)
         if text is not config and getattr(text, "model_type", None):
             name = MODEL_MAPPING_NAMES.get(text.model_type)
             model_class = getattr(transformers, name, None) if isinstance(name, str) else None

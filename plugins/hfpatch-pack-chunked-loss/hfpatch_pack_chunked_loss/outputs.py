@@ -9,6 +9,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from hfpatch_core.authoring import text_decoder_config
+
 __all__ = ["accepts", "coefficient_paths", "last_hidden", "router_arguments", "signature", "with_hidden"]
 
 
@@ -51,7 +53,7 @@ def coefficient_paths(model: nn.Module) -> list[str]:
     paths = [name for name, value in vars(model).items() if name.endswith("aux_loss_coef") and _number(value)]
     config = getattr(model, "config", None)
     if config is not None:
-        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        text = text_decoder_config(config)
         named = (f"config.{name}" for name, value in vars(config).items() if value is text)
         prefix = "config" if text is config else next(named, None)
         if prefix is not None:

@@ -42,7 +42,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from hfpatch_core.authoring import isolated_rng
+from hfpatch_core.authoring import isolated_rng, text_decoder_config
 
 from .scope import _LayerReplay
 from .selection import _TOPK, Selection, SelectionMode, _topk_arguments
@@ -188,7 +188,7 @@ def _discover(model_type: str, config: Any) -> Discovery:
     module = modeling_module(model_type)
     if module is None:
         return Discovery(model_type, (), "transformers has no modeling module for it")
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    text = text_decoder_config(config)
     candidates = list(_candidates(module))
     sites = _sites(module, model_type, config, candidates)
     if sites is not None:
@@ -293,9 +293,7 @@ def _model_class(module: Any, model_type: str) -> type[nn.Module] | None:
 
 
 def _expert_counts(config: Any) -> set[int]:
-    configs = [config]
-    if hasattr(config, "get_text_config"):
-        configs.append(config.get_text_config())
+    configs = [config, text_decoder_config(config)]
     return {
         count
         for item in configs

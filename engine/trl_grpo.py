@@ -40,6 +40,8 @@ def main(spec_path: str) -> None:
     import numpy
     import torch
     from datasets import Dataset
+    from hfpatch_pack_moe_replay import record_routing, routers_of
+    from hfpatch_pack_moe_replay.trl import ReplayGRPOTrainer
     from tokenizers import pre_tokenizers
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig
@@ -47,8 +49,6 @@ def main(spec_path: str) -> None:
     from trl.generation.vllm_generation import VLLMGeneration
 
     import hfpatch_core
-    from hfpatch_pack_moe_replay import record_routing, routers_of
-    from hfpatch_pack_moe_replay.trl import ReplayGRPOTrainer
 
     spec = json.loads(Path(spec_path).read_text())
     mode, checkpoint, moe_slots = spec["mode"], spec["checkpoint"], spec["moe_slots"]
@@ -175,7 +175,8 @@ def main(spec_path: str) -> None:
         with torch.no_grad(), record_routing(policy) as recording:
             policy(torch.tensor([tokens]))
         live = recording.routing.to_tensor()[0, : want.shape[0]].sort(dim=-1).values
-        live_differing += int((live != torch.from_numpy(want.astype("int64")).sort(dim=-1).values).any(-1).any(-1).sum())
+        want_sets = torch.from_numpy(want.astype("int64")).sort(dim=-1).values
+        live_differing += int((live != want_sets).any(dim=-1).any(dim=-1).sum())
     engine = {}
     if mode == "colocate":  # what RoutingReplayMixin asked TRL's LLM(...) for
         model_config = trainer.vllm_generation.llm.llm_engine.vllm_config.model_config

@@ -297,7 +297,8 @@ def routing_from_sglang(value: Any, model: nn.Module, start_len: int | None = No
     if isinstance(value, dict):
         return _from_sglang_response(value, layout, start_len)
     if isinstance(value, (str, bytes)):
-        return _routing_of(_sglang_rows(_decode_int32(value), layout, "routed_experts"), layout, "routed_experts", _SGLANG)
+        rows = _sglang_rows(_decode_int32(value), layout, "routed_experts")
+        return _routing_of(rows, layout, "routed_experts", _SGLANG)
     tensor = _integer_tensor(value, "routed_experts", _SGLANG)
     if tensor.dim() == 1:
         tensor = _sglang_rows(tensor, layout, "routed_experts")
@@ -315,7 +316,7 @@ def _from_sglang_response(response: dict[str, Any], layout: DecoderLayout, start
     if encoded is None:
         raise RoutingError(
             f"{_SGLANG}: the response has no meta_info['routed_experts']: SGLang returns them when the server is "
-            "started with --enable-return-routed-experts and the request sets \"return_routed_experts\": true."
+            'started with --enable-return-routed-experts and the request sets "return_routed_experts": true.'
         )
     prompt, completion = meta.get("prompt_tokens"), meta.get("completion_tokens")
     if not isinstance(prompt, int) or not isinstance(completion, int):

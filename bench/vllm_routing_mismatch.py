@@ -222,11 +222,6 @@ def render(results: dict[str, dict[str, dict[str, float]]], context: dict[str, s
     return "\n".join([*lines, ""])
 
 
-def _value(cell: str) -> float:
-    cell = cell.strip().replace(",", "")
-    return float(cell[:-1]) / 100 if cell.endswith("%") else float(cell.rstrip("x"))
-
-
 def parse(block: str) -> dict[str, Any]:
     """What ``render`` wrote: ``{"command": ..., dtype: {side: {column: printed text}}}``, the sides
     being the two training forwards and the ratio row (``"with / without"``)."""

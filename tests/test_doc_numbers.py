@@ -176,3 +176,104 @@ def test_the_chunked_loss_tables_round_trip() -> None:
     written = bench.update_markers(text, block)
     assert bench.MARKER.findall(written)[0][1] == block
     assert bench.SUMMARY_MARKER.findall(written)[0][1] == bench.summary(parsed)
+
+
+def _bench_vllm_routing() -> Any:
+    """``bench/vllm_routing_mismatch.py``, imported from its path (it writes docs/benchmarks.md's section 10;
+    importing it needs neither vLLM nor torch)."""
+    spec = importlib.util.spec_from_file_location("bench_vllm_routing", ROOT / "bench" / "vllm_routing_mismatch.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _printed_bounds(cell: str) -> tuple[float, float]:
+    """The values that print as ``cell`` (``1.70e-02``, ``11.33%``, ``0.41x``): half its last digit either side."""
+    text = cell.replace(",", "")
+    scale = 0.01 if text.endswith("%") else 1.0
+    mantissa, _, exponent = text.rstrip("%x").partition("e")
+    decimals = len(mantissa.partition(".")[2])
+    value = float(mantissa) * 10.0 ** int(exponent or 0)
+    half = 0.5 * 10.0 ** (int(exponent or 0) - decimals)
+    return (value - half) * scale, (value + half) * scale
+
+
+def _check_vllm_routing_block(bench: Any, block: str) -> None:
+    """A region of section 10 is one run of the bench: its command, no expert set differing under the replay,
+    each share the count's, each ratio the values' (to the printed digits)."""
+    parsed = bench.parse(block)
+    assert parsed["command"].startswith("bench/vllm_routing_mismatch.py"), parsed["command"]
+    for dtype, rows in ((key, value) for key, value in parsed.items() if key != "command"):
+        live, replayed, ratio = rows["without replay"], rows["with replay"], rows["with / without"]
+        assert replayed["differing"].startswith("0 of "), f"{dtype}: experts differ under the replay"
+        for side in (live, replayed):
+            differing, total = (int(number.replace(",", "")) for number in side["differing"].split(" of "))
+            low, high = _printed_bounds(side["share"])
+            assert low <= differing / total <= high, (dtype, side)
+        assert live["differing"].split(" of ")[1] == replayed["differing"].split(" of ")[1]
+        for column in ("share", "mean", "max", "over"):
+            reference_low, reference_high = _printed_bounds(live[column])
+            value_low, value_high = _printed_bounds(replayed[column])
+            if ratio[column] == "-":
+                assert reference_low <= 0.0, (dtype, column, "a ratio is left out only over a zero")
+                continue
+            low, high = _printed_bounds(ratio[column])
+            assert max(value_low, 0.0) / reference_high <= high and value_high / max(reference_low, 1e-300) >= low, (
+                dtype,
+                column,
+            )
+
+
+def test_the_vllm_routing_section_shows_one_run_of_the_bench() -> None:
+    """Issue 53.5: the mismatch vLLM's bf16 rollouts and the transformers bf16 forward have, without and with
+    routing replay (``bench/vllm_routing_mismatch.py --write``); the summary row is the table's."""
+    bench = _bench_vllm_routing()
+    text = (ROOT / "docs" / "benchmarks.md").read_text()
+    found = bench.MARKER.findall(text)
+    assert len(found) == 1, f"{len(found)} <!-- bench:vllm-routing --> regions, not one"
+    assert bench.SUMMARY_MARKER.search(text)
+    assert bench.update_markers(text, found[0][1]) == text, "the summary row is not the table's: rerun with --write"
+    _check_vllm_routing_block(bench, found[0][1])
+    assert "bfloat16" in bench.parse(found[0][1])
+
+
+def test_the_vllm_routing_table_round_trips() -> None:
+    """What the bench renders is what the checks above read, and a wrong ratio or a differing replay fails them."""
+    bench = _bench_vllm_routing()
+    results = {
+        "bfloat16": {
+            "without replay": {"differing": 1146, "decisions": 10112, "mean": 0.0415, "max": 0.934, "over": 0.0903},
+            "with replay": {"differing": 0, "decisions": 10112, "mean": 0.017, "max": 0.122, "over": 0.0005},
+        },
+        "float32": {
+            "without replay": {"differing": 0, "decisions": 10112, "mean": 1.37e-6, "max": 8.1e-6, "over": 0.0},
+            "with replay": {"differing": 0, "decisions": 10112, "mean": 1.36e-6, "max": 6.2e-6, "over": 0.0},
+        },
+    }
+    context = dict.fromkeys(("when", "commit", "vllm", "transformers", "torch", "machine", "policy", "rollouts"), "x")
+    block = bench.render(results, {**context, "command": "bench/vllm_routing_mismatch.py --prompts 4"})
+    _check_vllm_routing_block(bench, block)
+    parsed = bench.parse(block)
+    assert parsed["bfloat16"]["without replay"] == {
+        "differing": "1,146 of 10,112",
+        "share": "11.33%",
+        "mean": "4.15e-02",
+        "max": "9.34e-01",
+        "over": "9.03%",
+    }
+    assert (
+        parsed["bfloat16"]["with / without"]["mean"] == "0.41x" and parsed["float32"]["with / without"]["share"] == "-"
+    )
+    assert bench.summary(parsed).endswith("| **met**")
+    with pytest.raises(AssertionError):
+        _check_vllm_routing_block(bench, block.replace("| 0.41x |", "| 0.45x |"))
+    differing = {**results, "bfloat16": {**results["bfloat16"], "with replay": {**results["bfloat16"]["with replay"]}}}
+    differing["bfloat16"]["with replay"]["differing"] = 3
+    assert bench.summary(bench.parse(bench.render(differing, {**context, "command": "x"}))).endswith(
+        "**missed**: experts differ under the replay"
+    )
+    with pytest.raises(AssertionError, match="experts differ under the replay"):
+        _check_vllm_routing_block(
+            bench, bench.render(differing, {**context, "command": "bench/vllm_routing_mismatch.py"})
+        )

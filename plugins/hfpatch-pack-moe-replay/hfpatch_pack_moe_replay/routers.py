@@ -28,7 +28,7 @@ from .errors import RoutingError
 from .scope import replay_of
 from .selection import Selection, SelectionMode, recordings
 
-__all__ = ["ReplayableRouter", "discovery_of", "replayable_class", "routers_of"]
+__all__ = ["SELECTIONS", "ReplayableRouter", "discovery_of", "replayable_class", "routers_of", "unpatched_router"]
 
 # The selection of each router of a model that ``routers_of`` found (what its forward intercepts).
 SELECTIONS: weakref.WeakKeyDictionary[nn.Module, Selection] = weakref.WeakKeyDictionary()

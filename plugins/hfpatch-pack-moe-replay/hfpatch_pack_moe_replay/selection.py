@@ -31,7 +31,7 @@ from torch.overrides import TorchFunctionMode
 from .errors import RoutingError
 from .scope import LayerReplay
 
-__all__ = ["Selection", "SelectionMode"]
+__all__ = ["RECORDINGS", "TOPK", "Selection", "SelectionMode", "listen_in_every_thread", "recordings", "topk_arguments"]
 
 TOPK: frozenset[Callable[..., Any]] = frozenset({torch.topk, torch.Tensor.topk})
 

@@ -20,14 +20,17 @@ as the original unless ``replay_routing`` (or ``record_routing``) is active. The
         loss = loss_fn(model(sequences, attention_mask=mask).logits)
         loss.backward()
 
-The modules, each importing only those before it: ``values`` (the ``Routing`` value,
-vLLM's layout, ``RoutingError``), ``scope`` (which replay each router is under),
-``selection`` (the mode that answers a router's selection ``topk``), ``discovery``
-(which class routes, and what it computes), ``routers`` (the replayable routers),
-``replay`` (``replay_routing``), ``recording`` (``record_routing``) and ``engines`` (an
-engine's routes for a model's routers: ``Routing.from_vllm``). ``trl`` (routing
-replay in TRL's ``GRPOTrainer``: ``RoutingReplayMixin``, ``ReplayGRPOTrainer``) uses them and
-is not imported here: it is the one module that knows trl.
+The modules, each importing only those before it (the pack's pyproject holds the layers,
+``make lint`` checks them): ``errors`` (``RoutingError``, ``LIVE``), ``wire`` (vLLM's and
+SGLang's arrays, read against a model's decoder layout), ``values`` (the ``Routing`` value),
+``scope`` (which replay each router is under), ``selection`` (the mode that answers a
+router's selection ``topk``), ``sites`` (where a model type's candidate routers sit),
+``probe`` (what a candidate computes), ``discovery`` (which class routes: ``discover``),
+``routers`` (the replayable routers), ``replay`` (``replay_routing``), ``recording``
+(``record_routing``) and ``engines`` (where a model's routers sit among its decoder layers,
+which this module hands ``values`` for ``Routing.from_vllm``). ``trl`` (routing replay in TRL's
+``GRPOTrainer``: ``RoutingReplayMixin``, ``ReplayGRPOTrainer``) uses them and is not
+imported here: it is the one module that knows trl.
 """
 
 from __future__ import annotations
@@ -38,10 +41,15 @@ import hfpatch_core
 from hfpatch_core import LoadContext, Patch, Refusal
 
 from .discovery import Discovery, RouterFamily, discover, moe_model_types
+from .engines import decoder_layout
 from .recording import RoutingRecording, record_routing
 from .replay import replay_routing
 from .routers import ReplayableRouter, discovery_of, replayable_class, routers_of
-from .values import LIVE, Routing, RoutingError
+from .values import LIVE, Routing, RoutingError, read_layouts_with
+
+# Routing.from_vllm / from_sglang / to_vllm(model=...) read where the model's routers sit among its
+# decoder layers: engines reads it from the routers, which sit above values, so it is handed down here.
+read_layouts_with(decoder_layout)
 
 __version__ = "0.2.0"
 

@@ -37,10 +37,11 @@ from typing import Any, Literal
 import torch
 import torch.nn as nn
 
-from .routers import _SELECTIONS, ReplayableRouter, routers_of
-from .scope import _in_backward
-from .selection import _RECORDINGS, SelectionMode, _listen_in_every_thread, _recordings
-from .values import Routing, RoutingError, _join_per_sequence
+from .errors import RoutingError
+from .routers import SELECTIONS, ReplayableRouter, routers_of
+from .scope import in_backward
+from .selection import RECORDINGS, SelectionMode, listen_in_every_thread, recordings
+from .values import Routing, join_per_sequence
 
 __all__ = ["RoutingRecording", "record_routing"]
 
@@ -183,9 +184,9 @@ class RoutingRecording:
         self._thread = _ThreadState()
 
     def _listening(self) -> bool:
-        if _in_backward():  # the recomputation of gradient checkpointing repeats a recorded forward
+        if in_backward():  # the recomputation of gradient checkpointing repeats a recorded forward
             return False
-        return self in _RECORDINGS.get() or (self.threads == "any" and self in _recordings())
+        return self in RECORDINGS.get() or (self.threads == "any" and self in recordings())
 
     def _before_block(self, layer: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if not self._listening():
@@ -249,9 +250,9 @@ class RoutingRecording:
         """Before a vanilla router's forward: watch its selection, unless another recording does
         (``_exit`` pops what this pushes, so the two stay paired whatever opens or closes between)."""
         mode = None
-        listeners = [recording for recording in _recordings() if router in recording._layers]
+        listeners = [recording for recording in recordings() if router in recording._layers]
         if listeners and listeners[0] is self and self._listening():
-            mode = SelectionMode(router, _SELECTIONS[router], None)
+            mode = SelectionMode(router, SELECTIONS[router], None)
             mode.__enter__()
         self._thread.modes.setdefault(router, []).append(mode)
 
@@ -332,7 +333,7 @@ class RoutingRecording:
             )
         batch_size = batch_sizes[0]
         layers = tuple(
-            _join_per_sequence([(call.indices, call.seq_len) for call in calls], batch_size) for calls in self._calls
+            join_per_sequence([(call.indices, call.seq_len) for call in calls], batch_size) for calls in self._calls
         )
         return Routing(layers, batch_size=batch_size)
 
@@ -516,16 +517,16 @@ def record_routing(model: nn.Module, *, threads: Threads = "context") -> Iterato
 
                 handles.append(router.register_forward_pre_hook(enter))
                 handles.append(router.register_forward_hook(leave, always_call=True))
-        token = _RECORDINGS.set((*_RECORDINGS.get(), recording)) if threads == "context" else None
+        token = RECORDINGS.set((*RECORDINGS.get(), recording)) if threads == "context" else None
         if threads == "any":
-            _listen_in_every_thread(recording, True)
+            listen_in_every_thread(recording, True)
         try:
             yield recording
         finally:
             if token is not None:
-                _RECORDINGS.reset(token)
+                RECORDINGS.reset(token)
             else:
-                _listen_in_every_thread(recording, False)
+                listen_in_every_thread(recording, False)
     finally:
         for handle in handles:
             handle.remove()

@@ -16,9 +16,10 @@ from collections.abc import Iterator
 
 import torch.nn as nn
 
-from .routers import _SELECTIONS, routers_of, unpatched_router
-from .scope import _OPEN, _OPEN_LOCK, _REPLAY, _LayerReplay
-from .values import LIVE, Routing, RoutingError, _shape
+from .errors import LIVE, RoutingError, shape
+from .routers import SELECTIONS, routers_of, unpatched_router
+from .scope import OPEN, OPEN_LOCK, REPLAY, LayerReplay
+from .values import Routing
 
 __all__ = ["replay_routing"]
 
@@ -65,14 +66,14 @@ def replay_routing(model: nn.Module, routing: Routing) -> Iterator[None]:
             f"{len(routers)} MoE routers ({', '.join(names)}); pass the routing recorded on (or returned by vLLM "
             "for) this architecture, one layer per MoE layer, dense layers excluded."
         )
-    plan: dict[nn.Module, _LayerReplay] = {}
+    plan: dict[nn.Module, LayerReplay] = {}
     for layer, ((name, router), indices) in enumerate(zip(routers, routing.layers, strict=True)):
-        selection = _SELECTIONS[router]
+        selection = SELECTIONS[router]
         top_k, experts = selection.top_k, selection.width
         if routing.top_k != top_k:
             raise RoutingError(
                 f"replay_routing: layer {layer} ({name}) selects top_k={top_k} experts per token, so it expected "
-                f"routing of shape ({routing.num_tokens}, {top_k}), got {_shape(indices)}; record the routing with "
+                f"routing of shape ({routing.num_tokens}, {top_k}), got {shape(indices)}; record the routing with "
                 "the same num_experts_per_tok."
             )
         highest = int(indices.max())
@@ -82,19 +83,19 @@ def replay_routing(model: nn.Module, routing: Routing) -> Iterator[None]:
                 f"names expert {highest}; pass a routing recorded on a model with this config."
             )
         live = (indices == LIVE).all(dim=1)
-        plan[router] = _LayerReplay(layer, name, indices, live if bool(live.any()) else None)
-    outer = _REPLAY.get()
-    token = _REPLAY.set({**outer, **plan} if outer else plan)
-    with _OPEN_LOCK:
+        plan[router] = LayerReplay(layer, name, indices, live if bool(live.any()) else None)
+    outer = REPLAY.get()
+    token = REPLAY.set({**outer, **plan} if outer else plan)
+    with OPEN_LOCK:
         for router, replay in plan.items():
-            _OPEN.setdefault(router, []).append(replay)
+            OPEN.setdefault(router, []).append(replay)
     try:
         yield
     finally:
-        _REPLAY.reset(token)
-        with _OPEN_LOCK:
+        REPLAY.reset(token)
+        with OPEN_LOCK:
             for router, replay in plan.items():
-                owners = _OPEN[router]
+                owners = OPEN[router]
                 owners.remove(replay)
                 if not owners:
-                    del _OPEN[router]
+                    del OPEN[router]

@@ -9,7 +9,7 @@ recording) the original forward runs under ``SelectionMode``, which answers its 
 ``topk`` with the replayed experts (and tells the recordings what was selected).
 
 The router finds its replay in ``scope`` (which ``replay_routing`` fills), so this module
-does not import the replay: ``values`` <- ``scope`` <- ``selection`` <- ``discovery`` <-
+does not import the replay: ``scope`` <- ``selection`` <- ``discovery`` <-
 ``routers`` <- ``replay`` / ``recording``.
 """
 
@@ -24,18 +24,18 @@ import torch.nn as nn
 from hfpatch_core.authoring import runtime_class
 
 from .discovery import Discovery, discover
-from .scope import _replay_of
-from .selection import Selection, SelectionMode, _recordings
-from .values import RoutingError
+from .errors import RoutingError
+from .scope import replay_of
+from .selection import Selection, SelectionMode, recordings
 
-__all__ = ["ReplayableRouter", "discovery_of", "replayable_class", "routers_of"]
+__all__ = ["SELECTIONS", "ReplayableRouter", "discovery_of", "replayable_class", "routers_of", "unpatched_router"]
 
 # The selection of each router of a model that ``routers_of`` found (what its forward intercepts).
-_SELECTIONS: weakref.WeakKeyDictionary[nn.Module, Selection] = weakref.WeakKeyDictionary()
+SELECTIONS: weakref.WeakKeyDictionary[nn.Module, Selection] = weakref.WeakKeyDictionary()
 
 
 def _listening(router: nn.Module) -> bool:
-    return any(router in recording._layers for recording in _recordings())
+    return any(router in recording._layers for recording in recordings())
 
 
 class ReplayableRouter(nn.Module):
@@ -66,10 +66,10 @@ class ReplayableRouter(nn.Module):
             cls.original = parents[0]
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        replay = _replay_of(self)  # in a recomputation: what this forward pass replayed (scope)
+        replay = replay_of(self)  # in a recomputation: what this forward pass replayed (scope)
         if replay is None and not _listening(self):
             return super().forward(*args, **kwargs)
-        selection = _SELECTIONS.get(self)
+        selection = SELECTIONS.get(self)
         if selection is None:
             raise RoutingError(
                 f"{type(self).__name__}: replay_routing / record_routing was given a module that holds this router "
@@ -139,7 +139,7 @@ def routers_of(model: nn.Module) -> list[tuple[str, nn.Module]]:
         for router_class, family in families.items():
             if isinstance(module, router_class):
                 found.append((name, module))
-                _SELECTIONS[module] = family.selection
+                SELECTIONS[module] = family.selection
                 break
     if not found:
         classes = ", ".join(sorted(router_class.__name__ for router_class in families))

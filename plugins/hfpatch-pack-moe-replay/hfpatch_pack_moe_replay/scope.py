@@ -15,7 +15,7 @@ of a non-reentrant checkpoint, the autograd node of a reentrant one), which its
 recomputation runs under again. The entry goes when the checkpoint's graph is freed.
 
 It lives apart from ``replay`` because the routers' forward reads it, and ``replay``
-imports the routers: ``values`` <- ``scope`` <- ``routers`` <- ``replay`` / ``recording``.
+imports the routers: ``errors`` <- ``scope`` <- ``routers`` <- ``replay`` / ``recording``.
 """
 
 from __future__ import annotations
@@ -32,11 +32,11 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from .values import RoutingError, _shape
+from .errors import RoutingError, shape
 
 
 @dataclasses.dataclass
-class _LayerReplay:
+class LayerReplay:
     """What one router replays: its layer's indices, and the rows that stay live."""
 
     layer: int
@@ -50,10 +50,10 @@ class _LayerReplay:
         and the router's ``top_k``."""
         rows = int(live_indices.shape[0])
         expected = (rows, int(top_k))
-        if _shape(self.indices) != expected:
+        if shape(self.indices) != expected:
             raise RoutingError(
                 f"replay_routing: layer {self.layer} ({self.name}) routes {rows} tokens in this forward pass, so it "
-                f"expected routing of shape {expected}, got {_shape(self.indices)}. The routing must cover every "
+                f"expected routing of shape {expected}, got {shape(self.indices)}. The routing must cover every "
                 "token of the forward, batch × seq_len in order, padding included: a routing recorded during "
                 "generate() lacks the last generated token (use routing.padded(seq_len)); sequences of different "
                 "lengths are batched with Routing.stack(..., padding_side=...). One replay block replays one "
@@ -66,24 +66,24 @@ class _LayerReplay:
         return cached
 
 
-_REPLAY: contextvars.ContextVar[Mapping[nn.Module, _LayerReplay] | None] = contextvars.ContextVar(
+REPLAY: contextvars.ContextVar[Mapping[nn.Module, LayerReplay] | None] = contextvars.ContextVar(
     "hfpatch_moe_replay", default=None
 )
 # The open replays of each router, for the recomputation of activation checkpointing
 # inside a backward pass: autograd runs it on its own worker threads (one per GPU), which
 # do not see the context of the thread that opened the replay.
-_OPEN: dict[nn.Module, list[_LayerReplay]] = {}
-_OPEN_LOCK = threading.Lock()
+OPEN: dict[nn.Module, list[LayerReplay]] = {}
+OPEN_LOCK = threading.Lock()
 
 
-def _in_backward() -> bool:
+def in_backward() -> bool:
     task = getattr(torch._C, "_current_graph_task_id", None)
     return task is not None and task() != -1
 
 
 # What each checkpointed forward pass replayed, per router (``None``: it routed live), by
 # the checkpoint call it ran in; weak, so an entry lives as long as the call's graph.
-_CHECKPOINTED: weakref.WeakKeyDictionary[Any, dict[nn.Module, _LayerReplay | None]] = weakref.WeakKeyDictionary()
+_CHECKPOINTED: weakref.WeakKeyDictionary[Any, dict[nn.Module, LayerReplay | None]] = weakref.WeakKeyDictionary()
 _CHECKPOINTED_LOCK = threading.Lock()
 _NOT_CHECKPOINTED: Any = object()
 
@@ -126,7 +126,7 @@ def _checkpoint_call(training: bool) -> Any:
         reference = _closure_value(hooks[0], "target_frame_ref")
         if reference is not None:
             return reference()
-    if _in_backward():
+    if in_backward():
         # reentrant: the recomputation runs in CheckpointFunction.backward, whose node is its forward's ctx
         node = torch._C._current_autograd_node()
         return node if type(node).__name__ == "CheckpointFunctionBackward" else None
@@ -135,17 +135,17 @@ def _checkpoint_call(training: bool) -> Any:
     return None
 
 
-def _open_replay(router: nn.Module) -> _LayerReplay | None:
+def _open_replay(router: nn.Module) -> LayerReplay | None:
     """The replay of ``router`` this context sees, else (a backward pass on an autograd thread) the open one."""
-    active = _REPLAY.get()
+    active = REPLAY.get()
     if active is not None:
         found = active.get(router)
         if found is not None:
             return found
-    if not _OPEN or not _in_backward():
+    if not OPEN or not in_backward():
         return None
-    with _OPEN_LOCK:
-        owners = list(_OPEN.get(router, ()))
+    with OPEN_LOCK:
+        owners = list(OPEN.get(router, ()))
     if len(owners) > 1:
         raise RoutingError(
             f"replay_routing: router {owners[0].name} is recomputed in a backward pass on an autograd thread while "
@@ -155,15 +155,15 @@ def _open_replay(router: nn.Module) -> _LayerReplay | None:
     return owners[0] if owners else None
 
 
-def _still_open(router: nn.Module, replay: _LayerReplay) -> bool:
-    active = _REPLAY.get()
+def _still_open(router: nn.Module, replay: LayerReplay) -> bool:
+    active = REPLAY.get()
     if active is not None and active.get(router) is replay:
         return True
-    with _OPEN_LOCK:
-        return any(owner is replay for owner in _OPEN.get(router, ()))
+    with OPEN_LOCK:
+        return any(owner is replay for owner in OPEN.get(router, ()))
 
 
-def _replay_of(router: nn.Module) -> _LayerReplay | None:
+def replay_of(router: nn.Module) -> LayerReplay | None:
     """What ``router`` replays in this call: in a forward pass, the replay open here (remembered for
     the recomputation of activation checkpointing); in that recomputation, what its forward pass
     replayed, or live routing where the forward pass routed live.
@@ -173,7 +173,7 @@ def _replay_of(router: nn.Module) -> _LayerReplay | None:
             ``replay_routing`` block ended.
     """
     call = _checkpoint_call(router.training)
-    if not _in_backward():
+    if not in_backward():
         replay = _open_replay(router)
         if call is not None:
             with _CHECKPOINTED_LOCK:

@@ -13,7 +13,7 @@ tensors, so gradients reach the router weights. The same mode records the call's
 
 Outside a replay or a recording no mode is entered: the router is vanilla, bit for bit.
 
-``values`` <- ``scope`` <- ``selection`` <- ``discovery`` <- ``routers`` <- ``replay`` / ``recording``.
+``scope`` <- ``selection`` <- ``probe`` <- ``discovery`` <- ``routers`` <- ``replay`` / ``recording``.
 """
 
 from __future__ import annotations
@@ -28,12 +28,12 @@ import torch
 import torch.nn as nn
 from torch.overrides import TorchFunctionMode
 
-from .scope import _LayerReplay
-from .values import RoutingError
+from .errors import RoutingError
+from .scope import LayerReplay
 
-__all__ = ["Selection", "SelectionMode"]
+__all__ = ["RECORDINGS", "TOPK", "Selection", "SelectionMode", "listen_in_every_thread", "recordings", "topk_arguments"]
 
-_TOPK: frozenset[Callable[..., Any]] = frozenset({torch.topk, torch.Tensor.topk})
+TOPK: frozenset[Callable[..., Any]] = frozenset({torch.topk, torch.Tensor.topk})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,7 +52,7 @@ class Selection:
     def matches(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
         """Whether ``topk(*args, **kwargs)`` is this selection: the largest ``top_k`` along the
         last dimension of a ``(tokens, width)`` tensor."""
-        source, k, dim, largest = _topk_arguments(args, kwargs)
+        source, k, dim, largest = topk_arguments(args, kwargs)
         return (
             isinstance(source, torch.Tensor)
             and source.dim() == 2
@@ -63,7 +63,7 @@ class Selection:
         )
 
 
-def _topk_arguments(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any, Any, Any]:
+def topk_arguments(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any, Any, Any]:
     names = ("input", "k", "dim", "largest")
     defaults: dict[str, Any] = {"dim": -1, "largest": True}
     values = []
@@ -84,9 +84,7 @@ class _Listener(Protocol):
 
 # The open recordings of this context (``record_routing``): each is told the selection of
 # the routers it listens to.
-_RECORDINGS: contextvars.ContextVar[tuple[_Listener, ...]] = contextvars.ContextVar(
-    "hfpatch_moe_recordings", default=()
-)
+RECORDINGS: contextvars.ContextVar[tuple[_Listener, ...]] = contextvars.ContextVar("hfpatch_moe_recordings", default=())
 # The open recordings that listen in every thread (``record_routing(..., threads="any")``):
 # continuous batching runs the model on a background thread that the block's context never
 # reaches. Replaced as a whole under the lock, so a reader sees one consistent tuple.
@@ -94,16 +92,16 @@ _ANY_THREAD: tuple[_Listener, ...] = ()
 _ANY_THREAD_LOCK = threading.Lock()
 
 
-def _recordings() -> tuple[_Listener, ...]:
+def recordings() -> tuple[_Listener, ...]:
     """The recordings that listen to router calls made here: this context's, then those of every thread."""
-    local = _RECORDINGS.get()
+    local = RECORDINGS.get()
     anywhere = _ANY_THREAD
     if not anywhere:
         return local
     return local + tuple(recording for recording in anywhere if recording not in local)
 
 
-def _listen_in_every_thread(recording: _Listener, listen: bool) -> None:
+def listen_in_every_thread(recording: _Listener, listen: bool) -> None:
     """Add ``recording`` to (``listen``) or remove it from the recordings of every thread."""
     global _ANY_THREAD
     with _ANY_THREAD_LOCK:
@@ -125,7 +123,7 @@ class SelectionMode(TorchFunctionMode):
         self,
         router: nn.Module,
         selection: Selection,
-        replay: _LayerReplay | None,
+        replay: LayerReplay | None,
         *,
         record: bool = True,
     ) -> None:
@@ -144,7 +142,7 @@ class SelectionMode(TorchFunctionMode):
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         kwargs = kwargs or {}
-        if func not in _TOPK or not self.selection.matches(args, kwargs):
+        if func not in TOPK or not self.selection.matches(args, kwargs):
             return func(*args, **kwargs)
         self.calls += 1
         if self.calls > 1:
@@ -153,7 +151,7 @@ class SelectionMode(TorchFunctionMode):
                 f"{self.selection.width} experts in one forward pass, so which one selects the experts is ambiguous; "
                 "hfpatch-pack-moe-replay cannot replay this router (report it with the model type)."
             )
-        source, _, _, _ = _topk_arguments(args, kwargs)
+        source, _, _, _ = topk_arguments(args, kwargs)
         assert isinstance(source, torch.Tensor)  # matches() checked it
         if self.replay is None:
             result = func(*args, **kwargs)
@@ -165,6 +163,6 @@ class SelectionMode(TorchFunctionMode):
                 indices = torch.where(live[:, None], live_indices, indices)
             result = torch.return_types.topk((source.gather(1, indices), indices))
         if self.record:
-            for recording in _recordings():
+            for recording in recordings():
                 recording._selected(self.router, indices)
         return result

@@ -42,11 +42,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn as nn
 
-from .engines import routing_from_vllm
+from .errors import RoutingError
 from .recording import RoutingRecording, record_routing
 from .replay import replay_routing
 from .routers import unpatched_router
-from .values import Routing, RoutingError
+from .values import Routing
 
 if TYPE_CHECKING:
     # the mixin is written against GRPOTrainer's methods; to mypy its base is Any
@@ -356,7 +356,7 @@ def _vllm_answers(generation: Any) -> Iterator[list[Any]]:
 
 def _vllm_row(model: nn.Module, prompt: Sequence[int], completion: Sequence[int], routes: Any, row: int) -> Routing:
     """One row's routing over ``prompt + completion`` from what vLLM returned for it (the last token ``LIVE``)."""
-    reported = routing_from_vllm(routes, model)
+    reported = Routing.from_vllm(routes, model=model)
     length = len(prompt) + len(completion)
     skipped = length - 1 - reported.seq_len
     if not 0 <= skipped <= len(prompt):

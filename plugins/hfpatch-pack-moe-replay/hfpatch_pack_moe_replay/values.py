@@ -7,39 +7,55 @@
   replay never sees a malformed selection mid-forward.
 * ``Routing.from_vllm`` / ``Routing.to_vllm`` convert vLLM's ``routed_experts``
   layout ``(tokens, num_hidden_layers, top_k)``, ``Routing.from_sglang`` SGLang's flat int32 one
-  (``engines`` does it, for a model's routers).
-* ``RoutingError`` is every error of the pack's API, raised by this module and by the
-  replay and the recorder.
+  (``wire`` reads the arrays against the model's ``DecoderLayout``).
+* ``RoutingError`` (``errors``) is every error of the pack's API, raised by this module and by
+  the replay and the recorder.
 
-This module knows nothing of models or routers: it is the bottom of the pack's imports
-(``values`` <- ``scope`` <- ``routers`` <- ``replay`` / ``recording`` / ``engines``); the
-engine methods import ``engines`` when called.
+This module knows nothing of routers: it sits under every module that does (``errors`` <- ``wire``
+<- ``values`` <- ``scope`` <- ...). Where a model's routers sit among its decoder layers (the
+``DecoderLayout`` the engine methods need) is read by ``engines``, above the routers; the package's
+``__init__`` hands this module that reader (``read_layouts_with``).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 import torch
 
-from hfpatch_core.errors import HfPatchError
+from .errors import LIVE, RoutingError, shape
+from .wire import (
+    SGLANG,
+    VLLM,
+    DecoderLayout,
+    checked_layers,
+    completion_array,
+    decode_int32,
+    decode_npy,
+    integer_tensor,
+    sglang_rows,
+)
 
-__all__ = ["LIVE", "Routing", "RoutingError"]
+__all__ = ["LIVE", "Routing", "RoutingError", "join_per_sequence", "read_layouts_with"]
 
-#: The expert id that marks a token "route live" in a ``Routing``: a row of
-#: ``LIVE`` (padding added by ``Routing.padded`` / ``Routing.stack``) makes the
-#: router keep its own top-k for that token during a replay.
-LIVE = -1
-
-
-class RoutingError(HfPatchError, ValueError):
-    """A routing is malformed, or does not fit the model or forward pass it is replayed on."""
+# How a model's ``DecoderLayout`` is read: ``engines.decoder_layout``, which reads the model's routers
+# (``routers``, ``discovery``: modules above this one). The package's ``__init__`` sets it, so it is
+# set before any module of the pack is used.
+_layout_reader: Callable[[torch.nn.Module], DecoderLayout] | None = None
 
 
-def _shape(tensor: torch.Tensor) -> tuple[int, ...]:
-    return tuple(tensor.shape)
+def read_layouts_with(reader: Callable[[torch.nn.Module], DecoderLayout]) -> None:
+    """Make ``reader`` what the engine methods (``Routing.from_vllm``, ...) ask a model's ``DecoderLayout``."""
+    global _layout_reader
+    _layout_reader = reader
+
+
+def _layout_of(model: torch.nn.Module) -> DecoderLayout:
+    if _layout_reader is None:  # only while the package's __init__ is still running
+        raise RuntimeError("hfpatch_pack_moe_replay was not imported, so no model's decoder layout can be read.")
+    return _layout_reader(model)
 
 
 # --- the value ---------------------------------------------------------------------------
@@ -79,11 +95,11 @@ class Routing:
         if not layers:
             raise RoutingError("Routing(layers=()) has no layer; pass one (tokens, top_k) tensor per MoE layer.")
         converted = tuple(_index_tensor(layer, position) for position, layer in enumerate(layers))
-        expected = _shape(converted[0])
+        expected = shape(converted[0])
         for position, layer in enumerate(converted):
-            if _shape(layer) != expected:
+            if shape(layer) != expected:
                 raise RoutingError(
-                    f"Routing layer {position} has shape {_shape(layer)}, layer 0 has {expected}: every layer routes "
+                    f"Routing layer {position} has shape {shape(layer)}, layer 0 has {expected}: every layer routes "
                     "the same tokens with the same top_k; pass tensors of one shape (tokens, top_k)."
                 )
         batch_size = self.batch_size
@@ -175,11 +191,15 @@ class Routing:
                 no routed experts (the engine runs without ``enable_return_routed_experts``);
                 the array's rows do not fit the request's tokens; ``model`` has no router.
         """
-        # The vLLM layout needs the model's routers (routers, discovery), which this module does not
-        # import at load: the bottom of the pack's imports stays free of them.
-        from .engines import routing_from_vllm
-
-        return routing_from_vllm(value, model)
+        layout = _layout_of(model)
+        if hasattr(value, "outputs") and hasattr(value, "prompt_token_ids"):
+            return _from_vllm_request(value, layout)
+        if hasattr(value, "routed_experts") and hasattr(value, "token_ids"):
+            array, _ = completion_array(value, "CompletionOutput")
+            return _engine_routing(array, layout, "CompletionOutput.routed_experts")
+        if isinstance(value, (str, bytes)):
+            return _engine_routing(decode_npy(value), layout, "the server's routed_experts")
+        return _engine_routing(integer_tensor(value, "routed_experts"), layout, "routed_experts")
 
     @classmethod
     def from_sglang(cls, value: Any, *, model: torch.nn.Module, start_len: int | None = None) -> Routing:
@@ -217,9 +237,16 @@ class Routing:
                 (the server or the request did not ask for them) or whose rows do not fit its
                 token counts and ``start_len``.
         """
-        from .engines import routing_from_sglang
-
-        return routing_from_sglang(value, model, start_len)
+        layout = _layout_of(model)
+        if isinstance(value, dict):
+            return _from_sglang_response(value, layout, start_len)
+        if isinstance(value, (str, bytes)):
+            rows = sglang_rows(decode_int32(value), layout, "routed_experts")
+            return _engine_routing(rows, layout, "routed_experts", SGLANG)
+        tensor = integer_tensor(value, "routed_experts", SGLANG)
+        if tensor.dim() == 1:
+            tensor = sglang_rows(tensor, layout, "routed_experts")
+        return _engine_routing(tensor, layout, "routed_experts", SGLANG)
 
     def to_vllm(self, *, model: torch.nn.Module | None = None) -> torch.Tensor:
         """This routing in vLLM's ``routed_experts`` layout.
@@ -238,13 +265,24 @@ class Routing:
             RoutingError: the routing's layer count or top-k is not ``model``'s.
         """
         if model is not None:
-            from .engines import routing_to_vllm
-
-            return routing_to_vllm(self, model)
+            return self._to_decoder_layers(_layout_of(model))
         stacked = torch.stack([layer.cpu() for layer in self.layers], dim=1)
         if self.batch_size == 1:
             return stacked
         return stacked.reshape(self.batch_size, self.seq_len, self.num_layers, self.top_k)
+
+    def _to_decoder_layers(self, layout: DecoderLayout) -> torch.Tensor:
+        """``to_vllm(model=...)``: a slot per decoder layer of ``layout``, a dense one's zeros."""
+        if self.num_layers != len(layout.moe_layers) or self.top_k != layout.top_k:
+            raise RoutingError(
+                f"Routing.to_vllm: the routing has {self.num_layers} layers of top_k {self.top_k}; {layout.describe()}."
+            )
+        full = torch.zeros(self.num_tokens, layout.num_layers, self.top_k, dtype=torch.long)
+        for layer, indices in zip(layout.moe_layers, self.layers, strict=True):
+            full[:, layer] = indices.cpu()
+        if self.batch_size == 1:
+            return full
+        return full.reshape(self.batch_size, self.seq_len, layout.num_layers, self.top_k)
 
     # --- padding and batching ----------------------------------------------------------
 
@@ -274,7 +312,7 @@ class Routing:
         for layer in self.layers:
             padding = torch.full((self.batch_size * extra, self.top_k), LIVE, dtype=torch.long, device=layer.device)
             parts = [(layer, self.seq_len), (padding, extra)]
-            layers.append(_join_per_sequence(parts if side == "right" else parts[::-1], self.batch_size))
+            layers.append(join_per_sequence(parts if side == "right" else parts[::-1], self.batch_size))
         return Routing(tuple(layers), batch_size=self.batch_size)
 
     @classmethod
@@ -396,7 +434,7 @@ class Routing:
         if value.dim() != 4:
             raise RoutingError(
                 f"Routing.from_tensor expects a (batch, seq_len, num_layers, top_k) tensor (Routing.to_tensor), got "
-                f"shape {_shape(value)}."
+                f"shape {shape(value)}."
             )
         batch, length, num_layers, top_k = (int(size) for size in value.shape)
         flat = value.reshape(batch * length, num_layers, top_k)
@@ -431,6 +469,81 @@ class Routing:
         return numbers % self.batch_size
 
 
+# --- an engine's routes, as a Routing --------------------------------------------------
+
+
+def _engine_routing(tensor: torch.Tensor, layout: DecoderLayout, what: str, api: str = VLLM) -> Routing:
+    """The routing of an array of vLLM's layout (SGLang's once shaped), checked against ``layout``."""
+    layers, batch_size = checked_layers(tensor, layout, what, api)
+    return Routing(layers, batch_size=batch_size)
+
+
+def _from_vllm_request(request: Any, layout: DecoderLayout) -> Routing:
+    """A ``RequestOutput``: each completion's sequence ``prompt + completion``, unreported tokens ``LIVE``."""
+    prompt = request.prompt_token_ids
+    if prompt is None:
+        raise RoutingError(
+            "Routing.from_vllm: the RequestOutput has no prompt_token_ids (a prompt given as embeddings?), so the "
+            "routing cannot be laid over its sequence; pass each CompletionOutput (its reported rows only)."
+        )
+    completions = list(request.outputs)
+    if not completions:
+        raise RoutingError("Routing.from_vllm: the RequestOutput has no completion.")
+    rows = []
+    for number, completion in enumerate(completions):
+        what = f"RequestOutput.outputs[{number}].routed_experts"
+        array, generated = completion_array(completion, what)
+        reported = _engine_routing(array, layout, what)
+        length = len(prompt) + generated
+        # vLLM reports the rows from routed_experts_prompt_start to the last token but one
+        skipped = length - 1 - reported.seq_len
+        if not 0 <= skipped <= len(prompt):
+            raise RoutingError(
+                f"Routing.from_vllm: {what} has {reported.seq_len} rows; a sequence of {len(prompt)} prompt and "
+                f"{generated} generated tokens has {length - 1} routed tokens (the last one is never fed back), "
+                "from routed_experts_prompt_start on: pass the RequestOutput this array came with."
+            )
+        rows.append(reported.padded(length - 1, side="left").padded(length))
+    return Routing.stack(rows)
+
+
+def _from_sglang_response(response: dict[str, Any], layout: DecoderLayout, start_len: int | None) -> Routing:
+    """A response of SGLang's ``/generate`` (or ``Engine.generate``): the routing of ``prompt + completion``.
+
+    SGLang reports rows ``[routed_experts_start_len, prompt_tokens + completion_tokens - 1)``; the
+    rows before and the last token are ``LIVE``.
+    """
+    meta = response.get("meta_info", response)
+    encoded = meta.get("routed_experts") if isinstance(meta, dict) else None
+    if encoded is None:
+        raise RoutingError(
+            f"{SGLANG}: the response has no meta_info['routed_experts']: SGLang returns them when the server is "
+            'started with --enable-return-routed-experts and the request sets "return_routed_experts": true.'
+        )
+    prompt, completion = meta.get("prompt_tokens"), meta.get("completion_tokens")
+    if not isinstance(prompt, int) or not isinstance(completion, int):
+        raise RoutingError(
+            f"{SGLANG}: the response's meta_info has no prompt_tokens and completion_tokens, so its routes cannot "
+            "be laid over the sequence; pass meta_info['routed_experts'] for its reported rows only."
+        )
+    reported = _engine_routing(
+        sglang_rows(decode_int32(encoded), layout, "meta_info['routed_experts']"),
+        layout,
+        "meta_info['routed_experts']",
+        SGLANG,
+    )
+    length = prompt + completion
+    skipped = length - 1 - reported.seq_len
+    if not 0 <= skipped <= prompt or (start_len is not None and skipped != start_len):
+        sent = "" if start_len is None else f" from routed_experts_start_len={start_len}"
+        raise RoutingError(
+            f"{SGLANG}: meta_info['routed_experts'] has {reported.seq_len} rows; a sequence of {prompt} prompt and "
+            f"{completion} generated tokens has {length - 1} routed tokens (the last one is never fed back){sent}, "
+            f"so {length - 1 - (start_len or 0)} rows were expected: pass the response these routes came with."
+        )
+    return reported.padded(length - 1, side="left").padded(length)
+
+
 def _as_tensor(value: Any) -> torch.Tensor:
     """``value`` as a tensor: a tensor detached, anything else (vLLM's numpy arrays, lists) through numpy."""
     if isinstance(value, torch.Tensor):
@@ -440,7 +553,7 @@ def _as_tensor(value: Any) -> torch.Tensor:
     return torch.tensor(numpy.asarray(value))
 
 
-def _join_per_sequence(parts: Sequence[tuple[torch.Tensor, int]], batch_size: int) -> torch.Tensor:
+def join_per_sequence(parts: Sequence[tuple[torch.Tensor, int]], batch_size: int) -> torch.Tensor:
     """Flattened ``(tokens, top_k)`` parts joined sequence by sequence, flattened again.
 
     Part ``(indices, length)`` holds ``batch_size`` sequences of ``length`` tokens, row by
@@ -467,7 +580,7 @@ def _index_tensor(value: Any, position: int) -> torch.Tensor:
         )
     if value.dim() != 2 or value.shape[0] == 0 or value.shape[1] == 0:
         raise RoutingError(
-            f"Routing layer {position} has shape {_shape(value)}; each layer is (tokens, top_k) with tokens = "
+            f"Routing layer {position} has shape {shape(value)}; each layer is (tokens, top_k) with tokens = "
             "batch × seq_len flattened row by row (for a (batch, seq_len, top_k) tensor use .reshape(-1, top_k))."
         )
     return value.detach().to(torch.long, copy=True).contiguous()

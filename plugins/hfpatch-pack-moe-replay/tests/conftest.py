@@ -139,5 +139,5 @@ def _isolation(hfpatch_isolation: HfPatchIsolation) -> Iterator[None]:
     leaves transformers' registries or class-level output recorders changed (``hfpatch_isolation``),
     or a replay or a recording of this pack open."""
     yield
-    assert scope._REPLAY.get() is None and not scope._OPEN, "a test left a replay open"
-    assert selection._recordings() == (), "a test left a recording open (in this context or every thread)"
+    assert scope.REPLAY.get() is None and not scope.OPEN, "a test left a replay open"
+    assert selection.recordings() == (), "a test left a recording open (in this context or every thread)"

@@ -1,6 +1,6 @@
 """``provide_model_types`` answers fast (issue 52.5: it was most of a cold ``hfpatch list``) and as before:
 the modeling modules' files are read instead of every module imported (``moe_model_types``), and each
-MoE model is built on meta with its first layers first (``discovery._sites``). Both are checked
+MoE model is built on meta with its first layers first (``sites.router_sites``). Both are checked
 against the way it was answered before, on the installed transformers (5.25 and 5.3 in ``make test``)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from __future__ import annotations
 import inspect
 
 import pytest
-from hfpatch_pack_moe_replay import discovery, moe_model_types, provide_model_types
+from hfpatch_pack_moe_replay import discovery, moe_model_types, provide_model_types, sites
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 
@@ -44,7 +44,7 @@ def test_the_declared_model_types_are_those_of_the_whole_imports_and_builds(monk
     shallow = {model_type: _summary(discovery.discover(model_type)) for model_type in moe_model_types()}
     # the way it was: every model built with all its layers
     monkeypatch.setattr(discovery, "_cache", {})
-    monkeypatch.setattr(discovery, "_SHALLOW_LAYERS", None)
+    monkeypatch.setattr(sites, "SHALLOW_LAYERS", None)
     whole = {model_type: _summary(discovery.discover(model_type)) for model_type in moe_model_types()}
     assert shallow == whole
     assert declared == list(provide_model_types())
@@ -60,10 +60,10 @@ def test_the_shallow_build_is_taken_only_when_it_builds_every_class_that_can_rou
 
     config = AutoConfig.for_model("qwen3_moe")
     module = discovery.modeling_module("qwen3_moe")
-    candidates = list(discovery._candidates(module))
-    assert config.num_hidden_layers > discovery._SHALLOW_LAYERS
+    candidates = list(sites.candidate_classes(module))
+    assert config.num_hidden_layers > sites.SHALLOW_LAYERS
     layers: list[int] = []
-    import hfpatch_core.authoring as authoring  # _sites_in imports build_on_meta from it when it builds
+    import hfpatch_core.authoring as authoring  # sites imports build_on_meta from it when it builds
 
     real = authoring.build_on_meta
 
@@ -73,13 +73,13 @@ def test_the_shallow_build_is_taken_only_when_it_builds_every_class_that_can_rou
         return model
 
     monkeypatch.setattr(authoring, "build_on_meta", recording)
-    discovery._sites(module, "qwen3_moe", config, candidates)
-    assert layers == [discovery._SHALLOW_LAYERS]
+    sites.router_sites(module, "qwen3_moe", config, candidates)
+    assert layers == [sites.SHALLOW_LAYERS]
     layers.clear()
 
     class Qwen3MoeLateRouter(discovery.nn.Module):  # built by no layer of the model
         pass
 
     monkeypatch.setattr(module, "Qwen3MoeLateRouter", Qwen3MoeLateRouter, raising=False)
-    discovery._sites(module, "qwen3_moe", config, candidates)
-    assert layers == [discovery._SHALLOW_LAYERS, config.num_hidden_layers]
+    sites.router_sites(module, "qwen3_moe", config, candidates)
+    assert layers == [sites.SHALLOW_LAYERS, config.num_hidden_layers]

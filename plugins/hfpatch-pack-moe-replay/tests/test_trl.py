@@ -183,7 +183,7 @@ def _probe_trainer(base: type[GRPOTrainer], probe: Probe) -> type[GRPOTrainer]:
             calls: list[bool] = []
 
             def replayed(router: nn.Module, _args: Any) -> None:
-                active = scope._REPLAY.get()
+                active = scope.REPLAY.get()
                 calls.append(active is not None and router in active)
 
             unwrapped = self.accelerator.unwrap_model(model)

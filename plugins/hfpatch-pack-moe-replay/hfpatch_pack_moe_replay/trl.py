@@ -162,13 +162,18 @@ def continuous_rollout_routing(
                 f"{expected}; the recording does not match the rollout (was generate_batch called with "
                 "num_return_sequences > 1, or another generate_batch run inside the recording?)."
             )
-        if len(prompt) > prompt_length:
-            raise RoutingError(
-                f"moe-replay in TRL: row {row}'s prompt has {len(prompt)} tokens, more than the padded prompt "
-                f"length {prompt_length}."
-            )
-        rows.append(routing.padded(prompt_length - len(prompt) + routing.seq_len, side="left"))
+        rows.append(_left_padded(routing, len(prompt), prompt_length, row))
     return Routing.stack(rows)
+
+
+def _left_padded(routing: Routing, prompt: int, prompt_length: int, row: int) -> Routing:
+    """``routing`` of a row whose prompt has ``prompt`` tokens, padded on the left to TRL's ``prompt_length``."""
+    if prompt > prompt_length:
+        raise RoutingError(
+            f"moe-replay in TRL: row {row}'s prompt has {prompt} tokens, more than the padded prompt "
+            f"length {prompt_length}."
+        )
+    return routing.padded(prompt_length - prompt + routing.seq_len, side="left")
 
 
 @contextlib.contextmanager
@@ -440,12 +445,7 @@ def vllm_rollout_routing(
                 "enable_return_routed_experts=True (build the trainer as RoutingReplayMixin does)."
             )
         routing = _vllm_row(model, prompt, completion, routes.routed_experts if mode == "colocate" else routes, row)
-        if len(prompt) > prompt_length:
-            raise RoutingError(
-                f"moe-replay in TRL: row {row}'s prompt has {len(prompt)} tokens, more than the padded prompt "
-                f"length {prompt_length}."
-            )
-        routings.append(routing.padded(prompt_length - len(prompt) + routing.seq_len, side="left"))
+        routings.append(_left_padded(routing, len(prompt), prompt_length, row))
     return Routing.stack(routings)
 
 

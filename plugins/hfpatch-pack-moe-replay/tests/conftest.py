@@ -31,6 +31,19 @@ PAD: int = TINY_DECODER["pad_token_id"]
 COMMON: dict[str, Any] = {**TINY_DECODER, "num_experts_per_tok": 2}
 
 
+#: A qwen3_moe whose first layer is dense (``mlp_only_layers=[0]``): the engines' arrays give every
+#: decoder layer a slot, the dense one's zeros.
+DENSE_FIRST = "qwen3_moe_dense_first"
+
+
+def dense_first_config() -> Any:
+    from transformers import Qwen3MoeConfig
+
+    return Qwen3MoeConfig(
+        **{**COMMON, "num_hidden_layers": 3}, num_experts=4, moe_intermediate_size=16, head_dim=16, mlp_only_layers=[0]
+    )
+
+
 def deepseek_v3_config() -> Any:
     """A tiny deepseek_v3: sigmoid top-k renormalised and scaled by 2.5, a correction bias used only to
     select, group-limited (4 groups, 2 kept), MLA attention, a shared expert, every layer MoE."""

@@ -22,25 +22,15 @@ import numpy
 import pytest
 import torch
 from hfpatch_pack_moe_replay import LIVE, Routing, RoutingError
-from transformers import Qwen3MoeConfig
 
-from conftest import COMMON, PACK
+from conftest import DENSE_FIRST, PACK, dense_first_config
 from hfpatch_core.pytest_plugin import TinyCheckpoints
 from hfpatch_core.testing import load_model
-
-DENSE_FIRST = "qwen3_moe_dense_first"
 
 
 @pytest.fixture(scope="module")
 def model(tiny_checkpoints: TinyCheckpoints) -> Any:
-    config = Qwen3MoeConfig(
-        **{**COMMON, "num_hidden_layers": 3},
-        num_experts=4,
-        moe_intermediate_size=16,
-        head_dim=16,
-        mlp_only_layers=[0],
-    )
-    path: Path = tiny_checkpoints({DENSE_FIRST: config})[DENSE_FIRST]
+    path: Path = tiny_checkpoints({DENSE_FIRST: dense_first_config()})[DENSE_FIRST]
     return load_model(path, PACK)
 
 

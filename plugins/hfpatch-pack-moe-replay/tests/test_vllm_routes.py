@@ -20,26 +20,16 @@ import numpy
 import pytest
 import torch
 from hfpatch_pack_moe_replay import LIVE, Routing, RoutingError, record_routing, replay_routing
-from transformers import Qwen3MoeConfig
 
-from conftest import COMMON, PACK, VOCAB
+from conftest import DENSE_FIRST, PACK, VOCAB, dense_first_config
 from hfpatch_core.pytest_plugin import TinyCheckpoints
 from hfpatch_core.testing import load_model
-
-# every layer but the first routes: vLLM's array has a zero slot 0
-DENSE_FIRST = "qwen3_moe_dense_first"
 
 
 @pytest.fixture(scope="module")
 def dense_first(tiny_checkpoints: TinyCheckpoints) -> Path:
-    config = Qwen3MoeConfig(
-        **{**COMMON, "num_hidden_layers": 3},
-        num_experts=4,
-        moe_intermediate_size=16,
-        head_dim=16,
-        mlp_only_layers=[0],
-    )
-    return tiny_checkpoints({DENSE_FIRST: config})[DENSE_FIRST]
+    # every layer but the first routes: vLLM's array has a zero slot 0
+    return tiny_checkpoints({DENSE_FIRST: dense_first_config()})[DENSE_FIRST]
 
 
 @pytest.fixture(scope="module")

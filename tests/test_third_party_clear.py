@@ -12,6 +12,7 @@ usual.  transformers has no public API that clears its conversion registry
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import pytest
 import torch
@@ -161,7 +162,10 @@ def test_a_clear_between_patched_loads_changes_nothing_for_hfpatch(install, llam
     second = AutoModelForCausalLM.from_pretrained(llama_checkpoint)
     assert layer_classes(second) == layer_classes(first) == {("PackMLP", "FusedQKVAttention")}
     assert type(second.model.norm) is modeling_llama.LlamaRMSNorm  # the clear removed the user's entry
-    assert plan_of(second).fingerprint == plan_of(first).fingerprint
+    # the packs decided alike; the user's norm, foreign to hfpatch, was in the first model only
+    assert [f.name for f in plan_of(first).foreign] == ["LlamaRMSNorm"] and plan_of(second).foreign == ()
+    assert plan_of(second).fingerprint != plan_of(first).fingerprint
+    assert plan_of(second).fingerprint == dataclasses.replace(plan_of(first), foreign=()).fingerprint
     torch.testing.assert_close(logits(second), vanilla, rtol=0, atol=1e-5)
     snapshot.assert_unchanged()
     monkey_patching.clear_patch_mapping()

@@ -123,9 +123,27 @@ def load_classes(model_type: str, config: Any = None) -> dict[str, type]:
 def default_config(model_type: str) -> Any:
     """The default config of ``model_type``, or ``None`` when it cannot be built."""
     try:
-        return AutoConfig.for_model(model_type)
+        return config_for_model(model_type)
     except Exception:  # some model types cannot build a default config
         return None
+
+
+def config_for_model(model_type: str, **values: Any) -> Any:
+    """``AutoConfig.for_model(model_type, **values)`` with the Hub offline.
+
+    A few default configs fetch a sub-model's config from the Hub while they are built
+    (edgetam's backbone on transformers 5.3): online, each waits through huggingface_hub's
+    retries (~46 s here, without a network); a probe of every model type must not wait on, or
+    reach, the network.  Offline, such a config fails at once, as one that cannot be built.
+    """
+    import huggingface_hub.constants as hub
+
+    offline = hub.HF_HUB_OFFLINE
+    hub.HF_HUB_OFFLINE = True
+    try:
+        return AutoConfig.for_model(model_type, **values)
+    finally:
+        hub.HF_HUB_OFFLINE = offline
 
 
 @contextlib.contextmanager

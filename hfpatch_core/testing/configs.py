@@ -161,22 +161,20 @@ def tiny_config(model_type: str, **overrides: Any) -> Any:
     ``mlp_only_layers``, ``moe_layer_freq``, ...), the latent attention dims of MLA models,
     ``head_dim``, and token ids inside the shrunk vocabulary.
     """
-    from transformers import AutoConfig
-
-    from .._pipeline.model_types import unknown_model_type
+    from .._pipeline.model_types import config_for_model, unknown_model_type
 
     unknown = unknown_model_type(model_type)
     if unknown is not None:
         raise TinyCheckpointError(unknown)
     try:
         try:
-            defaults = AutoConfig.for_model(model_type)
+            defaults = config_for_model(model_type)
         except Exception:
             # a default config that does not validate (gemma4_assistant): built with the override
             fixed = _OVERRIDES.get(model_type)
             if not isinstance(fixed, Mapping):
                 raise
-            defaults = AutoConfig.for_model(model_type, **copy.deepcopy(dict(fixed)))  # (5.3 pops from it)
+            defaults = config_for_model(model_type, **copy.deepcopy(dict(fixed)))  # (5.3 pops from it)
         fixes = _OVERRIDES.get(model_type, {})
         return shrunk(defaults, {**(fixes(defaults) if callable(fixes) else fixes), **overrides})
     except Exception as exc:

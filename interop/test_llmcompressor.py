@@ -174,9 +174,17 @@ def test_load_quantizable_moe_around_a_patched_load(checkpoint, defused) -> None
     hfpatch_core.enable("qwen-moe")
     # llm-compressor overwrites qwen2_moe's conversion list with its own: the pack's
     # experts converter (which removes transformers' built-in fusing ones) finds none
-    with load_quantizable_moe(), pytest.warns(PackWarning, match="which matches no transform registered"):
+    with load_quantizable_moe(), pytest.warns(PackWarning) as caught:
         model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
+    said = [str(warning.message) for warning in caught]
+    assert any("which matches no transform registered" in message for message in said), said
+    # its registration displaces the pack's experts: named, never silent (issue 52.1)
+    displaced = [message for message in said if "pack 'qwen-moe' does not replace Qwen2MoeExperts" in message]
+    assert len(displaced) == 1 and "llmcompressor.modeling.moe.linear_experts.LinearExperts2D" in displaced[0]
     plan = hfpatch_core.plan_of(model)
+    assert [(found.name, found.source, found.displaced) for found in plan.foreign] == [
+        ("Qwen2MoeExperts", "registry", "qwen-moe")
+    ]
     assert set(plan.replaced) == {"Qwen2MoeAttention"}  # llm-compressor's registration keeps the experts
     assert [lost.claim.target for lost in plan.lost] == ["Qwen2MoeExperts"]
     assert "already registered with register_patch_mapping (llmcompressor." in plan.lost[0].reason

@@ -118,9 +118,9 @@ def test_a_module_whose_parts_its_own_class_list_builds_is_refused(tmp_path) -> 
 def test_a_config_with_a_text_encoder_and_a_decoder_is_answered() -> None:
     # musicgen's config has a text encoder and a decoder: get_text_config() raises "Multiple valid
     # text configs" there (hfpatch check of the pack exited 1 on it); the pack reads the decoder's
-    from transformers import MusicgenConfig
+    from transformers import EncodecConfig, MusicgenConfig, MusicgenDecoderConfig, T5Config
 
-    config = MusicgenConfig()
+    config = MusicgenConfig(text_encoder=T5Config(), audio_encoder=EncodecConfig(), decoder=MusicgenDecoderConfig())
     context = LoadContext("musicgen", "MusicgenForConditionalGeneration", config)
     answer = hfpatch_pack_fused_dense.provide_patches(context)
     assert all(isinstance(item, Patch | Refusal) for item in answer), answer

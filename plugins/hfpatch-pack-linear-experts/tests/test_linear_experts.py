@@ -307,9 +307,9 @@ def test_no_config_no_patch() -> None:
 def test_a_config_with_a_text_encoder_and_a_decoder_is_answered() -> None:
     # musicgen's config has both: get_text_config() raises "Multiple valid text configs"
     # (hfpatch check of the pack exited 1 on it); the decoder's config is the one to read
-    from transformers import MusicgenConfig
+    from transformers import EncodecConfig, MusicgenConfig, MusicgenDecoderConfig, T5Config
 
-    config = MusicgenConfig()
+    config = MusicgenConfig(text_encoder=T5Config(), audio_encoder=EncodecConfig(), decoder=MusicgenDecoderConfig())
     with pytest.raises(ValueError, match="Multiple valid text configs"):
         config.get_text_config()
     context = LoadContext("musicgen", "MusicgenForConditionalGeneration", config=config)

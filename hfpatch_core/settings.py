@@ -88,9 +88,9 @@ def strict_from_env() -> bool:
     return _boolean(STRICT_ENV, default=False, meaning="to turn strict mode on")
 
 
-#: The attribute a patched load that converts weights sets on the model it returns: ``"strict"``
-#: where the load ran in strict mode (``enable(strict=True)`` or ``HF_PATCH_STRICT=1`` then).
-MODEL_MODE_ATTRIBUTE = "_hfpatch_save_guard"
+#: The attribute a load in strict mode (``enable(strict=True)`` or ``HF_PATCH_STRICT=1`` then) sets,
+#: ``True``, on the model it returns; ``strict_for`` reads it.
+STRICT_MODEL_ATTRIBUTE = "_hfpatch_strict"
 
 
 def strict_for(model: object) -> bool:
@@ -100,7 +100,7 @@ def strict_for(model: object) -> bool:
     Raises:
         ValueError: ``HF_PATCH_STRICT`` holds something that is neither true nor false.
     """
-    return getattr(model, MODEL_MODE_ATTRIBUTE, None) == "strict" or strict_from_env()
+    return getattr(model, STRICT_MODEL_ATTRIBUTE, False) is True or strict_from_env()
 
 
 def autoload_from_env() -> bool:

@@ -88,15 +88,20 @@ def test_a_strict_load_makes_what_its_steps_do_later_strict(install, llama_check
     # a step (chunked-loss's) that finds at a training step that another library computes it asks
     # strict_for(model): the load's mode, though the plan touches no weight, or the environment now
     monkeypatch.delenv("HF_PATCH_STRICT", raising=False)
-    install(step_pack("stepper"))
+    install(step_pack("stepper"), PackSpec("mlp", MLP_PACK))
     with hfpatch_core.enabled(packs="stepper", strict=True):
         strict = AutoModelForCausalLM.from_pretrained(llama_checkpoint)
     with hfpatch_core.enabled(packs="stepper"):
         lenient = AutoModelForCausalLM.from_pretrained(llama_checkpoint)
+    # apply() on a loaded model (as after a trainer wrapped it) holds no strict mode of its own: its save
+    # guard's strictness is the guard's, not what the model's steps do later
+    applied = AutoModelForCausalLM.from_pretrained(llama_checkpoint)
+    hfpatch_core.apply(applied, packs="stepper,mlp")
     assert not plan_of(strict).touches_weights and plan_of(strict).steps
-    assert strict_for(strict) and not strict_for(lenient)
+    assert plan_of(applied).touches_weights and plan_of(applied).steps
+    assert strict_for(strict) and not strict_for(lenient) and not strict_for(applied)
     monkeypatch.setenv("HF_PATCH_STRICT", "1")
-    assert strict_for(lenient)
+    assert strict_for(lenient) and strict_for(applied)
 
 
 def test_the_fingerprint_names_the_steps(install, llama_checkpoint: Path) -> None:

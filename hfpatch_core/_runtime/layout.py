@@ -28,15 +28,16 @@ from ..authoring.sized import PartNotInCheckpoint, parts_not_in_checkpoint
 from ..conversion import pattern_regex, source_patterns_of, target_patterns_of
 from ..errors import PackWarning, WeightLayoutError
 from ..plan import BUILTIN, Plan, plan_of
-from ..settings import MODEL_MODE_ATTRIBUTE, strict_for
+from ..settings import strict_for
 from . import provenance
 from .saving import staged_save
 from .state_dicts import full_shapes, guard_loading, refuse_partitioned_save, reversible_conversions
 
 logger = logging.getLogger("hfpatch")
 
-#: The attribute of a patched model holding the unbound ``save_pretrained`` it shadows.
-_SAVE_GUARD = MODEL_MODE_ATTRIBUTE
+#: The attribute of a patched model saying how its save guard treats a layout it cannot check:
+#: ``"strict"`` (an error), else ``True`` (a warning, unless strict mode holds: ``strict_for``).
+_SAVE_GUARD = "_hfpatch_save_guard"
 
 
 def _module_owners(model: nn.Module, plan: Plan) -> dict[str, str]:
@@ -387,7 +388,7 @@ def _guarded_save_pretrained(self: Any, *args: Any, **kwargs: Any) -> Any:
     refuse_partitioned_save(self, kwargs.get("state_dict", args[2] if len(args) > 2 else None))
     # with PEFT adapters loaded (add_adapter), transformers writes the adapter alone, as it is
     peft = getattr(self, "_hf_peft_config_loaded", False)
-    strict = strict_for(self)
+    strict = getattr(self, _SAVE_GUARD, None) == "strict" or strict_for(self)
     if plan is not None and kwargs.get("save_original_format", True) and not peft:
         verify_save_layout(self, plan, strict=strict)
     directory = args[0] if args else kwargs.get("save_directory")
@@ -425,10 +426,7 @@ class SaveGuard:
 
 def guard_saving(model: nn.Module, plan: Plan, *, strict: bool = False) -> None:
     """Make ``model.save_pretrained`` check the layout first (this instance only); ``strict``: a
-    layout it cannot check is an error, not a warning; also what the model does after its load
-    (a calibration, a pack's model step) is strict (``settings.strict_for``)."""
-    if strict:
-        object.__setattr__(model, MODEL_MODE_ATTRIBUTE, "strict")
+    layout it cannot check is an error, not a warning."""
     if not plan.touches_weights:
         return
     object.__setattr__(model, "save_pretrained", SaveGuard(model))

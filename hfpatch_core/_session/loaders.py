@@ -37,7 +37,7 @@ from .._scope import LOAD_LOCK, in_vanilla_block, vanilla
 from ..authoring.randomness import isolated_rng
 from ..errors import HfPatchError, PackError
 from ..plan import PLAN_ATTRIBUTE, Plan
-from ..settings import AUTORUN_MODULE, log_level_from_env
+from ..settings import AUTORUN_MODULE, STRICT_MODEL_ATTRIBUTE, log_level_from_env
 from .announcement import announce
 from .session import LockChoice, Session, activate, active_session, current_session, live_session, new_session, scoped
 
@@ -127,6 +127,8 @@ def _managed(cls: type, load: Callable[[], Any], code: types.CodeType, *, loadin
         # sub-models are checked with the model holding them
         if isinstance(model, nn.Module) and session.in_root_load():
             secure(model, plan, info, strict=session.strict)
+            if session.strict:  # what the model does after the load (a calibration, a model step) is strict too
+                object.__setattr__(model, STRICT_MODEL_ATTRIBUTE, True)
         log.restore(model if isinstance(model, nn.Module) else None)
         # a step changes the model the user gets, whole and with its weights: a root load's
         if isinstance(model, nn.Module) and session.in_root_load() and not steps.is_deferred():

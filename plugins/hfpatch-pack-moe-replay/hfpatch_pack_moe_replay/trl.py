@@ -285,24 +285,24 @@ def _colocated_engines_return_routes() -> Iterator[None]:
     except ImportError:  # trl without its generation module: nothing builds an engine
         yield
         return
-    original = getattr(vllm_generation, "LLM", None)
-    if original is None:  # vLLM is not installed: TRL raises its own ImportError for use_vllm=True
+    if getattr(vllm_generation, "LLM", None) is None:
+        # vLLM is not installed: TRL raises its own ImportError for use_vllm=True
         yield
         return
 
-    def llm(*args: Any, **kwargs: Any) -> Any:
-        kwargs.setdefault("enable_return_routed_experts", True)
-        from vllm.platforms import current_platform
+    def returning_routes(original: Any) -> Any:
+        def llm(*args: Any, **kwargs: Any) -> Any:
+            kwargs.setdefault("enable_return_routed_experts", True)
+            from vllm.platforms import current_platform
 
-        if current_platform.is_cpu():
-            kwargs.setdefault("enforce_eager", True)
-        return original(*args, **kwargs)
+            if current_platform.is_cpu():
+                kwargs.setdefault("enforce_eager", True)
+            return original(*args, **kwargs)
 
-    setattr(vllm_generation, "LLM", llm)  # noqa: B010
-    try:
+        return llm
+
+    with _shadowed(vllm_generation, "LLM", returning_routes):
         yield
-    finally:
-        setattr(vllm_generation, "LLM", original)  # noqa: B010
 
 
 @contextlib.contextmanager

@@ -78,25 +78,29 @@ class ChunkedForward:
         of the model that computes the last position's logits only; ``None`` when none were read.
         Called by ``token_log_probs``."""
         captured: list[torch.Tensor] = []
+        handle = self._capture_hidden(head, captured, lambda: True)
+        try:
+            call(0 if self.at_head else 1)
+        finally:
+            handle.remove()
+        return captured[0] if captured else None
+
+    def _capture_hidden(self, head: nn.Module, captured: list[torch.Tensor], readable: Callable[[], bool]) -> Any:
+        """A hook that appends the hidden states the loss reads to ``captured``, once, while ``readable()``:
+        the decoder's output, or the head's input (then handed the last position only); its handle."""
 
         def after(module: nn.Module, args: Any, output: Any) -> None:
             hidden = last_hidden(output)
-            if not captured and hidden is not None:
+            if not captured and hidden is not None and readable():
                 captured.append(hidden)
 
         def before(module: nn.Module, args: Any) -> Any:
-            if captured:
+            if captured or not readable():
                 return None
             captured.append(args[0])
             return (args[0][..., -1:, :], *args[1:])
 
-        at_head = self.at_head
-        handle = head.register_forward_pre_hook(before) if at_head else self.decoder.register_forward_hook(after)
-        try:
-            call(0 if at_head else 1)
-        finally:
-            handle.remove()
-        return captured[0] if captured else None
+        return head.register_forward_pre_hook(before) if self.at_head else self.decoder.register_forward_hook(after)
 
     def _target(self) -> Callable[..., Any]:
         if self.original is not None:
@@ -156,23 +160,8 @@ class ChunkedForward:
         elif want_tuple:
             extra["return_dict"] = True
         captured: list[torch.Tensor] = []
-
-        def capture(module: nn.Module, inputs: Any, output: Any) -> None:
-            hidden = last_hidden(output)
-            # the loss reads the head where its rows live when the decoder has returned (FSDP2 gathers it)
-            if not captured and hidden is not None and rows.readable(head):
-                captured.append(hidden)
-
-        def capture_input(module: nn.Module, args: Any) -> Any:
-            if captured or not rows.readable(head):
-                return None
-            captured.append(args[0])
-            return (args[0][..., -1:, :], *args[1:])
-
-        if self.at_head:
-            handle = head.register_forward_pre_hook(capture_input)
-        else:
-            handle = self.decoder.register_forward_hook(capture)
+        # the loss reads the head where its rows live when the decoder has returned (FSDP2 gathers it)
+        handle = self._capture_hidden(head, captured, lambda: rows.readable(head))
         try:
             out = target(**arguments, **extra)
         finally:

@@ -13,6 +13,7 @@ import os
 import platform
 import random
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -27,6 +28,16 @@ def use_test_helpers() -> None:
     tests = str(REPO / "tests")
     if tests not in sys.path:
         sys.path.insert(0, tests)
+
+
+def commit_description() -> str:
+    """The checkout's short commit, and whether tracked files differ from it: what a written table was run at."""
+
+    def git(*arguments: str) -> str:
+        return subprocess.run(["git", *arguments], capture_output=True, text=True, cwd=REPO, check=False).stdout.strip()
+
+    commit = git("rev-parse", "--short", "HEAD") or "unknown"
+    return commit + (" (with uncommitted changes)" if git("status", "--porcelain", "--untracked-files=no") else "")
 
 
 def cpu_model() -> str:

@@ -48,6 +48,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from _common import commit_description
+
 REPO = Path(__file__).resolve().parents[1]
 SIDES = ("vanilla", "chunked-loss", "trl", "cce")
 TITLES = {"vanilla": "vanilla", "chunked-loss": "chunked-loss", "trl": "TRL fused head", "cce": "CCE torch_compile"}
@@ -195,14 +197,6 @@ def _summary(samples: list[dict[str, Any]]) -> dict[str, Any]:
 
 def _load_average() -> str:
     return " ".join(Path("/proc/loadavg").read_text().split()[:3])
-
-
-def _commit() -> str:
-    def git(*arguments: str) -> str:
-        return subprocess.run(["git", *arguments], capture_output=True, text=True, cwd=REPO, check=False).stdout.strip()
-
-    commit = git("rev-parse", "--short", "HEAD") or "unknown"
-    return commit + (" (with uncommitted changes)" if git("status", "--porcelain", "--untracked-files=no") else "")
 
 
 def _ratio(value: float, reference: float) -> str:
@@ -363,7 +357,7 @@ def main() -> None:
     context = {
         "command": "bench/chunked_loss.py " + " ".join(sys.argv[1:]).replace("--write", "").strip(),
         "when": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
-        "commit": _commit(),
+        "commit": commit_description(),
         "transformers": transformers.__version__,
         "torch": torch.__version__,
         "machine": f"{os.cpu_count()} cores, one intra-op thread per process, {args.dtype}, chunk {args.chunk}, "

@@ -43,12 +43,13 @@ import datetime
 import gc
 import os
 import re
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from _common import commit_description
 
 REPO = Path(__file__).resolve().parents[1]
 DOC = REPO / "docs" / "benchmarks.md"
@@ -62,14 +63,6 @@ _ROW = re.compile(
     r"(?P<differing>[\d,]+ of [\d,]+|-) \| "
     r"(?P<share>[^|]+) \| (?P<mean>[^|]+) \| (?P<max>[^|]+) \| (?P<over>[^|]+) \|$"
 )
-
-
-def _commit() -> str:
-    def git(*arguments: str) -> str:
-        return subprocess.run(["git", *arguments], capture_output=True, text=True, cwd=REPO, check=False).stdout.strip()
-
-    commit = git("rev-parse", "--short", "HEAD") or "unknown"
-    return commit + (" (with uncommitted changes)" if git("status", "--porcelain", "--untracked-files=no") else "")
 
 
 def _checkpoint(args: argparse.Namespace, directory: Path) -> Path:
@@ -312,7 +305,7 @@ def main(argv: list[str]) -> int:
     context = {
         "command": " ".join(["bench/vllm_routing_mismatch.py", *(a for a in argv if a != "--write")]),
         "when": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
-        "commit": _commit(),
+        "commit": commit_description(),
         "vllm": vllm.__version__,
         "transformers": transformers.__version__,
         "torch": torch.__version__,

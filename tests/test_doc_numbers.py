@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import re
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -73,12 +74,18 @@ def test_a_marker_is_rewritten_with_the_sentence() -> None:
     )
 
 
-def _ci_zoo() -> Any:
-    """``.ci/zoo.py`` (``make zoo``), imported from its path: it is a script, not a package."""
-    spec = importlib.util.spec_from_file_location("ci_zoo", ROOT / ".ci" / "zoo.py")
+def _script(relative: str) -> Any:
+    """A script of the repository (``bench/chunked_loss.py``, ``.ci/zoo.py``), imported from its path: scripts
+    are not a package. Its folder is on ``sys.path`` while it imports, as when it runs (``bench/_common``)."""
+    path = ROOT / relative
+    spec = importlib.util.spec_from_file_location(f"script_{path.stem}", path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    sys.path.insert(0, str(path.parent))
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(path.parent))
     return module
 
 
@@ -92,21 +99,12 @@ def test_make_zoo_counts_verdicts_with_the_zoos_coverage() -> None:
     ]
     written = [row.to_json() for row in rows]  # what `hfpatch verify --json` writes and make zoo reads
     assert [ZooRow.from_json(row) for row in written] == rows
-    zoo = _ci_zoo()
+    zoo = _script(".ci/zoo.py")
     assert zoo.counts_of(written) == coverage(rows) == {**dict.fromkeys(VERDICTS, 1), "exact": 2, "failed": 0}
     summary = zoo.table({"p": written}, "5.0.0", "2026-01-01").splitlines()
     assert "| `p` | 2 | 0 | 1 | 1 | 1 | 67% (2/3) |" in summary
     with pytest.raises(ValueError, match="verdict must be one of"):
         zoo.counts_of([{**written[0], "verdict": "exactish"}])
-
-
-def _bench_chunked_loss() -> Any:
-    """``bench/chunked_loss.py``, imported from its path (it writes the docs' chunked-loss tables)."""
-    spec = importlib.util.spec_from_file_location("bench_chunked_loss", ROOT / "bench" / "chunked_loss.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _rounded_ratio_holds(value: float, reference: float, ratio: float, digits: int) -> bool:
@@ -119,7 +117,7 @@ def _rounded_ratio_holds(value: float, reference: float, ratio: float, digits: i
 
 def test_the_chunked_loss_pages_show_one_run_of_the_bench() -> None:
     """Issue 44.7: docs/chunked-loss.md said 2.34x and docs/benchmarks.md 0.97x for the same row."""
-    bench = _bench_chunked_loss()
+    bench = _script("bench/chunked_loss.py")
     regions = {}
     for page in bench.DOCS:
         text = page.read_text()
@@ -141,7 +139,7 @@ def test_the_chunked_loss_pages_show_one_run_of_the_bench() -> None:
 
 
 def test_no_chunked_loss_row_is_stated_outside_the_bench_region() -> None:
-    bench = _bench_chunked_loss()
+    bench = _script("bench/chunked_loss.py")
     row = re.compile(r"(32,?000|128,?256|151,?936)\s*\|?\s+(2,?048|4,?096)\s*\|")
     for page in bench.DOCS:
         outside = bench.MARKER.sub("", page.read_text())
@@ -150,7 +148,7 @@ def test_no_chunked_loss_row_is_stated_outside_the_bench_region() -> None:
 
 def test_the_chunked_loss_tables_round_trip() -> None:
     """What the bench renders is what the checks above parse, and a wrong ratio fails them."""
-    bench = _bench_chunked_loss()
+    bench = _script("bench/chunked_loss.py")
     side = {"peak": 2**30, "cpu": 2.0, "wall": 3.0, "first": 4.0, "install": 0.5, "loss": 10.0, "device": "cpu"}
     measured = {
         "vanilla": side,
@@ -176,16 +174,6 @@ def test_the_chunked_loss_tables_round_trip() -> None:
     written = bench.update_markers(text, block)
     assert bench.MARKER.findall(written)[0][1] == block
     assert bench.SUMMARY_MARKER.findall(written)[0][1] == bench.summary(parsed)
-
-
-def _bench_vllm_routing() -> Any:
-    """``bench/vllm_routing_mismatch.py``, imported from its path (it writes docs/benchmarks.md's section 10;
-    importing it needs neither vLLM nor torch)."""
-    spec = importlib.util.spec_from_file_location("bench_vllm_routing", ROOT / "bench" / "vllm_routing_mismatch.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _printed_bounds(cell: str) -> tuple[float, float]:
@@ -228,7 +216,7 @@ def _check_vllm_routing_block(bench: Any, block: str) -> None:
 def test_the_vllm_routing_section_shows_one_run_of_the_bench() -> None:
     """Issue 53.5: the mismatch vLLM's bf16 rollouts and the transformers bf16 forward have, without and with
     routing replay (``bench/vllm_routing_mismatch.py --write``); the summary row is the table's."""
-    bench = _bench_vllm_routing()
+    bench = _script("bench/vllm_routing_mismatch.py")
     text = (ROOT / "docs" / "benchmarks.md").read_text()
     found = bench.MARKER.findall(text)
     assert len(found) == 1, f"{len(found)} <!-- bench:vllm-routing --> regions, not one"
@@ -240,7 +228,7 @@ def test_the_vllm_routing_section_shows_one_run_of_the_bench() -> None:
 
 def test_the_vllm_routing_table_round_trips() -> None:
     """What the bench renders is what the checks above read, and a wrong ratio or a differing replay fails them."""
-    bench = _bench_vllm_routing()
+    bench = _script("bench/vllm_routing_mismatch.py")
     results = {
         "bfloat16": {
             "without replay": {"differing": 1146, "decisions": 10112, "mean": 0.0415, "max": 0.934, "over": 0.0903},

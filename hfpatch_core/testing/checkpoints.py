@@ -121,8 +121,9 @@ def check_tiny_checkpoint(model_type: str) -> str | None:
 
     Working: the shrunk config builds a causal LM of at most ``TINY_PARAMETERS`` parameters,
     which saves, loads again with ``AutoModelForCausalLM`` (or the class the checkpoint names where
-    that maps none: ``causal_lm_loader``; no weight missing, unexpected or mismatched) and gives
-    finite logits for a left-padded batch of text tokens.
+    that maps none: ``causal_lm_loader``; no weight missing, unexpected or mismatched, no buffer
+    left unwritten: the load runs with uninitialized memory filled with NaN, so such a buffer
+    fails on every host) and gives finite logits for a left-padded batch of text tokens.
 
     Returns:
         ``None``, or ``"<stage>: <error>"`` with stage ``config``, ``size``, ``save``,
@@ -142,9 +143,12 @@ def check_tiny_checkpoint(model_type: str) -> str | None:
             stage = "save"
             path = tiny_checkpoint(config, Path(directory) / "checkpoint")
             stage = "load"
-            with vanilla():
+            with vanilla(), _uninitialized_memory_as_nan():
                 loaded: Any = causal_lm_loader(path).from_pretrained(path, output_loading_info=True)
             model, info = loaded
+            unset = _unset_buffers(model)
+            if unset:
+                return f"load: from_pretrained left buffers uninitialized: {', '.join(unset[:3])}"
             wrong = {kind: sorted(map(str, info.get(kind) or ())) for kind in ("missing_keys", "unexpected_keys")}
             wrong["mismatched_keys"] = sorted(str(entry[0]) for entry in info.get("mismatched_keys") or ())
             problems = [f"{kind.replace('_', ' ')} {', '.join(keys[:3])}" for kind, keys in wrong.items() if keys]
@@ -164,6 +168,41 @@ def check_tiny_checkpoint(model_type: str) -> str | None:
         message = " ".join(str(cause).split())
         return f"{stage}: {type(cause).__name__}: {message[:300]}"
     return None
+
+
+@contextlib.contextmanager
+def _uninitialized_memory_as_nan() -> Iterator[None]:
+    """Fill the memory torch allocates without writing (``torch.empty``) with NaN while in the block.
+
+    A buffer the loader allocates but never writes (transformers 5.3 leaves recurrent_gemma's
+    rotary ``inv_freq`` so: not in the checkpoint, not in ``_init_weights``) holds whatever the
+    allocator gave it: finite on one host or run, NaN on the next.  Filled with NaN it fails the
+    same way every time."""
+    import warnings
+
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    fill = torch.utils.deterministic.fill_uninitialized_memory  # type: ignore[attr-defined]
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.utils.deterministic.fill_uninitialized_memory = True  # type: ignore[attr-defined]
+    try:
+        with warnings.catch_warnings():
+            # an op without a deterministic kernel warns (warn_only); the load's results are not compared
+            warnings.filterwarnings("ignore", message=".*does not have a deterministic implementation")
+            yield
+    finally:
+        torch.utils.deterministic.fill_uninitialized_memory = fill  # type: ignore[attr-defined]
+        torch.use_deterministic_algorithms(deterministic, warn_only=warn_only)
+
+
+def _unset_buffers(model: nn.Module) -> list[str]:
+    """The floating-point buffers that hold nothing but NaN: what a load under
+    ``_uninitialized_memory_as_nan`` allocated and never wrote."""
+    return [
+        name
+        for name, buffer in model.named_buffers()
+        if buffer.is_floating_point() and buffer.numel() and bool(torch.isnan(buffer).all())
+    ]
 
 
 def tiny_checkpoint(

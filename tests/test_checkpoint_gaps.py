@@ -25,6 +25,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from computed_once import computed_once
 from safetensors.torch import load_file, save_file
 
 import hfpatch_core
@@ -100,12 +101,16 @@ def without_k(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def loads(without_k: Path) -> dict[str, dict]:
+def loads(without_k: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     """What a user sees loading it with ``HF_PATCH_PACKS=fused-dense``, by default and with
     ``HF_PATCH_STRICT=1`` (the two processes run side by side)."""
-    default = _start(without_k, HF_PATCH_PACKS="fused-dense")
-    strict = _start(without_k, HF_PATCH_PACKS="fused-dense", HF_PATCH_STRICT="1")
-    return {"default": _result(default), "strict": _result(strict)}
+
+    def load() -> dict[str, dict]:
+        default = _start(without_k, HF_PATCH_PACKS="fused-dense")
+        strict = _start(without_k, HF_PATCH_PACKS="fused-dense", HF_PATCH_STRICT="1")
+        return {"default": _result(default), "strict": _result(strict)}
+
+    return computed_once(tmp_path_factory, "checkpoint-gaps-loads", load)
 
 
 def test_a_fused_part_missing_loads_as_vanilla_by_default(loads: dict[str, dict]) -> None:

@@ -43,6 +43,7 @@ def run(*args: str, site: Path | None = None, env: dict[str, str] | None = None,
     return subprocess.run(args, capture_output=True, text=True, env=environment, timeout=timeout, check=False)
 
 
+@pytest.mark.release_independent
 def test_list_shows_every_pack_and_why(install) -> None:
     site = install(
         PackSpec("mlp", MLP_PACK, version="1.2.0", summary="Faster MLP"),
@@ -125,6 +126,7 @@ def provide_patches(context):
 """
 
 
+@pytest.mark.release_independent
 def test_explain_warns_when_a_pattern_replaces_a_class_containing_another(install) -> None:
     site = install(PackSpec("attn", NESTING_PACK))
     data = json.loads(run(HFPATCH, "explain", "bert", "--json", site=site).stdout)
@@ -134,6 +136,7 @@ def test_explain_warns_when_a_pattern_replaces_a_class_containing_another(instal
     )
 
 
+@pytest.mark.release_independent
 def test_explain_unknown_model_suggests_close_names(install) -> None:
     result = run(HFPATCH, "explain", "lama", site=install(PackSpec("mlp", MLP_PACK)))
     assert result.returncode == 2
@@ -331,6 +334,7 @@ def test_check_flags_a_pattern_that_replaces_a_model_class_or_a_container(instal
     )
 
 
+@pytest.mark.release_independent
 def test_cli_warnings_are_one_line_each(install) -> None:
     site = install(PackSpec("mlp", MLP_PACK), PackSpec("future", MLP_PACK, requires=("transformers>=6",)))
     result = run(HFPATCH, "explain", "llama", site=site)
@@ -365,6 +369,7 @@ def test_check_together_reports_only_what_the_packs_do_together(install, capsys)
     assert "(by 'broad''s AnyMLP, 'mlp''s PackMLP)" in together
 
 
+@pytest.mark.release_independent
 def test_explain_prints_a_patterns_nesting_warning_once(install) -> None:
     site = install(PackSpec("broad", BROAD_PACK))
     result = run(HFPATCH, "explain", "llama", site=site)
@@ -557,6 +562,7 @@ def test_list_marks_packs_that_conflict_and_a_selection_checked_on_every_model_t
     assert "conflicts with" not in out and "No conflict on llama (the model types two or more enabled packs" in out
 
 
+@pytest.mark.release_independent
 def test_check_follows_the_selection_like_every_other_command(install) -> None:
     site = install(PackSpec("mlp", MLP_PACK))
     result = run(HFPATCH, "check", site=site, env={"HF_PATCH_PACKS": "none"})
@@ -565,6 +571,7 @@ def test_check_follows_the_selection_like_every_other_command(install) -> None:
     assert named.returncode == 0 and "ok    mlp" in named.stdout  # packs named on the command line win
 
 
+@pytest.mark.release_independent
 def test_verify_prints_a_table_and_fails_a_bad_pack(install) -> None:
     site = install(PackSpec("mlp", MLP_PACK), PackSpec("doubling", DOUBLING_PACK))
     good = run(HFPATCH, "verify", "mlp", "--json", site=site)

@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from computed_once import computed_once
 
 from hfpatch_core.testing import install_pack, tiny_checkpoint
 from hfpatch_core.testing.deepspeed import (
@@ -73,8 +74,11 @@ def dense(checkpoints: dict[str, str], tmp_path_factory: pytest.TempPathFactory)
         Zero3Case("llama/fused-dense/initialize", llama, "fused-dense", init="initialize"),
         Zero3Case("llama/scaled", llama, "scaled", save=False),
     ]
-    site = _site(tmp_path_factory.mktemp("dense"))
-    return zero3_training(cases, extra_path=[site, PACKS_SITE])
+    return computed_once(
+        tmp_path_factory,
+        "zero3-dense",
+        lambda: zero3_training(cases, extra_path=[_site(tmp_path_factory.mktemp("dense")), PACKS_SITE]),
+    )
 
 
 #: The MoE cases train with SGD.  AdamW's first update is the learning rate times the gradient's sign,
@@ -87,7 +91,7 @@ MOE_OPTIM = "sgd"
 
 
 @pytest.fixture(scope="module")
-def moe(checkpoints: dict[str, str]) -> dict[str, Zero3Result]:
+def moe(checkpoints: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Zero3Result]:
     mixtral, qwen2_moe = checkpoints["mixtral"], checkpoints["qwen2_moe"]
     cases = [
         Zero3Case("mixtral/vanilla", mixtral, "none", optim=MOE_OPTIM),
@@ -99,16 +103,20 @@ def moe(checkpoints: dict[str, str]) -> dict[str, Zero3Result]:
         Zero3Case("qwen2_moe/qwen-moe/initialize", qwen2_moe, "qwen-moe", init="initialize", optim=MOE_OPTIM),
         Zero3Case("qwen2_moe/moe-replay", qwen2_moe, "moe-replay", optim=MOE_OPTIM),
     ]
-    return zero3_training(cases, extra_path=[PACKS_SITE])
+    return computed_once(tmp_path_factory, "zero3-moe", lambda: zero3_training(cases, extra_path=[PACKS_SITE]))
 
 
 @pytest.fixture(scope="module")
-def references(checkpoints: dict[str, str]) -> dict[str, list[float]]:
+def references(checkpoints: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[float]]:
     """Vanilla on this one process, without DeepSpeed: the same steps on the same batches (and optimizer)."""
-    return {
-        name: reference_training(path, "none", optim=None if name == "llama" else MOE_OPTIM)[0]
-        for name, path in checkpoints.items()
-    }
+    return computed_once(
+        tmp_path_factory,
+        "zero3-references",
+        lambda: {
+            name: reference_training(path, "none", optim=None if name == "llama" else MOE_OPTIM)[0]
+            for name, path in checkpoints.items()
+        },
+    )
 
 
 def test_the_extension_is_built_once_per_venv() -> None:

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import pytest
+from computed_once import computed_once
 from distributed_cases import modes
 
 from hfpatch_core.errors import PackError, PackWarning
@@ -121,7 +122,11 @@ def _site(tmp_path: Path) -> Path:
 def loads(checkpoints: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     tmp = tmp_path_factory.mktemp("load")
     launcher = [sys.executable, "-m", "torch.distributed.run"]
-    return torchrun("load", checkpoints, tmp / "out", _site(tmp), launcher=launcher, env={})
+    return computed_once(
+        tmp_path_factory,
+        "distributed-load",
+        lambda: torchrun("load", checkpoints, tmp / "out", _site(tmp), launcher=launcher, env={}),
+    )
 
 
 def cases(ranks: list[dict[str, Any]], name: str) -> list[dict[str, Any]]:
@@ -482,13 +487,17 @@ def test_fused_outputs_split_whole_or_by_rank_share() -> None:
 def training(checkpoints: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     tmp = tmp_path_factory.mktemp("train")
     hfpatch = Path(sys.executable).parent / "hfpatch"
-    return torchrun(
-        "train",
-        checkpoints,
-        tmp / "out",
-        _site(tmp),
-        launcher=[str(hfpatch), "run", "--", "torchrun"],
-        env={"HF_PATCH_PACKS": "fused-dense"},
+    return computed_once(
+        tmp_path_factory,
+        "distributed-train",
+        lambda: torchrun(
+            "train",
+            checkpoints,
+            tmp / "out",
+            _site(tmp),
+            launcher=[str(hfpatch), "run", "--", "torchrun"],
+            env={"HF_PATCH_PACKS": "fused-dense"},
+        ),
     )
 
 

@@ -51,6 +51,7 @@ def site(install) -> Path:
     return install(PackSpec("mlp", MLP_PACK))
 
 
+@pytest.mark.release_independent
 def test_the_variable_alone_enables_the_packs_in_every_thread(site, llama_checkpoint, tmp_path) -> None:
     # three threads' first loads at once: none may find transformers' loader between the stand-in and the wrapper
     script = program(tmp_path, threads=3)

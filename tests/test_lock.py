@@ -271,6 +271,7 @@ if dist.is_initialized():
 """
 
 
+@pytest.mark.release_independent
 def test_every_torchrun_rank_checks_the_lock_alike(locked, tmp_path) -> None:
     """Under ``torchrun --nproc_per_node 2`` (gloo) with ``tp_plan="auto"``: both ranks load under the
     lock, then, with a pack file edited, both raise the same LockError before building."""

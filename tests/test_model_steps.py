@@ -166,6 +166,7 @@ def test_apply_installs_the_steps_and_revert_uninstalls_them(install, llama_chec
         assert type(model.model.layers[0].mlp).__name__ == "LlamaMLP"
 
 
+@pytest.mark.release_independent
 def test_explain_lock_and_provenance_record_the_step(install, llama_checkpoint: Path, tmp_path: Path) -> None:
     site = install(step_pack("stepper"))
     shown = run(HFPATCH, "explain", str(llama_checkpoint), site=site, env={"HF_PATCH_PACKS": "stepper"})

@@ -65,6 +65,7 @@ def test_a_load_keeps_the_refusal_on_its_plan_and_replaces_nothing_for_it(instal
     assert "LlamaAttention" not in plan.replaced
 
 
+@pytest.mark.release_independent
 def test_explain_shows_each_refusal_with_the_pack_and_its_reason(install, llama_checkpoint: Path) -> None:
     site = install(PackSpec("careful", CAREFUL_PACK))
     text = run(HFPATCH, "explain", str(llama_checkpoint), site=site)
@@ -77,6 +78,7 @@ def test_explain_shows_each_refusal_with_the_pack_and_its_reason(install, llama_
     ]
 
 
+@pytest.mark.release_independent
 def test_check_lists_refusals_without_failing_the_pack(install) -> None:
     site = install(PackSpec("refusing", REFUSING_PACK))
     result = run(HFPATCH, "check", "refusing", site=site)
@@ -136,6 +138,7 @@ def test_verify_all_model_types_gives_one_verdict_per_model_type(install) -> Non
     assert usage.returncode == 2 and "--all-model-types takes no --model" in usage.stderr
 
 
+@pytest.mark.release_independent
 def test_verify_of_one_model_type_gives_the_zoo_verdict_with_the_reason(install) -> None:
     # issue 40: `verify --model-type T` said FAIL ("replaced no class", no reason) where the zoo said refused
     site = install(PackSpec("refusing", REFUSING_PACK), PackSpec("careful", CAREFUL_PACK))

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import linecache
 import re
 from collections.abc import Iterator
 from typing import Any
@@ -204,21 +205,56 @@ def _forward_source(cls: type) -> str:
         function = getattr(cls, name, None)
         if not callable(function):
             continue
-        try:
-            source = inspect.getsource(function)
-        except (OSError, TypeError):
+        source = _function_lines(function)
+        if source is None:
             continue
         parts.append(source)
         pending.extend(re.findall(r"self\.(\w+)\(", source))
     return "\n".join(parts)
 
 
+def _function_lines(function: Any) -> str | None:
+    """The lines of ``function``'s source that its code spans (``None``: no Python source).
+
+    ``inspect.getsource`` finds a function's end by tokenizing from its first line, which took
+    a second of a cold ``hfpatch list`` (each MoE modeling module's classes read for every config
+    discovered, issue 52.5); the code object already records the last line of every expression
+    in it, nested functions' included. Trailing comments are left out, which a search for
+    ``topk`` and ``self.method(`` calls does not need."""
+    code = getattr(inspect.unwrap(function), "__code__", None)
+    if code is None:
+        return None
+    lines = linecache.getlines(code.co_filename)
+    if not lines:
+        return None
+    last, pending = code.co_firstlineno, [code]
+    while pending:
+        current = pending.pop()
+        if hasattr(current, "co_positions"):  # 3.11: where each expression ends
+            ends = [end for _, end, _, _ in current.co_positions()]
+        else:  # 3.10: the line each instruction is on
+            ends = [line for _, _, line in current.co_lines()]
+        last = max([last, *(end for end in ends if end is not None)])
+        pending.extend(const for const in current.co_consts if inspect.iscode(const))
+    return "".join(lines[code.co_firstlineno - 1 : last])
+
+
 def shrunk_config(config: Any) -> Any:
-    """A copy of ``config`` with the sizes that only make the probe slow made small."""
+    """A copy of ``config`` with the sizes that only make the probe slow made small, in the
+    sub-configs it holds too (dbrx's MoE block reads its sizes from ``config.ffn_config``: probed
+    unshrunk, its 88M parameters were half of a cold ``hfpatch list``'s probing, issue 52.5)."""
     shrunk = copy.deepcopy(config)
-    for name, value in list(vars(shrunk).items()):
-        if isinstance(value, bool) or not isinstance(value, int):
-            continue
-        if name == "hidden_size" or name.endswith("intermediate_size") or name in ("d_model", "n_embd"):
-            setattr(shrunk, name, min(value, _PROBE_HIDDEN))
+    _shrink(shrunk)
     return shrunk
+
+
+def _shrink(config: Any) -> None:
+    from transformers import PretrainedConfig
+
+    for name, value in list(vars(config).items()):
+        if isinstance(value, PretrainedConfig):
+            _shrink(value)
+        elif isinstance(value, bool) or not isinstance(value, int):
+            continue
+        elif name == "hidden_size" or name.endswith("intermediate_size") or name in ("d_model", "n_embd"):
+            setattr(config, name, min(value, _PROBE_HIDDEN))

@@ -83,3 +83,39 @@ def test_the_shallow_build_is_taken_only_when_it_builds_every_class_that_can_rou
     monkeypatch.setattr(module, "Qwen3MoeLateRouter", Qwen3MoeLateRouter, raising=False)
     sites.router_sites(module, "qwen3_moe", config, candidates)
     assert layers == [sites.SHALLOW_LAYERS, config.num_hidden_layers]
+
+
+def test_the_candidate_classes_read_from_code_objects_are_those_getsource_finds(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``sites._function_lines`` reads a method's lines from its code object instead of tokenizing the
+    file (``inspect.getsource``): the classes whose forward calls ``topk`` are the same, in every MoE
+    modeling module of the installed release."""
+    modules = [discovery.modeling_module(model_type) for model_type in moe_model_types()]
+    modules = [module for module in modules if module is not None]
+    assert modules
+    read = {module.__name__: list(sites.candidate_classes(module)) for module in modules}
+
+    def getsource(function: object) -> str | None:
+        try:
+            return inspect.getsource(function)  # type: ignore[arg-type]
+        except (OSError, TypeError):
+            return None
+
+    monkeypatch.setattr(sites, "_function_lines", getsource)
+    tokenized = {module.__name__: list(sites.candidate_classes(module)) for module in modules}
+    assert read == tokenized
+    assert sum(map(len, read.values())) >= len(modules)
+
+
+def test_a_probe_config_shrinks_the_sizes_of_the_sub_configs_it_holds() -> None:
+    """dbrx's MoE block reads its sizes from ``config.ffn_config``; probed at its default sizes it
+    held 88M parameters."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model("dbrx")
+    shrunk = sites.shrunk_config(config)
+    assert (shrunk.d_model, shrunk.ffn_config.hidden_size) == (16, 16)
+    fresh = AutoConfig.for_model("dbrx")  # the config asked about is unchanged
+    assert (config.d_model, config.ffn_config.hidden_size) == (fresh.d_model, fresh.ffn_config.hidden_size)
+    assert min(config.d_model, config.ffn_config.hidden_size) > 16

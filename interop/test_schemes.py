@@ -64,8 +64,8 @@ class Case:
 
 CASES = [
     Case("qwen-moe", "qwen3_moe", {**SIZES, "moe_intermediate_size": 128}, "self_attn.qkv_proj", "self_attn.k_proj"),
-    # llm-compressor linearizes mixtral's experts under the names of other families, which neither
-    # transformers nor vLLM reads: the pack keeps the checkpoint's w1 / w3 / w2
+    # llm-compressor linearizes mixtral's experts under the names of other families, which
+    # transformers does not read (vLLM 0.30 maps them): the pack keeps the checkpoint's w1 / w3 / w2
     Case(
         "linear-experts",
         "mixtral",
@@ -77,6 +77,15 @@ CASES = [
 ]
 
 MOE = {"qwen3_moe", "mixtral"}
+
+
+def schemes(model) -> dict[str, object]:
+    """The quantization scheme of each module that holds one, by name."""
+    return {
+        name: module.quantization_scheme
+        for name, module in model.named_modules()
+        if getattr(module, "quantization_scheme", None) is not None
+    }
 
 
 @pytest.fixture(scope="module", params=CASES, ids=str)
@@ -131,6 +140,9 @@ def test_a_patched_quantized_model_saves_the_original_layout_and_reloads_both_wa
 
     patched = load(out, spec.pack)
     torch.testing.assert_close(logits(patched, tokens), quantized, rtol=0, atol=1e-5)
+    # the reload keeps the scheme of every quantized linear, each expert's included
+    assert schemes(patched) == schemes(model)
+    assert any(".experts." in name for name in schemes(patched))
     if spec.fused:
         assert getattr(patched.model.layers[0].get_submodule(spec.fused), "quantization_scheme", None) is not None
     if spec.model_type not in MOE or vanilla_loads_experts:

@@ -173,6 +173,10 @@ def test_a_save_that_fails_half_way_leaves_the_directory_as_it_was(patched, save
     with pytest.raises(WeightLayoutError, match=f"weight_shape records {rows + 1} rows, not {rows}"):
         patched.save_pretrained(saves / "new")
     assert list(saves.iterdir()) == []
+    # nor the folders above it that the save would have created
+    with pytest.raises(WeightLayoutError):
+        patched.save_pretrained(saves / "runs" / "first" / "new")
+    assert list(saves.iterdir()) == []
 
     earlier = saves / "earlier"
     earlier.mkdir()

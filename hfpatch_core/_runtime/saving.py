@@ -46,13 +46,15 @@ def _move_into(staging: Path, target: Path, *, main: bool) -> None:
 def staged_save(model: Any, directory: str | os.PathLike[str], args: Sequence[Any], kwargs: Mapping[str, Any]) -> Any:
     """``type(model).save_pretrained(model, directory, *args, **kwargs)``, written into a staging
     directory beside ``directory`` and moved there once it succeeded; on failure the staging
-    directory is removed and ``directory`` is as it was (not created if it did not exist).
+    directory is removed and ``directory`` is as it was (not created if it did not exist, nor
+    the folders above it that the save created for its staging).
 
     A ``directory`` that is an existing file is passed through (transformers' own error).
     """
     target = Path(directory)
     if target.is_file():
         return type(model).save_pretrained(model, directory, *args, **kwargs)
+    created = [folder for folder in (target.parent, *target.parent.parents) if not folder.exists()]
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.hfpatch-save-", dir=target.parent))
     options = dict(kwargs)
@@ -61,6 +63,18 @@ def staged_save(model: Any, directory: str | os.PathLike[str], args: Sequence[An
     try:
         result = type(model).save_pretrained(model, str(staging), *args, **options)
         _move_into(staging, target, main=bool(options.get("is_main_process", True)))
-    finally:
+    except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
+        _remove_empty(created)
+        raise
+    shutil.rmtree(staging, ignore_errors=True)  # emptied by the move
     return result
+
+
+def _remove_empty(folders: Sequence[Path]) -> None:
+    """Remove ``folders`` (the deepest first) while they are empty: those a failed save created."""
+    for folder in folders:
+        try:
+            folder.rmdir()
+        except OSError:  # not empty (another writer's, or what the save moved in): kept, and those above it
+            return

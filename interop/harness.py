@@ -1,5 +1,6 @@
-"""What the interop suites and ``quantization_table.py`` share: tiny checkpoints whose linears fit
-llm-compressor's group-128 schemes, loads with and without a pack, ``oneshot`` with a scheme."""
+"""What the interop suites, ``quantization_table.py`` and ``serving_checkpoints.py`` share: tiny
+checkpoints whose linears fit llm-compressor's group-128 schemes, loads with and without a pack,
+``oneshot`` with a scheme, the greedy tokens vLLM's are compared with."""
 
 from __future__ import annotations
 
@@ -75,3 +76,22 @@ def quantize(model: Any, scheme: str, ignore: Sequence[str] = ("lm_head",)) -> N
     data = calibration(model.config) if SCHEMES[scheme][0] else {}
     recipe = QuantizationModifier(targets="Linear", scheme=scheme, ignore=list(ignore))
     oneshot(model=model, recipe=recipe, num_calibration_samples=4, **data)
+
+
+#: The prompt and the number of greedy tokens transformers and vLLM are compared on.
+PROMPT = [5, 17, 42, 99, 3, 7, 11, 200]
+TOKENS = 8
+
+
+def greedy(model: Any) -> dict[str, list]:
+    """``model``'s greedy tokens after ``PROMPT``, with each step's gap between its two largest logits
+    and its largest logit (where the gap is below bfloat16's resolution of it, a near-tie)."""
+    with torch.no_grad():
+        generated = model.generate(torch.tensor([PROMPT]), max_new_tokens=TOKENS, do_sample=False)
+        steps = model(generated).logits[0, len(PROMPT) - 1 : -1]
+    top = steps.topk(2, dim=-1).values
+    return {
+        "tokens": generated[0, len(PROMPT) :].tolist(),
+        "gaps": (top[:, 0] - top[:, 1]).tolist(),
+        "largest": steps.abs().amax(dim=-1).tolist(),
+    }

@@ -46,7 +46,7 @@ from pathlib import Path
 
 import torch
 import transformers
-from harness import SCHEMES, SIZES, calibration, ids, load, logits, quantize
+from harness import PROMPT, SCHEMES, SIZES, TOKENS, calibration, greedy, ids, load, logits, quantize
 from safetensors.torch import load_file
 
 from hfpatch_core.testing import tiny_checkpoint
@@ -56,8 +56,6 @@ transformers.utils.logging.set_verbosity_error()
 
 BEGIN, END = "<!-- table:llmcompressor -->", "<!-- /table:llmcompressor -->"
 ROOT = Path(__file__).resolve().parent.parent
-PROMPT = [5, 17, 42, 99, 3, 7, 11, 200]
-TOKENS = 8
 #: bfloat16's relative resolution: two logits closer than this share of the largest are a tie
 TIE = 2.0**-7
 
@@ -136,20 +134,6 @@ def coverage(model, rows: dict[int, int]) -> str:
             shares.append(rows.get(id(linear), 0) / every if every else 0.0)
     low, high = min(shares), max(shares)
     return f"{low:.0%}" if high - low < 0.005 else f"{low:.0%}-{high:.0%}"
-
-
-def greedy(model) -> dict[str, list]:
-    """``model``'s greedy tokens after ``PROMPT``, with each step's gap between its two largest logits
-    and its largest logit (a step whose gap is below ``TIE`` of it is a near-tie)."""
-    with torch.no_grad():
-        generated = model.generate(torch.tensor([PROMPT]), max_new_tokens=TOKENS, do_sample=False)
-        steps = model(generated).logits[0, len(PROMPT) - 1 : -1]
-    top = steps.topk(2, dim=-1).values
-    return {
-        "tokens": generated[0, len(PROMPT) :].tolist(),
-        "gaps": (top[:, 0] - top[:, 1]).tolist(),
-        "largest": steps.abs().amax(dim=-1).tolist(),
-    }
 
 
 @dataclasses.dataclass

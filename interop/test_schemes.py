@@ -18,12 +18,15 @@ schemes users ship, on CPU:
   with a ``WeightLayoutError`` that names the tensors and the scheme, nothing loaded;
 * a save the conversions refuse writes nothing (no half-written directory);
 * fused-dense, whose original projections are views of the fused weight, refuses a quantizer
-  that would add scales to the views, and leaves a quantized checkpoint's classes unfused,
-  with the reason in the plan.
+  that would add scales to the views; a quantized checkpoint loads into its quantizable
+  variant (the fused projection is the linear compressed-tensors quantizes, the views are
+  not linears) and saves back tensor for tensor; a class whose parts the checkpoint
+  quantizes differently stays unfused, with the reason in the plan and a warning.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from pathlib import Path
 
@@ -168,22 +171,48 @@ def test_a_patched_quantized_model_saves_the_original_layout_and_reloads_both_wa
         torch.testing.assert_close(logits(load(tmp_path / "vanilla", spec.pack), tokens), expected, rtol=0, atol=1e-5)
 
 
-def test_a_refused_save_writes_nothing(defused, tmp_path_factory, tmp_path):
-    """A quantized tensor the pack's conversion cannot split back (here: a packed zero point
-    whose rows do not divide the parts' sizes) is refused on the meta run, before any file."""
+#: How a test breaks a quantized fused linear so that the pack's split refuses it, per ``save_compressed``:
+#: a packed zero point one row short (uncompressed: llm-compressor's compression would refuse it first),
+#: and a member hfpatch does not know (compressed: the compression leaves it alone).
+BREAKAGES = {
+    False: r"weight_zero_point has 511 rows.*\[256, 128, 128\].*compressed-tensors.*4-bit int per group of 128",
+    True: r"does not know how to split the quantized tensor 'weight_unknown'.*compressed-tensors pack-quantized",
+}
+
+
+@pytest.mark.parametrize("compressed", [False, True], ids=["uncompressed", "compressed"])
+def test_a_refused_save_writes_nothing_and_leaves_the_model_to_save_again(
+    defused, tmp_path_factory, tmp_path, compressed
+):
+    """A quantized tensor the pack's conversion cannot split back is refused on the meta run,
+    before any file. llm-compressor's save wrapper had moved the weights behind accelerate's
+    offloading hooks for the save (and compressed them, as after every save it makes): they are
+    taken back as after a successful save, the model computes what it computed, and saves again."""
     spec = CASES[0]
     checkpoint = tiny_checkpoint(spec.model_type, tmp_path_factory.mktemp("refused"), **spec.overrides)
     model = load(checkpoint, spec.pack)
+    tokens = ids(model)
     quantize(model, "W4A16_ASYM")
+    quantized = logits(model, tokens)
     fused = model.model.layers[0].get_submodule(spec.fused)
-    fused.weight_zero_point.data = fused.weight_zero_point.data[:-1]  # one row short of the packed rows
-    out = tmp_path / "refused"
-    with pytest.raises(
-        WeightLayoutError,
-        match=r"weight_zero_point has 511 rows.*\[256, 128, 128\].*compressed-tensors.*4-bit int per group of 128",
-    ):
-        model.save_pretrained(out, save_compressed=False)
+    zero_point = fused.weight_zero_point.data
+    if compressed:
+        fused.register_buffer("weight_unknown", torch.zeros(fused.out_features, 1))
+    else:
+        fused.weight_zero_point.data = zero_point[:-1]  # one row short of the packed rows
+    out = tmp_path / "saves" / "refused"
+    with pytest.raises(WeightLayoutError, match=BREAKAGES[compressed]):
+        model.save_pretrained(out, save_compressed=compressed)
     assert not list(tmp_path.iterdir())  # no directory, no staging directory beside it either
+    assert not any(hasattr(module, "_hf_hook") for module in model.modules())
+
+    if compressed:
+        del fused._buffers["weight_unknown"]
+    else:
+        fused.weight_zero_point.data = zero_point
+    torch.testing.assert_close(logits(model, tokens), quantized, rtol=0, atol=0)
+    model.save_pretrained(out, save_compressed=compressed)
+    torch.testing.assert_close(logits(load(out, spec.pack), tokens), quantized, rtol=0, atol=1e-5)
 
 
 # --- fused-dense: views of a fused weight, which quantizers must not take for linears -----------------
@@ -199,20 +228,67 @@ def test_fused_dense_refuses_a_quantizer_on_its_views_with_the_remedy(llama, def
     linears and adds scales to them, which the fused forward never reads: refused at once."""
     model = load(llama, "fused-dense")
     assert type(model.model.layers[0].self_attn.q_proj).__name__ == "ProjectionView"
-    with pytest.raises(AdapterError, match=r"owns no tensor.*HF_PATCH_PACKS=all,-PACK"):
+    with pytest.raises(AdapterError, match=r"owns no tensor.*HF_PATCH_PACKS=all,-PACK.*load the quantized checkpoint"):
         quantize(model, "W4A16")
 
 
-def test_fused_dense_leaves_a_quantized_checkpoint_unfused_and_says_why(llama, defused, tmp_path) -> None:
+@pytest.mark.parametrize("scheme", list(SCHEMES))
+def test_fused_dense_loads_a_quantized_checkpoint_fused_and_saves_it_back(llama, defused, tmp_path, scheme) -> None:
+    """A checkpoint llm-compressor wrote for the unpatched model loads into fused projections that
+    compressed-tensors quantizes as one linear each (their parts' tensor families fused), computes
+    what the unpatched reload computes, and saves back the very checkpoint, before and after the
+    first forward (which decompresses the weights, in both models alike)."""
+    _, per_row, _ = SCHEMES[scheme]
     vanilla = load(llama)
     tokens = ids(vanilla)
-    quantize(vanilla, "W4A16")
+    quantize(vanilla, scheme)
+    vanilla.save_pretrained(tmp_path / "quantized")
+    if not per_row:  # FP8's per-tensor weight scales differ between q, k and v: one fused linear holds one
+        with pytest.raises(WeightLayoutError, match=r"weight_scale differs between the parts.*per tensor"):
+            load(tmp_path / "quantized", "fused-dense")
+        return
+    reloaded = load(tmp_path / "quantized")
+
+    model = load(tmp_path / "quantized", "fused-dense")
+    assert set(hfpatch_core.plan_of(model).replaced) == {"LlamaAttention", "LlamaMLP"}
+    for layer in model.model.layers:
+        fusions = (("self_attn", "qkv_proj", ("q", "k", "v")), ("mlp", "gate_up_proj", ("gate", "up")))
+        for parent, fused, parts in fusions:
+            assert layer.get_submodule(f"{parent}.{fused}").quantization_scheme is not None
+            for part in parts:
+                view = layer.get_submodule(f"{parent}.{part}_proj")
+                assert type(view).__name__ == "OutputView" and getattr(view, "quantization_scheme", None) is None
+    model.save_pretrained(tmp_path / "saved")
+    assert_same_files(tmp_path / "saved", tmp_path / "quantized")
+
+    expected = logits(reloaded, tokens)
+    torch.testing.assert_close(logits(model, tokens), expected, rtol=0, atol=1e-5)
+    torch.testing.assert_close(logits(copy.deepcopy(model), tokens), expected, rtol=0, atol=1e-5)
+    reloaded.save_pretrained(tmp_path / "vanilla-after-forward")
+    model.save_pretrained(tmp_path / "after-forward")
+    assert_same_files(tmp_path / "after-forward", tmp_path / "vanilla-after-forward")
+    torch.testing.assert_close(logits(load(tmp_path / "saved"), tokens), expected, rtol=0, atol=1e-5)
+
+
+def assert_same_files(saved: Path, reference: Path) -> None:
+    ours, theirs = load_file(saved / "model.safetensors"), load_file(reference / "model.safetensors")
+    assert ours.keys() == theirs.keys()
+    for key, tensor in ours.items():
+        torch.testing.assert_close(tensor, theirs[key], rtol=0, atol=0, msg=key)
+
+
+def test_fused_dense_leaves_a_class_whose_parts_are_quantized_differently_unfused_and_says_why(
+    llama, defused, tmp_path
+) -> None:
+    vanilla = load(llama)
+    tokens = ids(vanilla)
+    quantize(vanilla, "W4A16", ignore=("lm_head", "re:.*k_proj$"))
     vanilla.save_pretrained(tmp_path / "w4a16")
     expected = logits(load(tmp_path / "w4a16"), tokens)
-    with pytest.warns(PackWarning, match=r"'fused-dense' leaves LlamaForCausalLM unfused: a quantized checkpoint"):
+    with pytest.warns(PackWarning, match=r"'fused-dense' leaves LlamaAttention unfused: .*k_proj: unquantized"):
         model = load(tmp_path / "w4a16", "fused-dense")
     plan = hfpatch_core.plan_of(model)
-    assert not plan.replaced
-    assert {refusal.target for refusal in plan.refused} == {"LlamaAttention", "LlamaMLP"}
-    assert all("a quantized checkpoint" in refusal.reason for refusal in plan.refused)
-    torch.testing.assert_close(logits(model, tokens), expected, rtol=0, atol=0)
+    assert set(plan.replaced) == {"LlamaMLP"}
+    assert [refusal.target for refusal in plan.refused] == ["LlamaAttention"]
+    assert "quantizes the parts differently" in plan.refused[0].reason
+    torch.testing.assert_close(logits(model, tokens), expected, rtol=0, atol=1e-5)

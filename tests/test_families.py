@@ -7,6 +7,11 @@ shapes and dtypes it writes, so that the rules hold on every release of the core
 
 from __future__ import annotations
 
+import copy as copy_module
+import pickle
+import re
+from functools import partial
+
 import pytest
 import torch
 from safetensors import safe_open
@@ -14,7 +19,13 @@ from transformers import AutoModelForCausalLM
 
 import hfpatch_core
 from hfpatch_core import WeightLayoutError
-from hfpatch_core.authoring import SizedConcatenate, describe_scheme, fused_linear_converters
+from hfpatch_core.authoring import (
+    SizedConcatenate,
+    describe_scheme,
+    fused_linear_converters,
+    fused_quantization_problem,
+    fused_views_class,
+)
 from packs import PackSpec, fused_qkv_pack
 
 SIZES = (32, 16, 16)
@@ -131,6 +142,82 @@ def test_fused_linear_converters_cover_weights_biases_and_activations() -> None:
         ["self_attn.qkv_proj.bias"],
         ["self_attn.qkv_proj.input_"],
     ]
+
+
+# --- which checkpoints load fused, and the module that holds them -------------------------------------
+
+ATTENTION = "model.layers.0.self_attn"
+PARTS = [f"{ATTENTION}.{part}" for part in ("q_proj", "k_proj", "v_proj")]
+
+
+def quantized(**quantization) -> object:
+    return type("Config", (), {"quantization_config": {**W4A16, **quantization}})()
+
+
+def test_a_compressed_tensors_checkpoint_loads_fused_where_every_part_is_quantized_alike() -> None:
+    problem = partial(fused_quantization_problem, fused=f"{ATTENTION}.qkv_proj", parts=PARTS)
+    assert problem(type("Config", (), {})()) is None
+    assert problem(quantized()) is None  # no targets: nothing quantized, alike
+    assert problem(quantized(config_groups={"g": {"targets": ["Linear"]}}, ignore=["lm_head"])) is None
+    assert problem(quantized(config_groups={"g": {"targets": ["re:.*self_attn.*"]}})) is None
+    assert problem(quantized(config_groups={"g": {"targets": ["Linear"]}}, ignore=["re:.*layers.1.*"])) is None
+
+
+@pytest.mark.parametrize(
+    ("quantization", "reason"),
+    [
+        ({"config_groups": {"g": {"targets": ["Linear"]}}, "ignore": ["re:.*k_proj$"]}, r"k_proj: unquantized"),
+        ({"config_groups": {"g": {"targets": ["re:.*q_proj$"]}}}, r"q_proj: \['g'\], k_proj: unquantized"),
+        (
+            {"config_groups": {"g": {"targets": [r"re:.*\.[qkv]_proj$"]}}},
+            r"quantizes qkv_proj as unquantized, not as its parts \(\['g'\]\)",
+        ),
+        ({"config_groups": {"g": {"targets": ["Linear"]}}, "ignore": [f"{ATTENTION}.qkv_proj"]}, r"qkv_proj as unq"),
+        ({"quant_method": "gptq"}, r"quantized by gptq.*compressed-tensors' tensor families only"),
+        ({"transform_config": {"t": {}}}, r"with transforms"),
+    ],
+)
+def test_a_checkpoint_the_fused_linear_cannot_hold_is_refused_with_the_reason(quantization, reason) -> None:
+    problem = fused_quantization_problem(quantized(**quantization), f"{ATTENTION}.qkv_proj", PARTS)
+    assert problem is not None and re.search(reason, problem), problem
+
+
+class Attention(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.q_proj, self.k_proj = torch.nn.Linear(8, 4), torch.nn.Linear(8, 2)
+
+    def forward(self, x):
+        return torch.cat([self.q_proj(x), self.k_proj(x)], dim=-1)
+
+
+@pytest.mark.parametrize("quantizable", [False, True])
+def test_the_quantizable_views_compute_the_parts_once_per_input(quantizable) -> None:
+    """For a quantized checkpoint the fused projection is the ``nn.Linear`` a quantizer takes and the
+    views are not; either way each view gives its part's output, from one call of the fused one."""
+
+    torch.manual_seed(0)
+    plain = Attention()
+    fused_class = fused_views_class(
+        Attention, {"qk_proj": ("q_proj", "k_proj")}, module=__name__, quantizable=quantizable
+    )
+    fused = fused_class()
+    fused.qk_proj.load_state_dict(
+        {
+            "weight": torch.cat([plain.q_proj.weight, plain.k_proj.weight]),
+            "bias": torch.cat([plain.q_proj.bias, plain.k_proj.bias]),
+        }
+    )
+    linears = {name for name, module in fused.named_modules() if isinstance(module, torch.nn.Linear)}
+    assert linears == ({"qk_proj"} if quantizable else {"q_proj", "k_proj"})
+    assert [name for name, _ in fused.named_parameters()] == ["qk_proj.weight", "qk_proj.bias"]
+    x = torch.randn(3, 8)
+    for copy in (copy_module.deepcopy(fused), pickle.loads(pickle.dumps(fused))):
+        torch.testing.assert_close(copy(x), plain(x), rtol=0, atol=1e-6)
+    calls = []
+    fused.qk_proj.register_forward_hook(lambda *_: calls.append(1))
+    torch.testing.assert_close(fused(x), plain(x), rtol=0, atol=1e-6)
+    assert calls == [1] and fused.qk_proj._computed is None
 
 
 # --- a save that fails writes nothing ----------------------------------------------------------------

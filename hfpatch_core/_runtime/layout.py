@@ -32,6 +32,7 @@ from ..settings import strict_for
 from . import provenance
 from .saving import staged_save
 from .state_dicts import full_shapes, guard_loading, refuse_partitioned_save, reversible_conversions
+from .wrapped_saves import undo_wrapper_conversion
 
 logger = logging.getLogger("hfpatch")
 
@@ -372,6 +373,14 @@ def verify_save_layout(model: nn.Module, plan: Plan, *, strict: bool = False) ->
 
 
 def _guarded_save_pretrained(self: Any, *args: Any, **kwargs: Any) -> Any:
+    try:
+        return _checked_save(self, *args, **kwargs)
+    except BaseException as error:
+        undo_wrapper_conversion(self, error)
+        raise
+
+
+def _checked_save(self: Any, *args: Any, **kwargs: Any) -> Any:
     plan = plan_of(self)
     parallel = plan.context.parallel if plan is not None and plan.context is not None else ()
     # FSDP2 alone gathers each parameter whole, and a fused one whole is the fused layout (the

@@ -9,14 +9,16 @@ within a minor release:
   ``fused_linear_converters``, the converters of fused linears' whole tensor families;
 * ``families``: how each tensor of a quantized linear (compressed-tensors' ``weight_packed``,
   ``weight_scale``, ``weight_shape``, ``input_scale``, ...) fuses and splits (``fuse_member``,
-  ``split_member``, ``describe_scheme``);
+  ``split_member``, ``describe_scheme``), and whether a checkpoint's linears can load fused
+  (``fused_quantization_problem``);
 * ``packing``: packed modules, which original projections a fused one stands for
   (``PACKED_MODULES``, ``packed_outputs``, ``expose_parts``);
 * ``fusion``: fusing ``nn.Linear`` projections that read the same input
   (``fuse_projections``, ``FusedQKVAttentionBase``, ``forward_for``);
 * ``views``: fusing them without re-writing the forward: the parts become views of one
   projection computed once per input (``fused_views_class``, ``fuse_as_views``,
-  ``fusable_parts``, ``SharedProjection``, ``ProjectionView``);
+  ``fusable_parts``, ``SharedProjection``, ``ProjectionView``; for a quantized checkpoint
+  ``SharedLinear`` and ``OutputView``);
 * ``experts``: loading experts stored 3-D (``[experts, ...]``, transformers' own layout) into
   one module per expert and saving them back (``split_converters``, ``ExpertsSlicing``,
   ``SplitExpertsConverter``, ``LoadOnlySplitConverter``, ``SplitExperts`` / ``StackExperts``);
@@ -79,7 +81,7 @@ from .experts import (
     StackExperts,
     split_converters,
 )
-from .families import describe_scheme, fuse_member, member_of, split_member
+from .families import describe_scheme, fuse_member, fused_quantization_problem, member_of, split_member
 from .fusion import QKV_PROJECTIONS, FusedQKVAttentionBase, forward_for, fuse_projections, linear_like, local_sizes
 from .lists import conversion_key, conversion_lists
 from .meta import build_on_meta, nested_loads
@@ -89,7 +91,16 @@ from .probes import class_keys_supported, parallel_modes
 from .randomness import isolated_rng
 from .shrink import SHRUNK_SIZES, shrunk_config, shrunk_instance
 from .sized import SizedConcatenate, SizedSplit, fused_linear_converters
-from .views import FusedViewsMixin, ProjectionView, SharedProjection, fusable_parts, fuse_as_views, fused_views_class
+from .views import (
+    FusedViewsMixin,
+    OutputView,
+    ProjectionView,
+    SharedLinear,
+    SharedProjection,
+    fusable_parts,
+    fuse_as_views,
+    fused_views_class,
+)
 
 __all__ = [
     "HIDDEN_FROM_ADAPTERS",
@@ -101,10 +112,12 @@ __all__ = [
     "FusedQKVAttentionBase",
     "FusedViewsMixin",
     "LoadOnlySplitConverter",
+    "OutputView",
     "PackedLinear",
     "PackedPart",
     "ProjectionView",
     "RuntimeClassMeta",
+    "SharedLinear",
     "SharedProjection",
     "SizedConcatenate",
     "SizedSplit",
@@ -130,6 +143,7 @@ __all__ = [
     "fuse_member",
     "fuse_projections",
     "fused_linear_converters",
+    "fused_quantization_problem",
     "fused_views_class",
     "fusion",
     "isolated_rng",

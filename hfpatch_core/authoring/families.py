@@ -26,14 +26,15 @@ equal in every part to be held once.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import re
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
 from ..errors import WeightLayoutError
 
-__all__ = ["PLAIN", "describe_scheme", "fuse_member", "member_of", "split_member"]
+__all__ = ["PLAIN", "describe_scheme", "fuse_member", "fused_quantization_problem", "member_of", "split_member"]
 
 #: The members ``SizedConcatenate`` / ``SizedSplit`` fuse as tensors of rows (what they always did).
 PLAIN = frozenset({"weight", "bias"})
@@ -90,11 +91,7 @@ def describe_scheme(model: Any = None, config: Any = None, names: Sequence[str] 
     unquantized``; read from the module's ``quantization_scheme`` (a model llm-compressor
     quantized), else the config's ``quantization_config`` (a quantized checkpoint)."""
     scheme = _scheme_object(model, names) if model is not None else None
-    quantization = getattr(config, "quantization_config", None) if config is not None else None
-    if quantization is not None and not isinstance(quantization, dict):
-        to_dict = getattr(quantization, "to_dict", None)
-        quantization = to_dict() if callable(to_dict) else vars(quantization)
-    quantization = quantization or {}
+    quantization = _quantization_dict(config)
     method = quantization.get("quant_method", "compressed-tensors")
     form = _get(scheme, "format") if scheme is not None else None
     form = form or quantization.get("format") or ""
@@ -106,6 +103,84 @@ def describe_scheme(model: Any = None, config: Any = None, names: Sequence[str] 
     weights = _describe_args(_get(scheme, "weights"))
     activations = _describe_args(_get(scheme, "input_activations"), activations=True)
     return f"{method} {form}".strip() + f": weights {weights}, activations {activations}"
+
+
+def _quantization_dict(config: Any) -> Mapping[str, Any]:
+    quantization = getattr(config, "quantization_config", None)
+    if quantization is not None and not isinstance(quantization, Mapping):
+        to_dict = getattr(quantization, "to_dict", None)
+        quantization = to_dict() if callable(to_dict) else vars(quantization)
+    return quantization or {}
+
+
+def _matches(name: str, target: str) -> bool:
+    """compressed-tensors' match of one target (``is_match``) for an ``nn.Linear`` named ``name``:
+    ``re:`` a regex from the name's start, else the whole name or a class in ``nn.Linear``'s bases."""
+    if target.startswith("re:"):
+        return re.match(target.removeprefix("re:"), name) is not None
+    return target in (name, "Linear", "Module")
+
+
+def _quantized_as(name: str, groups: Mapping[str, Any], ignore: Sequence[str]) -> tuple[str, ...]:
+    """The config groups compressed-tensors applies to the ``nn.Linear`` ``name`` (none where ignored)."""
+    if any(_matches(name, target) for target in ignore):
+        return ()
+    found = []
+    for group, scheme in groups.items():
+        targets = _get(scheme, "targets") or ()
+        if any(_matches(name, target) for target in ([targets] if isinstance(targets, str) else targets)):
+            found.append(group)
+    return tuple(found)
+
+
+def fused_quantization_problem(config: Any, fused: str, parts: Sequence[str]) -> str | None:
+    """Why a quantized checkpoint's linears ``parts`` cannot load as one quantized linear ``fused``, or ``None``.
+
+    A checkpoint of ``config`` with no ``quantization_config`` has no such problem.  One
+    quantized by compressed-tensors (``quant_method: compressed-tensors``) loads fused when
+    compressed-tensors quantizes ``fused`` (an ``nn.Linear`` by that name) with the config
+    groups it gives each part, the same for every part (its ``config_groups`` targets and its
+    ``ignore`` list, matched as compressed-tensors matches them); its tensor families then
+    fuse and split as ``fuse_member`` / ``split_member`` do.  Any other quantization method
+    (GPTQ, AWQ, bitsandbytes, torchao) replaces linears by modules of its own, which hfpatch does
+    not fuse.
+
+    Args:
+        config: the checkpoint's config.
+        fused: the fused linear's module name (``model.layers.0.self_attn.qkv_proj``).
+        parts: the parts' module names, in row order.
+
+    Returns:
+        The reason, for a refusal; ``None`` where the parts load fused.
+    """
+    quantization = _quantization_dict(config)
+    if not quantization:
+        return None
+    method = quantization.get("quant_method", "")
+    if method != "compressed-tensors":
+        return (
+            f"a checkpoint quantized by {method or 'an unknown method'}, whose modules replace each linear; "
+            "hfpatch fuses compressed-tensors' tensor families only"
+        )
+    if quantization.get("transform_config"):
+        return "a compressed-tensors checkpoint with transforms (rotations per linear), which hfpatch does not fuse"
+    groups = quantization.get("config_groups") or {}
+    ignore = quantization.get("ignore") or ()
+    ignore = [ignore] if isinstance(ignore, str) else list(ignore)
+    wanted = {part: _quantized_as(part, groups, ignore) for part in parts}
+    if len(set(wanted.values())) > 1:
+        described = ", ".join(
+            f"{part.rsplit('.', 1)[-1]}: {list(found) or 'unquantized'}" for part, found in wanted.items()
+        )
+        return f"its quantization config quantizes the parts differently ({described}); one fused linear has one scheme"
+    found = _quantized_as(fused, groups, ignore)
+    expected = next(iter(wanted.values()), ())
+    if found != expected:
+        return (
+            f"its quantization config quantizes {fused.rsplit('.', 1)[-1]} as {list(found) or 'unquantized'}, not as "
+            f"its parts ({list(expected) or 'unquantized'}): its targets or ignore list name the parts"
+        )
+    return None
 
 
 def _refuse(what: str, keys: Sequence[str], model: Any, config: Any, names: Sequence[str]) -> WeightLayoutError:

@@ -206,8 +206,9 @@ class PackedPart(nn.Linear):
             f"{type(self).__name__} (rows [{self.start}, {self.stop}) of a fused projection) owns no tensor, so "
             f"{name!r} cannot be added to it: a tool that adds tensors to nn.Linear modules (a quantizer's scales: "
             "llm-compressor, compressed-tensors) would act on a view of the fused weight, not on what the forward "
-            "computes. Quantize the model loaded without the pack that fused it (HF_PATCH_PACKS=all,-PACK); "
-            "vLLM fuses a quantized checkpoint's projections itself."
+            "computes. Quantize the model loaded without the pack that fused it (HF_PATCH_PACKS=all,-PACK), then "
+            "load the quantized checkpoint with the pack where it loads quantized checkpoints fused (fused-dense "
+            "does); vLLM fuses a quantized checkpoint's projections itself."
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

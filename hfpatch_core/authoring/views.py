@@ -30,6 +30,15 @@ so PEFT wraps them like the originals; the shared projection is not an ``nn.Line
 the fused rows: transformers' initialisation of a model built from a config writes the
 same values, in the same order, as into the original projections.
 
+A quantized checkpoint needs the other way round (``fuse_as_views(..., quantizable=True)``,
+``fused_views_class(..., quantizable=True)``): compressed-tensors quantizes every module
+whose class (or a base) is named ``Linear``, adding its scales to it, so the fused
+projection is a ``SharedLinear`` (an ``nn.Linear``: the quantizer takes it, and its tensor
+families fuse and split like its weight, ``hfpatch_core.authoring.families``) and each
+original name an ``OutputView``, which is no ``nn.Linear`` (the quantizer leaves it alone)
+and owns no tensor: it takes its columns of the fused output, computed once per input as
+above, through whatever the quantizer made of the fused projection's forward.
+
 Imported by its full name (``hfpatch_core.authoring.views``): it imports torch.
 """
 
@@ -51,7 +60,9 @@ from .peft import watch_peft
 __all__ = [
     "FusedClassMeta",
     "FusedViewsMixin",
+    "OutputView",
     "ProjectionView",
+    "SharedLinear",
     "SharedProjection",
     "fusable_parts",
     "fuse_as_views",
@@ -77,7 +88,55 @@ class _Computed:
     pending: set[int]
 
 
-class SharedProjection(PackedLinear):
+class _SharedOutput(nn.Module):
+    """The fused output computed once per input (a mixin of the fused projection): ``output_for``."""
+
+    sizes: tuple[int, ...]
+    _computed: _Computed | None
+
+    def _share(self, sizes: Sequence[int]) -> None:
+        self.sizes = tuple(sizes)
+        # no lock: a thread that finds another thread's input here computes its own (exact either way)
+        self._computed = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(super().__getstate__())
+        state["_computed"] = None  # an activation is no part of the module
+        return state
+
+    def _key(self, x: torch.Tensor) -> tuple[int, int, bool]:
+        # a quantizer may hold the weight as other tensors (weight_packed, ...): the version of each
+        tensors = self._parameters.values()
+        version = sum(_version(tensor) for tensor in tensors if tensor is not None)
+        return (_version(x), version, torch.is_grad_enabled())
+
+    def output_for(self, part: int, x: torch.Tensor) -> torch.Tensor:
+        """Part ``part``'s output for input ``x``: its columns of the fused output, computed once per input.
+
+        Args:
+            part: the part's index, in row order.
+            x: the input.
+
+        Returns:
+            The part's output (contiguous, as an ``nn.Linear`` returns it).
+        """
+        computed = self._computed
+        if computed is None or computed.input is not x or computed.key != self._key(x):
+            # through __call__: hooks on the fused projection (a profiler, a device hook, a quantizer's
+            # forward) see one call
+            output = self(x)
+            # keyed after the call: a quantizer's first call may decompress the weight into new tensors
+            computed = _Computed(x, self._key(x), output, set(range(len(self.sizes))))
+        computed.pending.discard(part)
+        # kept only until every part has its slice: no activation outlives the forward
+        self._computed = computed if computed.pending else None
+        output = computed.output
+        sizes = local_sizes(self.sizes, output.shape[-1])
+        start = sum(sizes[:part])
+        return output[..., start : start + sizes[part]].contiguous()
+
+
+class SharedProjection(_SharedOutput, PackedLinear):
     """The fused projection of a ``fuse_as_views`` module: the parameters, computed once per input.
 
     Holds ``weight`` (and ``bias``): the parts' rows in order.  Calling it is one
@@ -90,37 +149,30 @@ class SharedProjection(PackedLinear):
 
     def __init__(self, linear: nn.Linear, sizes: Sequence[int]) -> None:
         super().__init__(linear)
-        self.sizes: tuple[int, ...] = tuple(sizes)
-        # no lock: a thread that finds another thread's input here computes its own (exact either way)
-        self._computed: _Computed | None = None
+        self._share(sizes)
 
-    def __getstate__(self) -> dict[str, Any]:
-        state = dict(super().__getstate__())
-        state["_computed"] = None  # an activation is no part of the module
-        return state
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, parts={list(self.sizes)}"
 
-    def output_for(self, part: int, x: torch.Tensor) -> torch.Tensor:
-        """Part ``part``'s output for input ``x``: its columns of the fused output, computed once per input.
 
-        Args:
-            part: the part's index, in row order.
-            x: the input.
+class SharedLinear(_SharedOutput, nn.Linear):
+    """The fused projection of a quantizable ``fuse_as_views`` module: an ``nn.Linear``, computed once per input.
 
-        Returns:
-            The part's output (contiguous, as an ``nn.Linear`` returns it).
-        """
-        key = (_version(x), _version(self.weight), torch.is_grad_enabled())
-        computed = self._computed
-        if computed is None or computed.input is not x or computed.key != key:
-            # through __call__: hooks on the fused projection (a profiler, a device hook) see one call
-            computed = _Computed(x, key, self(x), set(range(len(self.sizes))))
-        computed.pending.discard(part)
-        # kept only until every part has its slice: no activation outlives the forward
-        self._computed = computed if computed.pending else None
-        output = computed.output
-        sizes = local_sizes(self.sizes, output.shape[-1])
-        start = sum(sizes[:part])
-        return output[..., start : start + sizes[part]].contiguous()
+    A quantizer that takes every ``nn.Linear`` (compressed-tensors, matching ``Linear`` in the
+    class's bases) quantizes it as one linear; its ``OutputView`` children call it through
+    ``output_for``.
+
+    Attributes:
+        sizes: the parts' output sizes, in row order.
+    """
+
+    def __init__(self, linear: nn.Linear, sizes: Sequence[int]) -> None:
+        nn.Module.__init__(self)  # not nn.Linear's: it would draw parameters of its own
+        self.in_features = linear.in_features
+        self.out_features = linear.out_features
+        self.weight = linear.weight
+        self.bias = linear.bias
+        self._share(sizes)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, parts={list(self.sizes)}"
@@ -171,6 +223,31 @@ class ProjectionView(PackedPart):
         return fused.output_for(self.index, x)
 
 
+class OutputView(nn.Module):
+    """One original projection of a ``SharedLinear``: columns ``[start, stop)`` of its output.
+
+    No ``nn.Linear`` and no tensor of its own (a quantizer that takes every ``nn.Linear`` leaves
+    it alone): calling it gives what the original projection gives, from the shared fused call.
+    ``weight`` and ``bias`` are not there to read: the quantized fused projection may hold no
+    ``weight`` (``weight_packed`` and its scales).
+    """
+
+    def __init__(self, fused: SharedLinear, index: int, start: int, stop: int) -> None:
+        super().__init__()
+        # not a child: the fused module is its parent's, and its tensors must be listed once
+        object.__setattr__(self, "_fused", fused)
+        self._fused: SharedLinear
+        self.index, self.start, self.stop = index, start, stop
+        self.in_features = fused.in_features
+        self.out_features = stop - start
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._fused.output_for(self.index, x)
+
+    def extra_repr(self) -> str:
+        return f"columns [{self.start}, {self.stop}) of the fused output, in_features={self.in_features}"
+
+
 def fusable_parts(module: nn.Module, parts: Sequence[str]) -> str | None:
     """Why ``module``'s children ``parts`` cannot be fused into one projection, or ``None`` if they can.
 
@@ -197,8 +274,12 @@ def fusable_parts(module: nn.Module, parts: Sequence[str]) -> str | None:
     return None
 
 
-def fuse_as_views(module: nn.Module, parts: Sequence[str], fused: str) -> tuple[int, ...]:
+def fuse_as_views(module: nn.Module, parts: Sequence[str], fused: str, *, quantizable: bool = False) -> tuple[int, ...]:
     """Replace ``module``'s ``nn.Linear`` children ``parts`` by views of one ``SharedProjection`` ``fused``.
+
+    With ``quantizable=True`` the fused child is a ``SharedLinear`` and the views
+    ``OutputView``: a quantizer takes the fused projection for one ``nn.Linear`` and leaves
+    the views alone (a quantized checkpoint's load); PEFT cannot wrap the views then.
 
     The fused weight is the parts' weights concatenated in order (their values are kept:
     a module built on a real device computes what it computed before).  ``fused`` is
@@ -242,11 +323,16 @@ def fuse_as_views(module: nn.Module, parts: Sequence[str], fused: str) -> tuple[
                 if combined.bias is not None:
                     torch.cat([linear.bias for linear in linears], out=combined.bias.data)
     combined.weight.requires_grad_(all(linear.weight.requires_grad for linear in linears))
-    shared = SharedProjection(combined, sizes)
     views: dict[str, nn.Module] = {}
+    shared: SharedProjection | SharedLinear
+    if quantizable:
+        shared = SharedLinear(combined, sizes)
+        view: type[OutputView | ProjectionView] = OutputView
+    else:
+        shared, view = SharedProjection(combined, sizes), ProjectionView
     start = 0
     for index, (name, size) in enumerate(zip(parts, sizes, strict=True)):
-        views[name] = ProjectionView(shared, index, start, start + size)
+        views[name] = view(shared, index, start, start + size)  # type: ignore[arg-type]
         start += size
     order: dict[str, nn.Module | None] = {}
     for name, child in module._modules.items():
@@ -299,14 +385,17 @@ class FusedViewsMixin(nn.Module):
 
     Attributes:
         hfpatch_packed_modules: fused name -> the parts (class attribute).
+        hfpatch_quantizable_views: whether the fused projections are ``SharedLinear`` and
+            the views ``OutputView`` (class attribute; ``fuse_as_views``'s ``quantizable``).
     """
 
     hfpatch_packed_modules: ClassVar[dict[str, tuple[str, ...]]] = {}
+    hfpatch_quantizable_views: ClassVar[bool] = False
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         for fused, parts in type(self).hfpatch_packed_modules.items():
-            fuse_as_views(self, parts, fused)
+            fuse_as_views(self, parts, fused, quantizable=type(self).hfpatch_quantizable_views)
 
 
 #: The metaclass of ``fused_views_class``'s classes (its name before it served every runtime
@@ -321,8 +410,17 @@ def _rebuild(
     name: str,
     mixins: tuple[type, ...],
     namespace: tuple[tuple[str, Any], ...],
+    quantizable: bool = False,
 ) -> type[nn.Module]:
-    return fused_views_class(original, dict(frozen), module=module, name=name, mixins=mixins, namespace=dict(namespace))
+    return fused_views_class(
+        original,
+        dict(frozen),
+        module=module,
+        name=name,
+        mixins=mixins,
+        namespace=dict(namespace),
+        quantizable=quantizable,
+    )
 
 
 _CLASSES: dict[tuple[Any, ...], type[nn.Module]] = {}
@@ -337,6 +435,7 @@ def fused_views_class(
     name: str | None = None,
     mixins: Sequence[type] = (),
     namespace: Mapping[str, Any] | None = None,
+    quantizable: bool = False,
 ) -> type[nn.Module]:
     """The subclass of ``original`` that fuses ``groups`` into shared projections, built once.
 
@@ -351,6 +450,9 @@ def fused_views_class(
             class declaring ``hfpatch_fsdp_plan`` and the like).
         namespace: further class attributes (picklable values: the class pickles as
             this call).
+        quantizable: build the fused projections as ``SharedLinear`` and the views as
+            ``OutputView``, for a quantizer that takes every ``nn.Linear`` (a quantized
+            checkpoint's load), instead of views PEFT wraps.
 
     Returns:
         The class; the same object for the same arguments.  Its metaclass is
@@ -360,13 +462,14 @@ def fused_views_class(
     frozen = tuple((fused, tuple(parts)) for fused, parts in groups.items())
     name = name or f"Fused{original.__name__}"
     extra = tuple(sorted((namespace or {}).items()))
-    key = (original, frozen, module, name, tuple(mixins), repr(extra))
+    key = (original, frozen, module, name, tuple(mixins), repr(extra), quantizable)
     with _CLASSES_LOCK:
         found = _CLASSES.get(key)
         if found is None:
             attributes = {
                 "__doc__": f"``{original.__name__}`` with {', '.join(f'{f} from {list(p)}' for f, p in frozen)}.",
                 "hfpatch_packed_modules": dict(frozen),
+                "hfpatch_quantizable_views": quantizable,
                 **dict(extra),
             }
             found = runtime_class(
@@ -375,7 +478,7 @@ def fused_views_class(
                 attributes,
                 module=module,
                 rebuild=_rebuild,
-                arguments=(original, frozen, module, name, tuple(mixins), extra),
+                arguments=(original, frozen, module, name, tuple(mixins), extra, quantizable),
             )
             _CLASSES[key] = found
             target = sys.modules.get(module)

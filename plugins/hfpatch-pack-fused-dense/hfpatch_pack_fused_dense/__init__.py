@@ -27,7 +27,13 @@ from typing import Any
 
 import hfpatch_core
 from hfpatch_core import Converter, LoadContext, PackWarning, Patch, Refusal
-from hfpatch_core.authoring import conversion_key, conversion_lists, fused_linear_converters, text_decoder_config
+from hfpatch_core.authoring import (
+    conversion_key,
+    conversion_lists,
+    fused_linear_converters,
+    fused_quantization_problem,
+    text_decoder_config,
+)
 
 from .detection import Detection, Site, builds_reason, built_part, builtin_converters, detect, model_class_for
 from .modules import FusedDense, fused_class
@@ -131,8 +137,10 @@ def refusals(config: Any, model_class_name: str | None = None) -> dict[str, str]
     children that the pack leaves alone is here, with the reason: parts that are not
     plain ``nn.Linear`` on one input, a bias on some parts only, a forward that gives
     the parts different inputs (a cross-attention) or reaches them through a helper,
-    converter patterns that would touch another module.  A model that cannot be built
-    on the meta device is one entry named after the config class.
+    converter patterns that would touch another module, a quantized checkpoint whose
+    quantization the fused projection cannot hold (another method than compressed-tensors, or
+    a config that quantizes the parts differently).  A model that cannot be built on the meta
+    device is one entry named after the config class.
 
     Args:
         config: the load's config.
@@ -147,25 +155,46 @@ def refusals(config: Any, model_class_name: str | None = None) -> dict[str, str]
         if _composite(config) and not SCOPED_SUB_MODELS
         else {}
     )
-    quantized = {name: QUANTIZED for name in detection.originals} if _quantized(config) else {}
     return {
         **detection.rejected,
         **_builtin_conversion_problems([getattr(config, "model_type", None), model_class_name], detection),
         **composite,
-        **quantized,
+        **_quantization_problems(config, detection),
     }
 
 
-#: Why a quantized checkpoint's classes are left alone.
-QUANTIZED = (
-    "a quantized checkpoint: its projections load as the quantizer's own modules, one per projection, whose "
-    "tensors the fused projection's views cannot hold (vLLM fuses a quantized checkpoint's projections itself)"
+#: Why a quantized checkpoint of a composite model is left alone.
+QUANTIZED_COMPOSITE = (
+    "a quantized checkpoint of a composite model: its quantizer matches the outer model's module names, "
+    "which a sub-model's load does not know"
 )
 
 
 def _quantized(config: Any) -> bool:
     """Whether ``config`` is a quantized checkpoint's (``quantization_config``: compressed-tensors, GPTQ, ...)."""
     return getattr(config, "quantization_config", None) is not None
+
+
+def _quantization_problems(config: Any, detection: Detection) -> dict[str, str]:
+    """Class name -> why a quantized checkpoint's instances of it do not load fused (none for another config).
+
+    A compressed-tensors checkpoint loads fused where its quantization config quantizes
+    every part of a fused projection, in every instance, as it quantizes the fused one
+    (``hfpatch_core.authoring.fused_quantization_problem``); the converters then fuse the
+    parts' whole tensor families.
+    """
+    if not _quantized(config):
+        return {}
+    if _composite(config):
+        return dict.fromkeys(detection.originals, QUANTIZED_COMPOSITE)
+    problems: dict[str, str] = {}
+    for name in detection.originals:
+        for path in detection.instances.get(name, ()):
+            for fused, parts in detection.groups(name).items():
+                problem = fused_quantization_problem(config, f"{path}.{fused}", [f"{path}.{part}" for part in parts])
+                if problem is not None:
+                    problems.setdefault(name, f"{path}: {problem}")
+    return problems
 
 
 def _scoped_sub_models() -> bool:
@@ -241,11 +270,19 @@ def fusions_for(context: LoadContext) -> list[Fusion]:
         if composite
         else set(detection.originals)
     )
-    refused = _builtin_conversion_problems(conversion_lists(context), detection)
-    if _quantized(context.config):
-        return []
+    if composite and _quantized(context.root.config):
+        return []  # refusals() of the outer load says why (QUANTIZED_COMPOSITE)
+    refused = {
+        **_builtin_conversion_problems(conversion_lists(context), detection),
+        **_quantization_problems(context.config, detection),
+    }
+    quantizable = _quantized(context.config)
     fusions = [
-        Fusion(original, fused_class(original, detection.groups(name)), detection.classes()[name])
+        Fusion(
+            original,
+            fused_class(original, detection.groups(name), quantizable=quantizable),
+            detection.classes()[name],
+        )
         for name, original in detection.originals.items()
         if name not in refused and name in own
     ]
@@ -270,14 +307,14 @@ def provide_patches(context: LoadContext) -> list[Patch | Refusal]:
     if context.config is not None and context.model_type is not None and context.parent is None:
         refused = refusals(context.config, context.model_class_name)
         patches += [Refusal(name, reason) for name, reason in sorted(refused.items())]
-        if _quantized(context.config):
-            # the whole model is left as it loads, which a user who selected the pack would not
-            # expect: said, not only recorded in the plan
-            warnings.warn(
-                f"hfpatch: pack 'fused-dense' leaves {context.model_class_name} unfused: {QUANTIZED}.",
-                PackWarning,
-                stacklevel=2,
-            )
+        try:
+            detection = detection_for(context.config, context.model_class_name)
+        except Exception:  # refused above, with the reason
+            return patches
+        for name, reason in sorted(_quantization_problems(context.config, detection).items()):
+            # a quantized checkpoint's class left as it loads is not what a user who selected the
+            # pack expects: said, not only recorded in the plan
+            warnings.warn(f"hfpatch: pack 'fused-dense' leaves {name} unfused: {reason}.", PackWarning, stacklevel=2)
     return patches
 
 

@@ -92,11 +92,14 @@ class Detection:
         sites: one per (class, kind, pattern) that is fusable, in module order.
         rejected: class name -> why its modules are not fused (the first problem found).
         originals: class name -> the class, for every class in ``sites``.
+        instances: class name -> the module names of its instances (``model.layers.0.self_attn``),
+            for every class in ``sites``.
     """
 
     sites: tuple[Site, ...] = ()
     rejected: Mapping[str, str] = dataclasses.field(default_factory=dict)
     originals: Mapping[str, type] = dataclasses.field(default_factory=dict)
+    instances: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
 
     def classes(self, kind: Kind | None = None) -> dict[str, tuple[Site, ...]]:
         """Fusable class name -> its sites (of ``kind`` only, when given), in module order."""
@@ -264,7 +267,12 @@ def inspect_model(model: nn.Module, prefix: str = "") -> Detection:
         if collision is not None:
             rejected.setdefault(name, collision)
     kept = tuple(site for site in sites if site.class_name not in rejected)
-    return Detection(kept, rejected, {site.class_name: classes[site.class_name] for site in kept})
+    originals = {site.class_name: classes[site.class_name] for site in kept}
+    located = {
+        name: tuple(sorted({path for (owner, _), found in paths.items() if owner == name for path in found}))
+        for name in originals
+    }
+    return Detection(kept, rejected, originals, located)
 
 
 def _registry_problem(name: str, names: Iterable[str]) -> str | None:

@@ -10,7 +10,9 @@ original's, token for token, and ``isinstance`` checks (output recorders,
   become views of it (``FusedQKV<Original>``);
 * a gated MLP gets ``gate_up_proj`` (rows: gate, up), and ``gate_proj`` / ``up_proj`` become
   views of it (``FusedGateUp<Original>``);
-* a class with both gets both (``FusedQKVGateUp<Original>``).
+* a class with both gets both (``FusedQKVGateUp<Original>``);
+* a compressed-tensors checkpoint's load gets ``QuantizableFused...<Original>``, whose fused
+  projection is the ``nn.Linear`` its quantizer takes, the parts views of its output.
 
 The first view the original forward calls with an input computes the fused matmul for
 that input; the others take their slice of it.
@@ -47,22 +49,31 @@ class FusedDense:
     hfpatch_ep_plan: ClassVar[dict[str, str]] = {}
 
 
-def class_name(original: type, groups: Mapping[str, Sequence[str]]) -> str:
+def class_name(original: type, groups: Mapping[str, Sequence[str]], *, quantizable: bool = False) -> str:
     """``FusedQKVLlamaAttention``, ``FusedGateUpLlamaMLP``, ``FusedQKVGateUp<Original>``; ``FusedKV<Original>``
-    where only ``k_proj`` / ``v_proj`` are fused (the parts' stems, capitalised, in order)."""
+    where only ``k_proj`` / ``v_proj`` are fused (the parts' stems, capitalised, in order); prefixed
+    ``Quantizable`` for a quantized checkpoint's (``fused_class``)."""
     stems = "".join(part.removesuffix("_proj").capitalize() for parts in groups.values() for part in parts)
-    return f"Fused{stems}{original.__name__}"
+    return f"{'Quantizable' if quantizable else ''}Fused{stems}{original.__name__}"
 
 
-def fused_class(original: type[nn.Module], groups: Mapping[str, Sequence[str]]) -> type[nn.Module]:
+def fused_class(
+    original: type[nn.Module], groups: Mapping[str, Sequence[str]], *, quantizable: bool = False
+) -> type[nn.Module]:
     """The replacement of ``original`` fusing ``groups`` (fused name -> parts, in ``KINDS`` order), built once
-    and published here (``Detection.groups`` gives them)."""
+    and published here (``Detection.groups`` gives them).
+
+    With ``quantizable=True``, for a compressed-tensors checkpoint's load, each fused projection
+    is an ``nn.Linear`` the quantizer takes as one linear, and the original names are views of
+    its output that it leaves alone (``hfpatch_core.authoring.views.SharedLinear`` /
+    ``OutputView``); otherwise the views are ``nn.Linear`` for PEFT to wrap."""
     frozen = {fused: tuple(parts) for fused, parts in groups.items()}
     return fused_views_class(
         original,
         frozen,
         module=__name__,
-        name=class_name(original, frozen),
+        name=class_name(original, frozen, quantizable=quantizable),
         mixins=(FusedDense,),
         namespace={"hfpatch_tp_plan": dict.fromkeys(frozen, "colwise")},
+        quantizable=quantizable,
     )

@@ -7,6 +7,7 @@ the pack must change the module structure and nothing else.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import textwrap
@@ -596,3 +597,51 @@ def test_a_candidate_the_pack_leaves_alone_is_a_refusal_with_its_reason() -> Non
     assert all(reason.strip() for reason in refused.values())
     claimed = {item.target for item in offered if not isinstance(item, Refusal)}
     assert not claimed & set(refused)
+
+
+# --- quantized checkpoints (with llm-compressor itself: interop/test_schemes.py) ------------------
+
+
+def quantized_config(quantization: dict[str, Any]) -> Any:
+    from hfpatch_core.testing import tiny_config
+
+    config = tiny_config("llama")
+    config.quantization_config = quantization
+    return config
+
+
+def test_a_compressed_tensors_checkpoint_gets_the_classes_its_quantizer_takes_for_one_linear() -> None:
+    config = quantized_config(
+        {"quant_method": "compressed-tensors", "config_groups": {"g": {"targets": ["Linear"]}}, "ignore": ["lm_head"]}
+    )
+    fusions = hfpatch_pack_fused_dense.fusions_for(LoadContext("llama", "LlamaForCausalLM", config))
+    assert [fusion.replacement.__name__ for fusion in fusions] == [
+        "QuantizableFusedQKVLlamaAttention",
+        "QuantizableFusedGateUpLlamaMLP",
+    ]
+    assert all(fusion.replacement.hfpatch_quantizable_views for fusion in fusions)
+    assert not hfpatch_pack_fused_dense.refusals(config, "LlamaForCausalLM")
+
+
+@pytest.mark.parametrize(
+    ("quantization", "reason"),
+    [
+        ({"quant_method": "gptq", "bits": 4}, "quantized by gptq"),
+        (
+            {"quant_method": "compressed-tensors", "config_groups": {"g": {"targets": ["re:.*q_proj$"]}}},
+            "quantizes the parts differently",
+        ),
+    ],
+)
+def test_a_quantized_checkpoint_the_fused_projection_cannot_hold_is_refused_and_said(quantization, reason) -> None:
+    from hfpatch_core import PackWarning, Refusal
+
+    config = quantized_config(quantization)
+    context = LoadContext("llama", "LlamaForCausalLM", config)
+    with pytest.warns(PackWarning) as record:
+        offered = hfpatch_pack_fused_dense.provide_patches(context)
+    assert any(re.search(f"'fused-dense' leaves LlamaAttention unfused: .*{reason}", str(w.message)) for w in record)
+    refused = {item.target: item.reason for item in offered if isinstance(item, Refusal)}
+    assert reason in refused["LlamaAttention"]
+    fused = {fusion.original.__name__ for fusion in hfpatch_pack_fused_dense.fusions_for(context)}
+    assert "LlamaAttention" not in fused

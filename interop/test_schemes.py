@@ -171,6 +171,30 @@ def test_a_patched_quantized_model_saves_the_original_layout_and_reloads_both_wa
         torch.testing.assert_close(logits(load(tmp_path / "vanilla", spec.pack), tokens), expected, rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("spec", [CASES[0], Case("fused-dense", "llama", SIZES, "self_attn.qkv_proj", "")], ids=str)
+def test_a_float32_checkpoint_loads_in_bfloat16_as_the_unpatched_model_does(defused, tmp_path, spec) -> None:
+    """transformers reads a pre-quantized checkpoint's converted tensors in the checkpoint's dtype
+    and the others in the load's: the fused linear's scales are cast as its parts' would be, so a
+    float32 checkpoint loaded in bfloat16 runs, as close to the unpatched model as bfloat16 is to
+    float32."""
+    checkpoint = tiny_checkpoint(spec.model_type, tmp_path / "checkpoint", **spec.overrides)
+    vanilla = load(checkpoint)
+    tokens = ids(vanilla)
+    quantize(vanilla, "W4A16")
+    vanilla.save_pretrained(tmp_path / "w4a16")
+    reference = AutoModelForCausalLM.from_pretrained(tmp_path / "w4a16", dtype=torch.bfloat16)
+    hfpatch_core.enable(spec.pack)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(tmp_path / "w4a16", dtype=torch.bfloat16)
+    finally:
+        hfpatch_core.disable()
+    fused = model.model.layers[0].get_submodule(spec.fused)
+    assert {tensor.dtype for tensor in fused.parameters() if tensor.is_floating_point()} == {torch.bfloat16}
+    expected = logits(reference, tokens).float()
+    bound = float((expected - logits(load(tmp_path / "w4a16"), tokens)).abs().max())
+    torch.testing.assert_close(logits(model, tokens).float(), expected, rtol=0, atol=bound)
+
+
 #: How a test breaks a quantized fused linear so that the pack's split refuses it, per ``save_compressed``:
 #: a packed zero point one row short (uncompressed: llm-compressor's compression would refuse it first),
 #: and a member hfpatch does not know (compressed: the compression leaves it alone).

@@ -338,7 +338,7 @@ class SizedConcatenate(ConversionOps):
                 target=str(target or ""),
             )
             release(tensors)
-            return {target_patterns[0]: fused_member}
+            return {target_patterns[0]: _in_model_dtype(fused_member, kwargs.get("model"), target)}
         found = tuple(int(tensor.shape[self.dim]) for tensor in tensors)
         if len(present) == len(self.sizes) and not all(present) and tensors:
             return {target_patterns[0]: self._with_parts_missing(tensors, present, keys, kwargs)}
@@ -353,7 +353,7 @@ class SizedConcatenate(ConversionOps):
             )
         fused = torch.cat(tensors, dim=self.dim)
         release(tensors)  # the checkpoint pages just copied: see pages.py
-        return {target_patterns[0]: fused}
+        return {target_patterns[0]: _in_model_dtype(fused, kwargs.get("model"), target)}
 
     def _with_parts_missing(self, tensors: list[Any], present: list[bool], keys: list[str], kwargs: Any) -> Any:
         """The fused tensor of a checkpoint that lacks some of its parts (``present``): the parts
@@ -400,6 +400,30 @@ class SizedConcatenate(ConversionOps):
     @property
     def reverse_op(self) -> ConversionOps:
         return SizedSplit(self.dim, self.sizes)
+
+
+def _in_model_dtype(tensor: Any, model: Any, name: Any) -> Any:
+    """``tensor`` in the dtype of the model's tensor ``name``, where both are floating point and differ.
+
+    transformers loads a pre-quantized checkpoint's tensors that a converter builds in the
+    checkpoint's dtype (``core_model_loading``: a renamed key of a pre-quantized load is read
+    with ``dtype=None``), and the same tensors unconverted in the model's: a float32 checkpoint
+    loaded in bfloat16 would give a fused linear float32 scales (and biases) beside the bfloat16
+    ones of every other linear, and its forward would fail.  Elsewhere they are in the model's
+    dtype already.
+    """
+    if model is None or not isinstance(name, str) or not getattr(tensor, "is_floating_point", lambda: False)():
+        return tensor
+    try:
+        expected = model.get_parameter(name)
+    except AttributeError:
+        try:
+            expected = model.get_buffer(name)
+        except AttributeError:
+            return tensor
+    if expected.is_floating_point() and expected.dtype != tensor.dtype:
+        return tensor.to(expected.dtype)
+    return tensor
 
 
 class SizedSplit(ConversionOps):

@@ -141,11 +141,8 @@ def _fully_sharded_target(model: Any, name: Any, dim: int) -> Any:
         ValueError: tensor parallelism shards the same dimension too (a 2-D mesh), which
             no fused layout of a rank's share fits.
     """
-    if model is None or not isinstance(name, str):
-        return None
-    try:
-        parameter = model.get_parameter(name)
-    except (AttributeError, TypeError):
+    parameter = _target_tensor(model, name)
+    if parameter is None:
         return None
     placements = getattr(parameter, "placements", None)
     mesh = getattr(parameter, "device_mesh", None)
@@ -412,18 +409,25 @@ def _in_model_dtype(tensor: Any, model: Any, name: Any) -> Any:
     ones of every other linear, and its forward would fail.  Elsewhere they are in the model's
     dtype already.
     """
-    if model is None or not isinstance(name, str) or not getattr(tensor, "is_floating_point", lambda: False)():
+    if not getattr(tensor, "is_floating_point", lambda: False)():
         return tensor
-    try:
-        expected = model.get_parameter(name)
-    except AttributeError:
-        try:
-            expected = model.get_buffer(name)
-        except AttributeError:
-            return tensor
-    if expected.is_floating_point() and expected.dtype != tensor.dtype:
+    expected = _target_tensor(model, name, buffers=True)
+    if expected is not None and expected.is_floating_point() and expected.dtype != tensor.dtype:
         return tensor.to(expected.dtype)
     return tensor
+
+
+def _target_tensor(model: Any, name: Any, *, buffers: bool = False) -> Any:
+    """The model's parameter ``name`` a converter's output loads into (or buffer, with ``buffers``);
+    ``None`` where the loader passed no model or name, or the model has no such tensor."""
+    if model is None or not isinstance(name, str):
+        return None
+    for find in (model.get_parameter, model.get_buffer) if buffers else (model.get_parameter,):
+        try:
+            return find(name)
+        except (AttributeError, TypeError):
+            continue
+    return None
 
 
 class SizedSplit(ConversionOps):

@@ -135,6 +135,9 @@ class _SharedOutput(nn.Module):
         start = sum(sizes[:part])
         return output[..., start : start + sizes[part]].contiguous()
 
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, parts={list(self.sizes)}"
+
 
 class SharedProjection(_SharedOutput, PackedLinear):
     """The fused projection of a ``fuse_as_views`` module: the parameters, computed once per input.
@@ -151,8 +154,9 @@ class SharedProjection(_SharedOutput, PackedLinear):
         super().__init__(linear)
         self._share(sizes)
 
-    def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, parts={list(self.sizes)}"
+    def view(self, index: int, start: int, stop: int) -> nn.Module:
+        """Part ``index``'s ``ProjectionView`` (rows ``[start, stop)``)."""
+        return ProjectionView(self, index, start, stop)
 
 
 class SharedLinear(_SharedOutput, nn.Linear):
@@ -174,8 +178,9 @@ class SharedLinear(_SharedOutput, nn.Linear):
         self.bias = linear.bias
         self._share(sizes)
 
-    def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, parts={list(self.sizes)}"
+    def view(self, index: int, start: int, stop: int) -> nn.Module:
+        """Part ``index``'s ``OutputView`` (columns ``[start, stop)`` of the output)."""
+        return OutputView(self, index, start, stop)
 
 
 class ProjectionView(PackedPart):
@@ -323,16 +328,11 @@ def fuse_as_views(module: nn.Module, parts: Sequence[str], fused: str, *, quanti
                 if combined.bias is not None:
                     torch.cat([linear.bias for linear in linears], out=combined.bias.data)
     combined.weight.requires_grad_(all(linear.weight.requires_grad for linear in linears))
+    shared = (SharedLinear if quantizable else SharedProjection)(combined, sizes)
     views: dict[str, nn.Module] = {}
-    shared: SharedProjection | SharedLinear
-    if quantizable:
-        shared = SharedLinear(combined, sizes)
-        view: type[OutputView | ProjectionView] = OutputView
-    else:
-        shared, view = SharedProjection(combined, sizes), ProjectionView
     start = 0
     for index, (name, size) in enumerate(zip(parts, sizes, strict=True)):
-        views[name] = view(shared, index, start, start + size)  # type: ignore[arg-type]
+        views[name] = shared.view(index, start, start + size)
         start += size
     order: dict[str, nn.Module | None] = {}
     for name, child in module._modules.items():

@@ -259,8 +259,8 @@ def fusions_for(context: LoadContext) -> list[Fusion]:
     if context.config is None or context.model_type is None:
         return []
     composite = context.parent is not None or _composite(context.config)
-    if composite and not SCOPED_SUB_MODELS:
-        return []
+    if composite and (not SCOPED_SUB_MODELS or _quantized(context.root.config)):
+        return []  # a quantized one: refusals() of the outer load says why (QUANTIZED_COMPOSITE)
     try:
         detection = detection_for(context.config, context.model_class_name)
     except Exception:  # refusals() gives the reason; the model loads as in transformers
@@ -270,8 +270,6 @@ def fusions_for(context: LoadContext) -> list[Fusion]:
         if composite
         else set(detection.originals)
     )
-    if composite and _quantized(context.root.config):
-        return []  # refusals() of the outer load says why (QUANTIZED_COMPOSITE)
     refused = {
         **_builtin_conversion_problems(conversion_lists(context), detection),
         **_quantization_problems(context.config, detection),
@@ -307,6 +305,8 @@ def provide_patches(context: LoadContext) -> list[Patch | Refusal]:
     if context.config is not None and context.model_type is not None and context.parent is None:
         refused = refusals(context.config, context.model_class_name)
         patches += [Refusal(name, reason) for name, reason in sorted(refused.items())]
+        if not _quantized(context.config):
+            return patches
         try:
             detection = detection_for(context.config, context.model_class_name)
         except Exception:  # refused above, with the reason
